@@ -1,0 +1,223 @@
+"""Typed settings: `neuron.toml` decoded into msgspec Structs, then environment overrides.
+
+Every error names the file and the key (or the line, for invalid TOML) and maps to exit 78.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from neuron_trio.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/neuron/neuron.toml")
+BUILTIN_MODEL_NAME = "smollm2-135m"
+BUILTIN_MODEL_SOURCE = "builtin:smollm2-135m"
+
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+ModelName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+_LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
+
+
+def default_state_dir() -> Path:
+    """The XDG state directory of the user running neuron without a config file."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "neuron"
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    listen: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8080"])
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    api_key_file: str | None = None
+    max_body_bytes: PositiveInt = 1_048_576
+    drain_timeout_s: PositiveFloat = 100.0
+    max_queue: NonNegativeInt = 64
+
+
+class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    state_dir: str = ""  # empty: the XDG default, filled in by load_config
+    model_dirs: list[str] = msgspec.field(default_factory=list)  # empty: [state_dir/models]
+
+
+class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    step_timeout_s: PositiveFloat = 30.0
+    abort_deadline_s: PositiveFloat = 60.0
+    probe_interval_s: PositiveFloat = 30.0
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One model to load: a `[[default_models]]` entry, or the body of `POST /v1/models`."""
+
+    name: ModelName
+    source: Annotated[str, msgspec.Meta(min_length=1)]
+    tp: PositiveInt = 1
+    devices: Literal["auto", "cpu"] | list[NonNegativeInt] = "auto"
+    dtype: Dtype = "auto"
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    context: Annotated[int, msgspec.Meta(ge=16, le=1_048_576)] = 4096
+
+
+class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    node: NodeConfig = msgspec.field(default_factory=NodeConfig)
+    tp: TpConfig = msgspec.field(default_factory=TpConfig)
+    default_models: list[ModelConfig] = msgspec.field(
+        default_factory=lambda: [ModelConfig(name=BUILTIN_MODEL_NAME, source=BUILTIN_MODEL_SOURCE)]
+    )
+    # Where this config came from ("<built-in default>" without a file); not a TOML key.
+    source_path: str = "<built-in default>"
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.node.state_dir)
+
+    @property
+    def model_dir_paths(self) -> list[Path]:
+        return [Path(p) for p in self.node.model_dirs]
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "server": ServerConfig,
+    "node": NodeConfig,
+    "tp": TpConfig,
+}
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """Split "HOST:PORT" (IPv6 as "[::1]:PORT"); raise ValueError naming what is wrong."""
+    match = _LISTEN_RE.match(address)
+    if not match or not 0 < int(match["port"]) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT with a port from 1 to 65535")
+    return match["host"].strip("[]"), int(match["port"])
+
+
+def _msgspec_path(message: str) -> tuple[str, str]:
+    """Turn msgspec's "…  - at `$.tp.step_timeout_s`" into ("tp.step_timeout_s", "…")."""
+    detail, _, where = message.rpartition(" - at `")
+    if not detail:
+        return "", message
+    key = where.rstrip("`").removeprefix("$").removeprefix(".")
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", detail)
+    if unknown:
+        key = f"{key}.{unknown[1]}" if key else unknown[1]
+        detail = "unknown key"
+    return key, detail
+
+
+def _decode(data: dict[str, Any], origin: str) -> NeuronConfig:
+    data = dict(data)
+    data.pop("source_path", None)
+    try:
+        return msgspec.convert(data, NeuronConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        key, detail = _msgspec_path(str(exc))
+        raise ConfigError(f"{origin}: key {key or '<root>'}: {detail}") from None
+
+
+def _parse_env_value(raw: str) -> Any:
+    """An override's value as TOML (numbers, booleans, arrays), or the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> list[str]:
+    """Apply NEURON_<SECTION>_<KEY>=value in place; return the variables applied."""
+    applied = []
+    for var, raw in sorted(environ.items()):
+        if not var.startswith("NEURON_"):
+            continue
+        rest = var.removeprefix("NEURON_").lower()
+        section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            continue  # NEURON_FAILPOINTS, NEURON_NCCL_LIBRARY, …: not config keys
+        key = rest.removeprefix(section + "_")
+        if key not in _SECTIONS[section].__struct_fields__:
+            raise ConfigError(f"environment: {var}: unknown key {section}.{key}")
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{var}: [{section}] is not a table")
+        table[key] = _parse_env_value(raw)
+        applied.append(var)
+    return applied
+
+
+def _validate(config: NeuronConfig, origin: str) -> None:
+    def fail(key: str, detail: str) -> None:
+        raise ConfigError(f"{origin}: key {key}: {detail}")
+
+    if not config.server.listen:
+        fail("server.listen", "needs at least one HOST:PORT")
+    for i, address in enumerate(config.server.listen):
+        try:
+            parse_listen(address)
+        except ValueError as exc:
+            fail(f"server.listen[{i}]", str(exc))
+    if (config.server.tls_cert is None) != (config.server.tls_key is None):
+        fail("server.tls_cert", "tls_cert and tls_key must be set together")
+    for key in ("tls_cert", "tls_key", "api_key_file"):
+        value = getattr(config.server, key)
+        if value is not None and not Path(value).is_file():
+            fail(f"server.{key}", f"{value} is not a readable file")
+    seen: set[str] = set()
+    for i, model in enumerate(config.default_models):
+        if model.name in seen:
+            fail(f"default_models[{i}].name", f"duplicate model name {model.name!r}")
+        seen.add(model.name)
+        if isinstance(model.devices, list):
+            if len(model.devices) != model.tp:
+                fail(
+                    f"default_models[{i}].devices",
+                    f"lists {len(model.devices)} devices but tp = {model.tp}",
+                )
+            if len(set(model.devices)) != len(model.devices):
+                fail(f"default_models[{i}].devices", "lists a device twice")
+
+
+def _fill_defaults(config: NeuronConfig, origin: str) -> NeuronConfig:
+    state_dir = config.node.state_dir or str(default_state_dir())
+    model_dirs = config.node.model_dirs or [str(Path(state_dir) / "models")]
+    node = msgspec.structs.replace(config.node, state_dir=state_dir, model_dirs=model_dirs)
+    return msgspec.structs.replace(config, node=node, source_path=origin)
+
+
+def config_from_mapping(
+    data: dict[str, Any], *, origin: str, environ: dict[str, str] | None = None
+) -> NeuronConfig:
+    """Decode an already-parsed TOML document plus environment overrides."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    _env_overrides(data, dict(os.environ) if environ is None else environ)
+    config = _decode(data, origin)
+    _validate(config, origin)
+    return _fill_defaults(config, origin)
+
+
+def load_config(path: str | Path | None, *, environ: dict[str, str] | None = None) -> NeuronConfig:
+    """Load `path` (None: the built-in default) and apply NEURON_* overrides.
+
+    Raises ConfigError, naming the file and the key or line.
+    """
+    if path is None:
+        return config_from_mapping({}, origin="<built-in default>", environ=environ)
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return config_from_mapping(data, origin=str(path), environ=environ)

@@ -1,0 +1,126 @@
+"""The project's own exception hierarchy.
+
+Foreign exceptions (msgspec, tomllib, NCCL, huggingface_hub, torch) are translated into
+these once, at the edge; inner code and the HTTP layer see only these.
+"""
+
+from __future__ import annotations
+
+# sysexits(3) codes of the CLI contract (DESIGN.md).
+EX_OK = 0
+EX_USAGE = 64
+EX_UNAVAILABLE = 69
+EX_SOFTWARE = 70
+EX_CONFIG = 78
+
+
+class NeuronError(Exception):
+    """Base of every error neuron raises on purpose."""
+
+
+class ConfigError(NeuronError):
+    """Raised by config loading if the file, a key or an environment override is invalid.
+
+    The message names the file and the key (or the line, for invalid TOML).
+    """
+
+    exit_code = EX_CONFIG
+
+
+class ModelLoadError(NeuronError):
+    """Raised by model loading if a model cannot be read, placed or built."""
+
+    exit_code = EX_UNAVAILABLE
+
+
+class UnsupportedModelError(ModelLoadError):
+    """Raised by the GGUF reader if the file's architecture or a tensor type is not supported."""
+
+
+class SourceError(ModelLoadError):
+    """Raised by source resolution if a model source cannot be fetched or is not allowed."""
+
+
+class PlacementError(ModelLoadError):
+    """Raised by placement if no device (set) can hold the model; the message has the numbers."""
+
+
+class RequestError(NeuronError):
+    """Raised for a request that is wrong: becomes a 4xx naming the offending field."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(RequestError):
+    """Raised if a prompt plus its max tokens do not fit a slot's context."""
+
+    def __init__(self, message: str, *, param: str | None = "max_tokens"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class ModelNotFoundError(RequestError):
+    """Raised if a request names a model that is not loaded."""
+
+    status = 404
+
+    def __init__(self, name: str):
+        super().__init__(f"model {name!r} is not loaded", param="model", code="model_not_found")
+
+
+class QueueFullError(RequestError):
+    """Raised if a model's queue already holds `max_queue` waiting requests (429)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1):
+        super().__init__(message, code="queue_full")
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(RequestError):
+    """Raised if the node or the model cannot take work now: draining, recovering, wedged (503)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, code: str = "unavailable", retry_after_s: int = 5):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class CommError(NeuronError):
+    """Raised by a communicator if a collective, init, abort or destroy failed."""
+
+
+class CommAbortedError(CommError):
+    """Raised by a collective if its communicator was aborted while it waited."""
+
+
+class NcclError(CommError):
+    """Raised by the NCCL binding if a call returned a non-zero ncclResult_t."""
+
+    def __init__(self, call: str, code: int, error_string: str, last_error: str = ""):
+        detail = f"{call} failed: ncclResult_t {code} ({error_string})"
+        if last_error:
+            detail += f": {last_error}"
+        super().__init__(detail)
+        self.call = call
+        self.code = code
+        self.error_string = error_string
+        self.last_error = last_error
+
+
+class FailpointError(NeuronError):
+    """Raised at a failpoint whose action is `error` (fault injection, NEURON_FAILPOINTS)."""
+
+
+class StepTimeoutError(NeuronError):
+    """Raised if an engine step ran past `tp.step_timeout_s`: the model is wedged."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: communicators (NCCL through cffi, in-process), sharding, the executor."""

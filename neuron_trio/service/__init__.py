@@ -1,0 +1,1 @@
+"""The actors: model actors, registry, watchdog and deadman, notifier, signals, drain."""
