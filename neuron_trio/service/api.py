@@ -80,7 +80,9 @@ class NodeService(Protocol):
 
     def list_models(self) -> list[ModelSummary]: ...
 
-    def generate(self, job: GenerationJob) -> AbstractAsyncContextManager[AsyncIterator[SequenceEvent]]:
+    def generate(
+        self, job: GenerationJob
+    ) -> AbstractAsyncContextManager[AsyncIterator[SequenceEvent]]:
         """Queue `job` on its model; iterate the context's value for its events.
 
         Raises on entering (before any event): ModelNotFoundError (404), RequestError or
