@@ -1,0 +1,104 @@
+"""Who this process is across restarts: `boot_id`, `started_at`, `starts`.
+
+`starts` counts the starts recorded in the state directory, this one included (the first
+start is 1), so a router can tell a node that restarts every minute. The counter file is
+replaced atomically (temporary file, fsync, `os.replace`, fsync of the directory): a crash
+mid-write leaves the old count, never a torn one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from neuron_trio.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+COUNTER_FILE = "starts"
+
+
+class StateDirError(ConfigError):
+    """Raised by `Identity.create` if the state directory cannot be created or written.
+
+    A ConfigError (exit 78): a state directory that cannot be written will not fix itself on
+    a restart, so systemd's `RestartPreventExitStatus=78` keeps it down.
+    """
+
+
+def rfc3339_utc(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _read_count(path: Path) -> int:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return 0
+    try:
+        count = int(text)
+        if count < 0:
+            raise ValueError(text)
+        return count
+    except ValueError:
+        # A damaged counter must not keep the node down: count again from here.
+        log.warning("%s holds %r, not a count: counting starts from 0 again", path, text[:40])
+        return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+@dataclass(frozen=True)
+class Identity:
+    boot_id: str  # uuid4 hex, new every start
+    started_at: str  # RFC 3339, UTC
+    starts: int  # starts recorded in state_dir, this one included
+    state_dir: Path
+
+    @classmethod
+    def create(cls, state_dir: str | Path, *, now: datetime | None = None) -> Identity:
+        """Record this start in `state_dir` (created if missing). Raises StateDirError."""
+        state = Path(state_dir)
+        counter = state / COUNTER_FILE
+        try:
+            state.mkdir(parents=True, exist_ok=True)
+            starts = _read_count(counter) + 1
+            _write_atomically(counter, f"{starts}\n")
+        except OSError as exc:
+            raise StateDirError(
+                f"state directory {state}: cannot record this start in {counter}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        return cls(
+            boot_id=uuid.uuid4().hex,
+            started_at=rfc3339_utc(now or datetime.now(UTC)),
+            starts=starts,
+            state_dir=state,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {"boot_id": self.boot_id, "started_at": self.started_at, "starts": self.starts}
