@@ -1,0 +1,165 @@
+"""Where a model goes: `devices = "cpu"`, an explicit GPU list, or `"auto"` by live free memory.
+
+`place` is a pure function of the model entry, its estimated size and a live GPU snapshot
+(`gpu.nvml.GpuSnapshot`, read through NVML by the caller), so every decision is unit tested
+without a GPU. `estimate_model_bytes` reads a GGUF file's tensor table (slow-ish: call it on a
+worker thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from neuron_trio.config import ModelConfig
+from neuron_trio.errors import ModelLoadError, PlacementError
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# Room left on each GPU beyond the estimate: CUDA context, allocator fragmentation, activations.
+HEADROOM_FRACTION = 0.05
+HEADROOM_MIN_BYTES = 512 << 20
+
+
+class GpuMemoryReading(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def memory_free_bytes(self) -> int: ...
+    @property
+    def memory_total_bytes(self) -> int: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+class GpuSnapshotLike(Protocol):
+    @property
+    def available(self) -> bool: ...
+    @property
+    def gpus(self) -> Sequence[GpuMemoryReading]: ...
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    """Bytes a model needs, in total over all its ranks."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "weights_bytes": self.weights_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "total_bytes": self.total_bytes,
+        }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def headroom(total_bytes: int) -> int:
+    return max(HEADROOM_MIN_BYTES, int(total_bytes * HEADROOM_FRACTION))
+
+
+def place(
+    spec: ModelConfig, model_bytes_estimate: int, gpus_snapshot: GpuSnapshotLike | None
+) -> list[torch.device]:
+    """The `spec.tp` devices (one per rank) for `spec`, or PlacementError with the numbers.
+
+    - `"cpu"`: `tp` CPU ranks.
+    - a list of GPU indices: those GPUs; each must be present in the snapshot (no fit check:
+      the operator chose them, and the allocator will say so if they are full).
+    - `"auto"`: the `tp` GPUs with the most free memory, each of which must fit
+      `model_bytes_estimate / tp` plus headroom; with no GPU at all, CPU ranks (logged).
+    """
+    tp = spec.tp
+    gpus = [g for g in (gpus_snapshot.gpus if gpus_snapshot else ()) if not g.error]
+    if spec.devices == "cpu":
+        return [torch.device("cpu")] * tp
+    if isinstance(spec.devices, list):
+        if len(spec.devices) != tp:
+            raise PlacementError(
+                f"model {spec.name!r}: devices lists {len(spec.devices)} GPUs but tp = {tp}"
+            )
+        present = {g.index for g in gpus}
+        missing = [i for i in spec.devices if i not in present]
+        if missing:
+            seen = ", ".join(str(i) for i in sorted(present)) or "none"
+            raise PlacementError(
+                f"model {spec.name!r}: GPU(s) {', '.join(map(str, missing))} not found "
+                f"(GPUs seen: {seen})"
+            )
+        return [torch.device("cuda", i) for i in spec.devices]
+    # "auto"
+    if not gpus:
+        why = getattr(gpus_snapshot, "reason", None) or "no GPU found"
+        log.info("model %s: %s; placing %d rank(s) on the CPU", spec.name, why, tp)
+        return [torch.device("cpu")] * tp
+    per_rank = -(-model_bytes_estimate // tp)
+    ranked = sorted(gpus, key=lambda g: (-g.memory_free_bytes, g.index))
+    fitting = [g for g in ranked if g.memory_free_bytes >= per_rank + headroom(per_rank)]
+    if len(fitting) < tp:
+        table = "; ".join(f"GPU {g.index}: {_gib(g.memory_free_bytes)} free" for g in ranked)
+        raise PlacementError(
+            f"model {spec.name!r} needs {tp} GPU(s) with {_gib(per_rank + headroom(per_rank))} "
+            f"free each (estimate {_gib(model_bytes_estimate)} / tp {tp} + headroom); "
+            f"{len(fitting)} fit ({table})"
+        )
+    chosen = sorted(g.index for g in fitting[:tp])
+    return [torch.device("cuda", i) for i in chosen]
+
+
+def _elem_bytes(dtype: str, on_gpu: bool) -> int:
+    if dtype == "float32":
+        return 4
+    if dtype in ("bfloat16", "float16"):
+        return 2
+    return 2 if on_gpu else 4  # "auto": half precision on GPUs, float32 activations on CPU
+
+
+def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) -> ModelEstimate:
+    """Weights (as `spec.dtype` will hold them) plus the KV cache of `max_batch × context`.
+
+    Reads the GGUF tensor table (blocking; ~1-2 s for a small file on a slow CPU).
+    Raises ModelLoadError if the file is not a readable GGUF file.
+    """
+    import gguf  # deferred: heavy, and only needed when loading
+
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = str(reader.fields["general.architecture"].contents())
+
+        def meta(key: str) -> int:
+            return int(reader.fields[f"{arch}.{key}"].contents())
+
+        n_layers = meta("block_count")
+        n_heads = meta("attention.head_count")
+        n_kv_heads = (
+            meta("attention.head_count_kv")
+            if f"{arch}.attention.head_count_kv" in reader.fields
+            else n_heads
+        )
+        dim = meta("embedding_length")
+        tensors = list(reader.tensors)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF model: {exc}") from exc
+    elem = _elem_bytes(spec.dtype, on_gpu)
+    if spec.dtype == "auto":
+        # "auto" may keep quantised weights packed: about their size in the file.
+        weights = sum(int(t.n_bytes) for t in tensors)
+    else:
+        weights = sum(int(t.n_elements) for t in tensors) * elem
+    head_dim = dim // max(n_heads, 1)
+    kv = 2 * n_layers * n_kv_heads * head_dim * spec.context * spec.max_batch * elem
+    return ModelEstimate(weights_bytes=weights, kv_cache_bytes=kv)

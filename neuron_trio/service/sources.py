@@ -1,0 +1,177 @@
+"""Model sources: `builtin:NAME`, a local path under `node.model_dirs`, `hf:REPO/FILE.gguf`.
+
+Every function here blocks (file system, network): call them on a worker thread from trio.
+Hub downloads go through huggingface_hub into the standard hub cache, so `HF_HOME`,
+`HF_HUB_CACHE`, `HF_HUB_OFFLINE` and `HF_ENDPOINT` work as everywhere else (they are read when
+huggingface_hub is first imported). Foreign errors become SourceError here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from neuron_trio.config import NeuronConfig
+from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.errors import SourceError
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class HubFile:
+    repo_id: str
+    filename: str
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"hf:{self.repo_id}{rev}/{self.filename}"
+
+
+def parse_hub_source(source: str) -> HubFile:
+    """`hf:OWNER/NAME[@REVISION]/PATH/FILE.gguf` -> HubFile; SourceError if malformed."""
+    rest = source.removeprefix("hf:")
+    parts = rest.split("/")
+    if len(parts) < 3 or not all(parts):
+        raise SourceError(
+            f"source {source!r}: expected hf:OWNER/REPO/FILE.gguf (optionally OWNER/REPO@REVISION)"
+        )
+    name, _, revision = parts[1].partition("@")
+    filename = "/".join(parts[2:])
+    if not filename.endswith(".gguf"):
+        raise SourceError(f"source {source!r}: only GGUF files are supported (FILE.gguf)")
+    return HubFile(f"{parts[0]}/{name}", filename, revision or None)
+
+
+def _within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_local(source: str, model_dirs: list[Path]) -> Path:
+    """A local GGUF file that lies under one of `model_dirs` once symlinks are resolved.
+
+    A relative path is looked up in each model directory in turn.
+    """
+    roots = [d.expanduser().resolve() for d in model_dirs]
+    listed = ", ".join(str(d) for d in model_dirs) or "(none configured)"
+    raw = Path(source.removeprefix("file:")).expanduser()
+    candidates = [raw] if raw.is_absolute() else [d / raw for d in roots]
+    for candidate in candidates:
+        resolved = candidate.resolve()
+        if not any(_within(resolved, root) for root in roots):
+            raise SourceError(
+                f"source {source!r}: {resolved} is outside the model directories "
+                f"(node.model_dirs: {listed})"
+            )
+        if resolved.is_file():
+            return resolved
+    where = str(candidates[0]) if raw.is_absolute() else f"any of {listed}"
+    raise SourceError(f"source {source!r}: no such file in {where}")
+
+
+def check_cache_dir(cache_dir: Path) -> None:
+    """Raise SourceError naming `cache_dir` if it cannot be created or written."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SourceError(
+            f"hub cache directory {cache_dir} cannot be created: {exc.strerror or exc} "
+            "(set HF_HOME or HF_HUB_CACHE to a writable directory)"
+        ) from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".neuron-write-check-", dir=cache_dir)
+    except OSError as exc:
+        raise SourceError(
+            f"hub cache directory {cache_dir} is not writable: {exc.strerror or exc} "
+            "(set HF_HOME or HF_HUB_CACHE to a writable directory)"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def resolve_hub(source: str, *, progress: Progress | None = None, quiet: bool = False) -> Path:
+    """Download `hf:REPO/FILE.gguf` into the hub cache (or find it there); return its path."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import errors as hub_errors
+
+    hub = parse_hub_source(source)
+    cache_dir = Path(constants.HF_HUB_CACHE)
+    offline = bool(constants.HF_HUB_OFFLINE)
+    if not offline:
+        check_cache_dir(cache_dir)
+    if progress:
+        where = "the hub cache (HF_HUB_OFFLINE)" if offline else constants.ENDPOINT
+        progress(f"fetching {hub} from {where} into {cache_dir}")
+    tqdm_class = None
+    if quiet:
+        from tqdm import tqdm as _tqdm
+
+        class _Silent(_tqdm):  # type: ignore[misc,type-arg]
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                kwargs["disable"] = True
+                super().__init__(*args, **kwargs)
+
+        tqdm_class = _Silent
+    try:
+        path = hf_hub_download(
+            hub.repo_id,
+            hub.filename,
+            revision=hub.revision,
+            cache_dir=cache_dir,
+            local_files_only=offline,
+            tqdm_class=tqdm_class,
+        )
+    except hub_errors.LocalEntryNotFoundError as exc:
+        if offline:
+            raise SourceError(
+                f"source {source!r}: not in the hub cache {cache_dir} and HF_HUB_OFFLINE is set"
+            ) from exc
+        raise SourceError(f"source {source!r}: cannot reach {constants.ENDPOINT}: {exc}") from exc
+    except hub_errors.RepositoryNotFoundError as exc:
+        raise SourceError(
+            f"source {source!r}: repository {hub.repo_id} not found (or gated)"
+        ) from exc
+    except hub_errors.RevisionNotFoundError as exc:
+        raise SourceError(f"source {source!r}: revision {hub.revision} not found") from exc
+    except hub_errors.EntryNotFoundError as exc:
+        raise SourceError(f"source {source!r}: {hub.filename} not found in {hub.repo_id}") from exc
+    except hub_errors.HfHubHTTPError as exc:
+        raise SourceError(f"source {source!r}: hub error: {exc}") from exc
+    except OSError as exc:
+        raise SourceError(f"source {source!r}: {exc.strerror or exc} ({cache_dir})") from exc
+    except Exception as exc:  # network stacks raise their own types (httpx, requests)
+        raise SourceError(f"source {source!r}: download failed: {exc}") from exc
+    return Path(str(path))
+
+
+def resolve_source(source: str, config: NeuronConfig, *, progress: Progress | None = None) -> Path:
+    """The local GGUF file for `source`; blocking (may download). Raises SourceError.
+
+    `progress`, when given, receives one-line human messages (for STATUS= and the log).
+    """
+    if source.startswith("builtin:"):
+        return builtin_model_path(source.removeprefix("builtin:"))
+    if source.startswith("hf:"):
+        return resolve_hub(source, progress=progress, quiet=True)
+    return resolve_local(source, config.model_dir_paths)
+
+
+def pull(source: str, config: NeuronConfig) -> Path:
+    """`neuron pull SOURCE`: fetch into the local cache with a progress bar on stderr.
+
+    Built-in and local sources are only located (there is nothing to fetch).
+    """
+    if source.startswith("hf:"):
+        return resolve_hub(source, progress=lambda msg: log.info("%s", msg), quiet=False)
+    return resolve_source(source, config)

@@ -1,0 +1,90 @@
+"""Placement: cpu, explicit GPUs, and "auto" by live free memory (a pure function)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from neuron_trio.config import ModelConfig
+from neuron_trio.errors import PlacementError
+from neuron_trio.service.placement import estimate_model_bytes, place
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    memory_free_bytes: int
+    memory_total_bytes: int = 80 * GIB
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    available: bool
+    gpus: tuple[Gpu, ...] = ()
+    reason: str | None = None
+
+
+def spec(**kw: object) -> ModelConfig:
+    return ModelConfig(name="m", source="builtin:smollm2-135m", **kw)  # type: ignore[arg-type]
+
+
+def cuda(*indices: int) -> list[torch.device]:
+    return [torch.device("cuda", i) for i in indices]
+
+
+def test_cpu_gives_tp_cpu_ranks() -> None:
+    assert place(spec(devices="cpu", tp=3), 10 * GIB, None) == [torch.device("cpu")] * 3
+
+
+def test_auto_without_gpus_is_cpu() -> None:
+    snap = Snapshot(available=False, reason="NVML not found")
+    assert place(spec(tp=2), GIB, snap) == [torch.device("cpu")] * 2
+    assert place(spec(), GIB, None) == [torch.device("cpu")]
+
+
+def test_auto_picks_most_free_that_fit() -> None:
+    snap = Snapshot(True, (Gpu(0, 10 * GIB), Gpu(1, 40 * GIB), Gpu(2, 30 * GIB), Gpu(3, 2 * GIB)))
+    assert place(spec(), 8 * GIB, snap) == cuda(1)
+    assert place(spec(tp=2), 16 * GIB, snap) == cuda(1, 2)  # 8 GiB each
+    assert place(spec(tp=3), 24 * GIB, snap) == cuda(0, 1, 2)
+
+
+def test_auto_skips_gpus_with_read_errors() -> None:
+    snap = Snapshot(True, (Gpu(0, 70 * GIB, error="Unknown Error"), Gpu(1, 20 * GIB)))
+    assert place(spec(), 8 * GIB, snap) == cuda(1)
+
+
+def test_auto_refuses_with_the_numbers() -> None:
+    snap = Snapshot(True, (Gpu(0, 10 * GIB), Gpu(1, 3 * GIB)))
+    with pytest.raises(PlacementError) as info:
+        place(spec(tp=2), 16 * GIB, snap)
+    message = str(info.value)
+    assert "needs 2 GPU(s)" in message and "1 fit" in message
+    assert "GPU 0: 10.00 GiB free" in message and "GPU 1: 3.00 GiB free" in message
+
+
+def test_explicit_devices_must_exist() -> None:
+    snap = Snapshot(True, (Gpu(0, GIB), Gpu(1, GIB)))
+    assert place(spec(tp=2, devices=[1, 0]), 100 * GIB, snap) == cuda(1, 0)
+    with pytest.raises(PlacementError, match=r"GPU\(s\) 5 not found \(GPUs seen: 0, 1\)"):
+        place(spec(tp=2, devices=[0, 5]), GIB, snap)
+    with pytest.raises(PlacementError, match="GPUs seen: none"):
+        place(spec(devices=[0]), GIB, None)
+
+
+@pytest.mark.slow
+def test_estimate_builtin_model() -> None:
+    from neuron_trio.engine.builtin import builtin_model_path
+
+    path = builtin_model_path()
+    f32 = estimate_model_bytes(spec(dtype="float32", max_batch=8, context=4096), path)
+    # 134.5 M parameters in float32; KV: 2 × 30 layers × 3 heads × 64 × 4096 × 8 × 4 bytes.
+    assert f32.weights_bytes == 134_515_008 * 4
+    assert f32.kv_cache_bytes == 2 * 30 * 3 * 64 * 4096 * 8 * 4
+    auto = estimate_model_bytes(spec(dtype="auto"), path)
+    assert auto.weights_bytes < f32.weights_bytes // 4
