@@ -1,0 +1,302 @@
+"""A GGUF file: metadata as plain Python values, `LlamaConfig`, tensors memory-mapped.
+
+The header is parsed here directly (a few hundred thousand vocabulary strings take a fraction
+of a second this way, against seconds through `gguf.GGUFReader`). The file is mapped
+copy-on-write, so each tensor's bytes are a zero-copy torch view of the page cache, and the
+only copy made is the dequantised result.
+
+llama.cpp's converter stores the Q and K projections of Llama models permuted for its RoPE,
+which rotates adjacent pairs; `weight()` undoes that, so every caller sees the logical
+(Hugging Face) layout, in which RoPE rotates the two halves of each head.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neuron_trio.engine import quant
+from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.errors import ModelLoadError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF metadata value types → struct format (scalars), and numpy dtypes (numeric arrays).
+_T_STRING, _T_ARRAY = 8, 9
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
+_SCALAR_FMT |= {11: "<q", 12: "<d"}
+_NP_DTYPE: dict[int, Any] = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in the file. `shape` is in torch order: `[out, in]` for weights."""
+
+    name: str
+    qtype: int  # ggml type number (quant.QType when supported)
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+class _Cursor:
+    """Reads little-endian GGUF header values from a buffer."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def scalar(self, fmt: str) -> Any:
+        try:
+            (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        except struct.error:
+            raise ModelLoadError(f"{self.path}: truncated GGUF header") from None
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        raw = self.buf[self.pos : self.pos + n]
+        if len(raw) != n:
+            raise ModelLoadError(f"{self.path}: truncated GGUF header")
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _T_STRING:
+            return self.string()
+        if vtype == _T_ARRAY:
+            sub, count = self.scalar("<I"), self.scalar("<Q")
+            if sub == _T_STRING:
+                return [self.string() for _ in range(count)]
+            if sub in _NP_DTYPE:
+                dtype = np.dtype(_NP_DTYPE[sub]).newbyteorder("<")
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+                self.pos += arr.nbytes
+                return arr.tolist()
+            return [self.value(sub) for _ in range(count)]  # arrays of arrays
+        if vtype in _SCALAR_FMT:
+            return self.scalar(_SCALAR_FMT[vtype])
+        raise ModelLoadError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+class GGUFFile:
+    """One GGUF file, parsed and memory-mapped. Close it (or use `with`) to unmap.
+
+    `metadata` holds every key/value as plain Python values (str, int, float, bool, lists);
+    `config` is the Llama shape (UnsupportedModelError for any other architecture or for a
+    tensor type we cannot dequantise, naming it). Tensors stay on disk until asked for.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                # ACCESS_COPY: writable views for torch.frombuffer without touching the file;
+                # pages are shared with the page cache until written (we never write).
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot open model file {self.path}: {e}") from e
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+        self.config = self._make_config()
+
+    # ---- header ------------------------------------------------------------------------
+
+    def _parse(self) -> None:
+        cur = _Cursor(self._mmap, self.path)
+        if self._mmap[:4] != GGUF_MAGIC:
+            raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic)")
+        cur.pos = 4
+        version = cur.scalar("<I")
+        if version not in (2, 3):
+            raise UnsupportedModelError(f"{self.path}: GGUF version {version} is not supported")
+        n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.scalar("<I"))
+        infos: list[tuple[str, int, tuple[int, ...], int]] = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("<I")
+            dims = [cur.scalar("<Q") for _ in range(n_dims)]  # ggml order: innermost first
+            qtype, rel = cur.scalar("<I"), cur.scalar("<Q")
+            infos.append((name, qtype, tuple(reversed(dims)), rel))
+        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = (cur.pos + align - 1) // align * align
+        for name, qtype, shape, rel in infos:
+            n = int(np.prod(shape)) if shape else 1
+            nbytes = quant.raw_nbytes(quant.QType(qtype), n) if qtype in quant.SUPPORTED else 0
+            self.tensors[name] = TensorInfo(name, qtype, shape, data_start + rel, nbytes)
+            if nbytes and data_start + rel + nbytes > len(self._mmap):
+                raise ModelLoadError(f"{self.path}: tensor {name} lies past the end of the file")
+
+    def _make_config(self) -> LlamaConfig:
+        md = self.metadata
+        arch = md.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path}: architecture {arch!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for info in self.tensors.values():
+            if info.qtype not in quant.SUPPORTED:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {info.name} has type {quant.qtype_name(info.qtype)}, "
+                    f"which is not supported (supported: "
+                    f"{', '.join(sorted(t.name for t in quant.SUPPORTED))})"
+                )
+
+        def key(name: str, default: Any = None) -> Any:
+            value = md.get(f"{arch}.{name}", default)
+            if value is None:
+                raise UnsupportedModelError(f"{self.path}: metadata {arch}.{name} is missing")
+            if isinstance(value, list):
+                raise UnsupportedModelError(
+                    f"{self.path}: per-layer {arch}.{name} is not supported"
+                )
+            return value
+
+        dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", dim // n_heads))
+        scaling = md.get(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", "") or "rope_freqs.weight" in self.tensors:
+            raise UnsupportedModelError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
+        if "token_embd.weight" not in self.tensors:
+            raise UnsupportedModelError(f"{self.path}: tensor token_embd.weight is missing")
+        vocab = md.get(f"{arch}.vocab_size") or self.tensors["token_embd.weight"].shape[0]
+        config = LlamaConfig(
+            n_layers=int(key("block_count")),
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            ffn_dim=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            rope_dim=int(key("rope.dimension_count", head_dim)),
+            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            context_length=int(key("context_length", 2048)),
+            tied_output="output.weight" not in self.tensors,
+        )
+        if config.rope_dim != config.head_dim:
+            raise UnsupportedModelError(
+                f"{self.path}: partial RoPE ({config.rope_dim} of {head_dim} dims) is not supported"
+            )
+        if config.n_heads % config.n_kv_heads:
+            raise UnsupportedModelError(
+                f"{self.path}: {config.n_heads} heads are not a multiple of "
+                f"{config.n_kv_heads} KV heads"
+            )
+        missing = [n for n in expected_tensor_names(config) if n not in self.tensors]
+        if missing:
+            raise UnsupportedModelError(f"{self.path}: tensor {missing[0]} is missing")
+        return config
+
+    # ---- tensors -----------------------------------------------------------------------
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self.tensors)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as a uint8 view of the mapping (no copy; do not write to it)."""
+        info = self.tensors[name]
+        return torch.frombuffer(
+            self._mmap, dtype=torch.uint8, count=info.nbytes, offset=info.offset
+        )
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """The tensor as stored (Q/K still permuted), as a new float32 tensor (torch order)."""
+        info = self.tensors[name]
+        return quant.dequantize(self.raw(name), quant.QType(info.qtype), info.shape)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The tensor in its logical layout: float32, Q and K projections un-permuted."""
+        w = self.dequantize(name)
+        if name.endswith(".attn_q.weight"):
+            return unpermute_qk(w, self.config.n_heads)
+        if name.endswith(".attn_k.weight"):
+            return unpermute_qk(w, self.config.n_kv_heads)
+        return w
+
+    def close(self) -> None:
+        """Unmap the file. Tensors already dequantised stay valid (they are copies)."""
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a raw() view is still alive; the mapping goes with it
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def expected_tensor_names(config: LlamaConfig) -> list[str]:
+    """Every tensor a Llama GGUF file must hold for `config`."""
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not config.tied_output:
+        names.append("output.weight")
+    for i in range(config.n_layers):
+        names += [
+            f"blk.{i}.{part}.weight"
+            for part in (
+                "attn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_norm",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            )
+        ]
+    return names
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation: per head, interleaved pairs → two halves.
+
+    `w` is `[n_heads * head_dim, in]`; row (h, i, j) of the stored layout `[h, hd/2, 2]`
+    moves to (h, j, i) of the logical layout `[h, 2, hd/2]`.
+    """
+    out_f, in_f = w.shape
+    hd = out_f // n_heads
+    return w.reshape(n_heads, hd // 2, 2, in_f).transpose(1, 2).reshape(out_f, in_f).contiguous()
+
+
+def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's permutation (the inverse of `unpermute_qk`), for writing test files."""
+    out_f, in_f = w.shape
+    hd = out_f // n_heads
+    return w.reshape(n_heads, 2, hd // 2, in_f).transpose(1, 2).reshape(out_f, in_f).contiguous()
