@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.llama_config import LlamaConfig
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
-from neuron_trio.engine.types import SamplingParams
+from neuron_trio.engine.types import SamplingParams, SequenceEvent
+from neuron_trio.errors import ContextLengthError, RequestError
 
 
 def _seq(seq_id: int, n_prompt: int) -> Sequence:
@@ -73,3 +77,332 @@ def test_bad_sizes_are_refused() -> None:
         Scheduler(max_batch=0, prefill_chunk=4)
     with pytest.raises(ValueError):
         Scheduler(max_batch=1, prefill_chunk=0)
+
+
+# ---- the engine over a fake runner ---------------------------------------------------------
+
+PAD, BOS, EOS, END = 0, 1, 2, 3
+SPECIAL = {PAD: b"<pad>", BOS: b"<s>", EOS: b"</s>", END: b"<|im_end|>"}
+WORDS = [b" the", b" cat", b" sat", b" on", b" mat", b"ST", b"OP", b"\xc3", b"\xa9", b"!"]
+VOCAB = 32  # ids past the words decode to single letters
+
+
+def _piece(token_id: int) -> bytes:
+    if token_id in SPECIAL:
+        return SPECIAL[token_id]
+    i = token_id - len(SPECIAL)
+    return WORDS[i] if i < len(WORDS) else bytes([ord("a") + i - len(WORDS)])
+
+
+TOKEN = {_piece(i).decode("latin-1"): i for i in range(VOCAB)}
+
+
+class FakeTokenizer:
+    """Byte pieces per id; enough of the real Tokenizer for the engine and the text pipeline."""
+
+    bos_id = BOS
+    eos_id = EOS
+    add_bos = True
+    chat_template = None
+    vocab_size = VOCAB
+    special_ids = frozenset(SPECIAL)
+    strip_leading_space = False
+    token_bytes = tuple(_piece(i) for i in range(VOCAB))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [TOKEN[" " + w] for w in text.split()]
+        return [BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        pieces = [_piece(i) for i in ids if not (skip_special_tokens and i in SPECIAL)]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return _piece(token_id).decode("utf-8", errors="replace")
+
+    def token_to_id(self, text: str) -> int | None:
+        return TOKEN.get(text)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.token_text(token_id)
+
+
+def _default_rule(row: list[int]) -> int:
+    """The next token as a function of the whole KV row: any scheduling slip changes it."""
+    return len(SPECIAL) + (sum(row) * 31 + len(row) * 7) % (VOCAB - len(SPECIAL))
+
+
+class FakeRunner:
+    """Keeps each KV row's tokens; logits pick `rule(row)`; checks rows are written in order."""
+
+    def __init__(self, *, slots: int = 5, context: int = 64, rule=_default_rule):
+        self.config = LlamaConfig(
+            n_layers=1, dim=8, n_heads=1, n_kv_heads=1, head_dim=8, ffn_dim=8,
+            vocab_size=VOCAB, rope_base=1e4, rope_dim=8, rms_eps=1e-5,
+            context_length=context, tied_output=True,
+        )  # fmt: skip
+        self.slots = slots
+        self.context = context
+        self.device = torch.device("cpu")
+        self.rule = rule
+        self.rows: list[list[int]] = [[] for _ in range(slots)]
+        self.calls: list[tuple[int, int]] = []  # (B, T) of every forward
+        self.fail_next = False
+
+    def forward(self, input_ids, start_pos, slots, *, all_logits=False):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected forward failure")
+        batch, length = input_ids.shape
+        assert batch == 1 or length == 1, "B > 1 only with T == 1"
+        logits = torch.full((batch, VOCAB), -5.0)
+        for b in range(batch):
+            slot, start = int(slots[b]), int(start_pos[b])
+            row = self.rows[slot]
+            assert start <= len(row), f"slot {slot}: a gap before position {start}"
+            assert start + length <= self.context, "past the slot's context"
+            del row[start:]
+            row.extend(int(t) for t in input_ids[b])
+            logits[b, self.rule(row)] = 5.0
+        self.calls.append((batch, length))
+        return logits
+
+
+def _engine(*, max_batch: int = 4, context: int = 64, prefill_chunk: int = 4, rule=_default_rule):
+    runner = FakeRunner(slots=max_batch + 1, context=context, rule=rule)
+    engine = Engine(
+        runner, FakeTokenizer(), max_batch=max_batch, context=context, prefill_chunk=prefill_chunk
+    )
+    return engine, runner
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
+    events: dict[int, list[SequenceEvent]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+    return events
+
+
+def _alone(prompt: list[int], params: SamplingParams) -> list[int]:
+    engine, _ = _engine()
+    seq_id = engine.add(prompt, params, chat=False)
+    return [t for e in _run(engine)[seq_id] for t in e.token_ids]
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [BOS] + [
+        len(SPECIAL) + (seed * 5 + i * 3) % (VOCAB - len(SPECIAL)) for i in range(n - 1)
+    ]
+
+
+def test_slots_fill_and_free_through_the_engine() -> None:
+    engine, _ = _engine(max_batch=2)
+    a = engine.add(_prompt(3), GREEDY, chat=False)
+    engine.add(_prompt(3, 1), GREEDY, chat=False)
+    assert engine.free_slots == 0
+    with pytest.raises(NoFreeSlotError):
+        engine.add(_prompt(3, 2), GREEDY, chat=False)
+    engine.cancel(a)
+    assert engine.free_slots == 1
+    engine.add(_prompt(3, 2), GREEDY, chat=False)
+    _run(engine)
+    assert engine.free_slots == 2
+    assert not engine.has_work
+
+
+def test_chunked_prefill_interleaves_with_decode_and_matches_alone() -> None:
+    engine, runner = _engine(prefill_chunk=4)
+    short, long = _prompt(3, 1), _prompt(13, 2)
+    first = engine.add(short, GREEDY, chat=False)
+    engine.step()  # short prompt in, first token out
+    second = engine.add(long, GREEDY, chat=False)
+    runner.calls.clear()
+    steps = []
+    while engine.statistics().prefilling:
+        steps.append({e.seq_id for e in engine.step()})
+    # 13 prompt tokens in chunks of 4: four steps, each also decoding the running sequence
+    assert runner.calls == [(1, 1), (1, 4)] * 3 + [(1, 1), (1, 1)]
+    assert steps == [{first}, {first}, {first}, {first, second}]
+    events = _run(engine)
+    assert [t for e in events[second] for t in e.token_ids][-7:] == _alone(long, GREEDY)[1:]
+    assert len(_alone(short, GREEDY)) == 8
+
+
+def test_batched_equals_alone_with_joins_and_leaves() -> None:
+    engine, _ = _engine(max_batch=4, prefill_chunk=3)
+    prompts = [_prompt(2 + 3 * i, i) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(6)
+    ]
+    ids: dict[int, int] = {}
+    pending = list(range(6))
+    tokens: dict[int, list[int]] = {}
+    while pending or engine.has_work:
+        while pending and engine.free_slots:
+            i = pending.pop(0)
+            ids[engine.add(prompts[i], params[i], chat=False)] = i
+        for event in engine.step():
+            tokens.setdefault(ids[event.seq_id], []).extend(event.token_ids)
+    for i in range(6):
+        assert tokens[i] == _alone(prompts[i], params[i]), i
+
+
+def test_cancel_between_any_two_steps_frees_the_slot() -> None:
+    for cancel_after in range(6):
+        engine, _ = _engine(max_batch=1, prefill_chunk=2)
+        seq_id = engine.add(_prompt(5), GREEDY, chat=False)
+        for _ in range(cancel_after):
+            engine.step()
+        engine.cancel(seq_id)
+        assert engine.free_slots == 1
+        assert not engine.has_work
+        assert engine.step() == []
+        # the slot is reusable and the new sequence is unaffected by the old one
+        again = engine.add(_prompt(4, 3), GREEDY, chat=False)
+        got = [t for e in _run(engine)[again] for t in e.token_ids]
+        assert got == _alone(_prompt(4, 3), GREEDY)
+    engine.cancel(12345)  # unknown: ignored
+
+
+def test_cancel_all_drops_everything() -> None:
+    engine, _ = _engine(max_batch=3)
+    ids = [engine.add(_prompt(4, i), GREEDY, chat=False) for i in range(3)]
+    engine.step()
+    assert sorted(engine.cancel_all()) == ids
+    assert engine.free_slots == 3
+    assert engine.statistics().slots_in_use == 0
+
+
+def test_a_failed_forward_advances_nothing() -> None:
+    engine, runner = _engine(prefill_chunk=2)
+    seq_id = engine.add(_prompt(5), GREEDY, chat=False)
+    engine.step()
+    runner.fail_next = True
+    with pytest.raises(RuntimeError):
+        engine.step()
+    got = [t for e in _run(engine)[seq_id] for t in e.token_ids]
+    assert got == _alone(_prompt(5), GREEDY)
+
+
+def test_validation_refuses_before_any_work() -> None:
+    engine, runner = _engine(context=16)
+    with pytest.raises(ContextLengthError):
+        engine.add(_prompt(10), SamplingParams(max_tokens=7), chat=False)
+    engine.validate(_prompt(10), SamplingParams(max_tokens=6))
+    with pytest.raises(RequestError):
+        engine.add([], GREEDY, chat=False)
+    with pytest.raises(RequestError):
+        engine.add([BOS, VOCAB], GREEDY, chat=False)
+    with pytest.raises(RequestError):
+        engine.add([BOS, -1], GREEDY, chat=False)
+    assert runner.calls == []
+    assert engine.free_slots == 4
+
+
+def test_kv_never_grows_past_context() -> None:
+    engine, runner = _engine(max_batch=2, context=12, prefill_chunk=5)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    a = engine.add(_prompt(8), params, chat=False)
+    b = engine.add(_prompt(8, 1), params, chat=False)
+    events = _run(engine)
+    assert [e.finish_reason for e in events[a]][-1] == "length"
+    assert sum(len(e.token_ids) for e in events[b]) == 4
+    assert max(len(row) for row in runner.rows) <= 12  # FakeRunner asserts it on every write
+
+
+def _scripted(prompt_len: int, script: list[int]):
+    return lambda row: script[min(len(row) - prompt_len, len(script) - 1)]
+
+
+def test_length_finish_and_usage_counts() -> None:
+    engine, _ = _engine()
+    seq_id = engine.add(_prompt(5), SamplingParams(temperature=0.0, max_tokens=3), chat=False)
+    events = _run(engine)[seq_id]
+    assert [e.finish_reason for e in events] == [None, None, "length"]
+    assert [(e.prompt_tokens, e.completion_tokens) for e in events] == [(5, 1), (5, 2), (5, 3)]
+    stats = engine.statistics()
+    assert (stats.prompt_tokens_total, stats.generated_tokens_total) == (5, 3)
+    assert stats.steps == 4  # two prefill chunks, then two decodes
+
+
+def test_eos_stops_unless_ignored_and_is_not_shown() -> None:
+    words = [TOKEN[" the"], TOKEN[" cat"], EOS, TOKEN[" sat"]]
+    engine, _ = _engine(rule=_scripted(3, words))
+    seq_id = engine.add(_prompt(3), SamplingParams(temperature=0.0, max_tokens=8), chat=False)
+    events = _run(engine)[seq_id]
+    assert "".join(e.text for e in events) == " the cat"
+    assert events[-1].finish_reason == "stop"
+    assert events[-1].completion_tokens == 3
+
+    engine, _ = _engine(rule=_scripted(3, words))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    seq_id = engine.add(_prompt(3), params, chat=False)
+    events = _run(engine)[seq_id]
+    assert "".join(e.text for e in events) == " the cat sat sat"
+    assert events[-1].finish_reason == "length"
+
+
+def test_end_of_turn_stops_chat_only_and_stop_token_ids_always() -> None:
+    words = [TOKEN[" the"], END, TOKEN[" cat"]]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    for chat, reason, count in ((True, "stop", 2), (False, "length", 4)):
+        engine, _ = _engine(rule=_scripted(3, words))
+        seq_id = engine.add(_prompt(3), params, chat=chat)
+        events = _run(engine)[seq_id]
+        assert (events[-1].finish_reason, events[-1].completion_tokens) == (reason, count)
+    engine, _ = _engine(rule=_scripted(3, words))
+    stop_at_cat = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(TOKEN[" cat"],))
+    seq_id = engine.add(_prompt(3), stop_at_cat, chat=False)
+    events = _run(engine)[seq_id]
+    assert events[-1].finish_reason == "stop"
+    assert events[-1].completion_tokens == 3
+
+
+def test_stop_string_across_tokens_is_cut_exactly() -> None:
+    words = [TOKEN[" the"], TOKEN["ST"], TOKEN["OP"], TOKEN[" cat"]]
+    engine, _ = _engine(rule=_scripted(3, words))
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop=("eSTO",))
+    seq_id = engine.add(_prompt(3), params, chat=False)
+    events = _run(engine)[seq_id]
+    assert "".join(e.text for e in events) == " th"
+    assert events[-1].finish_reason == "stop"
+    assert events[-1].completion_tokens == 3
+    assert engine.free_slots == 4
+
+
+def test_never_half_a_utf8_character() -> None:
+    words = [TOKEN["!"], TOKEN["\xc3"], TOKEN["\xa9"], TOKEN["!"]]
+    engine, _ = _engine(rule=_scripted(3, words))
+    seq_id = engine.add(_prompt(3), SamplingParams(temperature=0.0, max_tokens=4), chat=False)
+    texts = [e.text for e in _run(engine)[seq_id]]
+    assert texts == ["!", "", "é", "!"]
+
+
+def test_logprobs_ride_on_events() -> None:
+    engine, _ = _engine()
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=True, top_logprobs=2)
+    seq_id = engine.add(_prompt(3), params, chat=False)
+    events = _run(engine)[seq_id]
+    for event in events:
+        assert event.logprobs is not None and len(event.logprobs) == 1
+        assert event.logprobs[0].token_id == event.token_ids[0]
+        assert len(event.logprobs[0].top) == 2
+
+
+def test_probe_uses_the_scratch_row_only() -> None:
+    engine, runner = _engine(max_batch=2)
+    seq_id = engine.add(_prompt(3), GREEDY, chat=False)
+    engine.step()
+    engine.probe()
+    assert runner.rows[2] == [BOS]
+    got = [t for e in _run(engine)[seq_id] for t in e.token_ids]
+    assert got == _alone(_prompt(3), GREEDY)[1:]
+
+
+def test_encode_prompt_adds_bos_once() -> None:
+    engine, _ = _engine()
+    assert engine.encode_prompt("the cat", chat=False) == [BOS, TOKEN[" the"], TOKEN[" cat"]]

@@ -1,0 +1,92 @@
+"""Continuous batching on the built-in model: aggregate decode tokens/s at 1, 4 and 8 sequences.
+
+    python bench/bench_batching.py [--dtype auto] [--tokens 64] [--device cpu]
+
+Prints the load time, the time to first token of a short chat prompt right after load, the
+decode throughput for each batch size (decode-only steps: every sequence already has its
+first token) and the ratios against one sequence (target: 8 sequences >= 4x one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.types import SamplingParams
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "List some facts about the moon.",
+    "Describe the water cycle.",
+    "What makes a good cup of tea?",
+    "Tell me about the history of Paris.",
+    "How do bees make honey?",
+    "Why is the sky blue?",
+]
+
+
+def time_to_first_token(engine: Engine) -> float:
+    prompt = engine.encode_prompt(
+        engine.render_chat([{"role": "user", "content": "Hi!"}]), chat=True
+    )
+    start = time.perf_counter()
+    seq_id = engine.add(prompt, SamplingParams(max_tokens=1, temperature=0.0), chat=True)
+    while True:
+        if any(e.seq_id == seq_id and e.token_ids for e in engine.step()):
+            return time.perf_counter() - start
+
+
+def decode_throughput(engine: Engine, n: int, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        text = engine.render_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+        engine.add(engine.encode_prompt(text, chat=True), params, chat=True)
+    while engine.statistics().prefilling:  # every prompt in, every first token out
+        engine.step()
+    generated = 0
+    start = time.perf_counter()
+    while engine.has_work:
+        generated += sum(len(e.token_ids) for e in engine.step())
+    elapsed = time.perf_counter() - start
+    return generated / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}")
+    start = time.perf_counter()
+    engine = Engine.from_gguf(
+        builtin_model_path(),
+        dtype=args.dtype,
+        device=torch.device(args.device),
+        max_batch=8,
+        context=args.context,
+    )
+    load_s = time.perf_counter() - start
+    ttft = time_to_first_token(engine)
+    print(f"load: {load_s:.2f} s; first token after load: {ttft * 1000:.0f} ms")
+
+    decode_throughput(engine, 2, 8)  # warm-up
+    rates = {}
+    for n in (1, 4, 8):
+        rates[n] = decode_throughput(engine, n, args.tokens)
+        print(f"{n} sequence(s): {rates[n]:.1f} decode tokens/s aggregate")
+    for n in (4, 8):
+        print(f"ratio {n}/1: {rates[n] / rates[1]:.2f}x")
+    verdict = "meets" if rates[8] >= 4 * rates[1] else "misses"
+    print(f"8 sequences vs one: {rates[8] / rates[1]:.2f}x ({verdict} the 4x target)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The engine: requests in, one batched step at a time, text events out.
+
+`Engine` joins the scheduler (which sequences run, in which slot), the runner (one forward
+over a batch of rows), the sampler and each sequence's text pipeline. It is synchronous,
+blocking code; the service layer drives it from a worker thread, one call at a time (it is
+not thread-safe).
+
+Slots `0 .. max_batch-1` hold sequences; the runner's row `max_batch` is scratch, used only
+by `probe`, so a probe never disturbs a running sequence.
+
+A step that raises (a failed or aborted forward) leaves no sequence half-advanced: state is
+changed only after the forwards returned. The caller then usually calls `cancel_all`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
+from neuron_trio.engine.runner import Runner
+from neuron_trio.engine.sampling import Sampler, SamplingState
+from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
+from neuron_trio.engine.sequence import Sequence, SequenceStatus
+from neuron_trio.engine.textgen import TextPipeline
+from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.errors import ContextLengthError, RequestError
+
+__all__ = ["Engine", "NoFreeSlotError"]
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Any,
+        *,
+        max_batch: int,
+        context: int,
+        prefill_chunk: int = 256,
+        chat_template: Any = None,
+    ):
+        if runner.slots < max_batch + 1:
+            raise ValueError(
+                f"the runner has {runner.slots} KV rows; max_batch={max_batch} needs "
+                f"{max_batch + 1} (one scratch row for probes)"
+            )
+        if context > runner.context:
+            raise ValueError(f"context {context} exceeds the runner's {runner.context}")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.context = context
+        self.prefill_chunk = prefill_chunk
+        self.vocab_size = runner.config.vocab_size
+        self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk)
+        self.sampler = Sampler()
+        if chat_template is None and getattr(tokenizer, "chat_template", None):
+            chat_template = ChatTemplate(
+                tokenizer.chat_template,
+                bos_token=_token_text(tokenizer, tokenizer.bos_id),
+                eos_token=_token_text(tokenizer, tokenizer.eos_id),
+            )
+        self.chat_template = chat_template
+        self._eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
+        self._end_of_turn_ids = frozenset(end_of_turn_ids(tokenizer)) | self._eos_ids
+        self._ids = itertools.count(1)
+        self._steps = 0
+        self._prompt_tokens_total = 0
+        self._generated_tokens_total = 0
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "auto",
+        device: torch.device | None = None,
+        max_batch: int = 8,
+        context: int = 4096,
+        prefill_chunk: int = 256,
+    ) -> Engine:
+        """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template."""
+        from neuron_trio.engine.loader import SingleRunner, load_transformer
+        from neuron_trio.engine.tokenizer import Tokenizer
+
+        device = torch.device("cpu") if device is None else device
+        model = load_transformer(path, dtype=dtype, device=device)
+        runner = SingleRunner(model, slots=max_batch + 1, context=context)
+        tokenizer = Tokenizer.from_gguf(path)
+        return cls(
+            runner, tokenizer, max_batch=max_batch, context=context, prefill_chunk=prefill_chunk
+        )
+
+    # ---- prompts -------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to `messages`, ending with the assistant's turn opening."""
+        if self.chat_template is None:
+            raise RequestError("this model has no chat template", param="messages")
+        normalised = [
+            {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
+        ]
+        return str(self.chat_template.render(normalised, add_generation_prompt=True))
+
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
+        """Token ids of `text`; BOS is added when the model wants it and the text lacks it.
+
+        Special tokens written in the text (a chat template's) are parsed as such.
+        """
+        del chat  # a rendered chat template carries its own specials, BOS included or not
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        bos = self.tokenizer.bos_id
+        wants_bos = getattr(self.tokenizer, "add_bos", False) and bos is not None
+        if wants_bos and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse, before any work, a request that cannot run (RequestError, ContextLengthError)."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if params.max_tokens < 1:
+            raise RequestError(
+                f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                param="prompt",
+            )
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise RequestError(
+                    f"stop token id {t} is outside the vocabulary", param="stop_token_ids"
+                )
+        needed = len(prompt_ids) + params.max_tokens
+        if needed > self.context:
+            raise ContextLengthError(
+                f"this model's context is {self.context} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
+            )
+
+    # ---- sequences -----------------------------------------------------------------------
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
+        """Start a sequence; its id. NoFreeSlotError when every slot is taken (queue and retry)."""
+        self.validate(prompt_ids, params)
+        if self.scheduler.free_slots == 0:
+            raise NoFreeSlotError(f"all {self.max_batch} slots are in use")
+        prompt = list(prompt_ids)
+        seq = Sequence(next(self._ids), prompt, params, chat=chat)
+        seq.sampling = SamplingState(params, prompt)
+        seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt)
+        self.scheduler.admit(seq)
+        return seq.seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Drop a sequence now; its slot is free for the next `add`. Unknown ids are ignored."""
+        seq = self.scheduler.get(seq_id)
+        if seq is not None:
+            seq.finish_reason = "cancelled"
+            self.scheduler.release(seq)
+
+    def cancel_all(self) -> list[int]:
+        """Drop every sequence (after a wedge); the ids dropped."""
+        dropped = self.scheduler.release_all()
+        for seq in dropped:
+            seq.finish_reason = "cancelled"
+        return [seq.seq_id for seq in dropped]
+
+    @property
+    def free_slots(self) -> int:
+        return self.scheduler.free_slots
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            slots_total=self.max_batch,
+            slots_in_use=self.max_batch - self.scheduler.free_slots,
+            prefilling=self.scheduler.count(SequenceStatus.PREFILLING),
+            decoding=self.scheduler.count(SequenceStatus.DECODING),
+            steps=self._steps,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generated_tokens_total=self._generated_tokens_total,
+        )
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[SequenceEvent]:
+        """One step: a token for every decoding sequence, and one prefill chunk.
+
+        A sequence whose prompt is complete gets its first token in the same step. Finished
+        sequences give their slot back before this returns.
+        """
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        device = self.runner.device
+        logits: list[torch.Tensor] = []
+        rows: list[Sequence] = []
+        with torch.inference_mode():
+            if plan.decode:
+                ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
+                pos = torch.tensor([s.decode_pos for s in plan.decode], dtype=torch.int64)
+                slots = torch.tensor([s.slot for s in plan.decode], dtype=torch.int64)
+                out = self.runner.forward(ids.to(device), pos.to(device), slots.to(device))
+                logits.append(out)
+                rows.extend(plan.decode)
+            chunk = plan.prefill
+            if chunk is not None:
+                seq = chunk.seq
+                ids = torch.tensor([seq.prompt_ids[chunk.start : chunk.end]], dtype=torch.int64)
+                pos = torch.tensor([chunk.start], dtype=torch.int64)
+                slots = torch.tensor([seq.slot], dtype=torch.int64)
+                out = self.runner.forward(ids.to(device), pos.to(device), slots.to(device))
+                if chunk.is_last:
+                    logits.append(out)
+                    rows.append(seq)
+            results = []
+            if rows:
+                batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
+                results = self.sampler.sample(batch, [s.sampling for s in rows])
+        # The forwards returned: only now is any sequence's state advanced.
+        self._steps += 1
+        if chunk is not None:
+            chunk.seq.prefilled = chunk.end
+            self._prompt_tokens_total += chunk.end - chunk.start
+            if chunk.is_last:
+                chunk.seq.status = SequenceStatus.DECODING
+        return [self._accept(seq, result) for seq, result in zip(rows, results, strict=True)]
+
+    def _accept(self, seq: Sequence, result: Any) -> SequenceEvent:
+        token = int(result.token_id)
+        seq.output_ids.append(token)
+        self._generated_tokens_total += 1
+        params = seq.params
+        event = SequenceEvent(
+            seq_id=seq.seq_id,
+            token_ids=[token],
+            logprobs=[result.logprob] if params.logprobs and result.logprob is not None else None,
+            prompt_tokens=seq.num_prompt,
+            completion_tokens=seq.num_output,
+        )
+        if self._is_stop_token(seq, token):
+            event.text = seq.text.finish()
+            event.finish_reason = "stop"
+        else:
+            event.text, stopped = seq.text.push(token)
+            if stopped:
+                event.finish_reason = "stop"
+            elif seq.num_output >= params.max_tokens:
+                event.text += seq.text.finish()
+                event.finish_reason = "length"
+        if event.finish_reason is not None:
+            seq.finish_reason = event.finish_reason
+            self.scheduler.release(seq)
+        return event
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        if token in seq.params.stop_token_ids:
+            return True
+        if seq.params.ignore_eos:
+            return False
+        return token in (self._end_of_turn_ids if seq.chat else self._eos_ids)
+
+    def probe(self) -> None:
+        """One tiny forward (one token) on the scratch KV row; touches no sequence."""
+        device = self.runner.device
+        bos = self.tokenizer.bos_id
+        token = 0 if bos is None else int(bos)
+        with torch.inference_mode():
+            self.runner.forward(
+                torch.tensor([[token]], dtype=torch.int64, device=device),
+                torch.zeros(1, dtype=torch.int64, device=device),
+                torch.tensor([self.max_batch], dtype=torch.int64, device=device),
+            )
+
+
+def _token_text(tokenizer: Any, token_id: int | None) -> str:
+    if token_id is None:
+        return ""
+    return str(tokenizer.token_text(token_id))
