@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -103,9 +104,10 @@ def parse_listen(address: str) -> tuple[str, int]:
 def _msgspec_path(message: str) -> tuple[str, str]:
     """Turn msgspec's "…  - at `$.tp.step_timeout_s`" into ("tp.step_timeout_s", "…")."""
     detail, _, where = message.rpartition(" - at `")
-    if not detail:
-        return "", message
-    key = where.rstrip("`").removeprefix("$").removeprefix(".")
+    if not detail:  # an error at the root has no " - at …"
+        detail, key = message, ""
+    else:
+        key = where.rstrip("`").removeprefix("$").removeprefix(".")
     unknown = re.match(r"Object contains unknown field `([^`]+)`", detail)
     if unknown:
         key = f"{key}.{unknown[1]}" if key else unknown[1]
@@ -113,27 +115,47 @@ def _msgspec_path(message: str) -> tuple[str, str]:
     return key, detail
 
 
-def _decode(data: dict[str, Any], origin: str) -> NeuronConfig:
+def _decode(data: dict[str, Any], origin: str, from_env: dict[str, str]) -> NeuronConfig:
     data = dict(data)
-    data.pop("source_path", None)
+    if "source_path" in data:  # not a TOML key, whatever the Struct says
+        raise ConfigError(f"{origin}: key source_path: unknown key")
     try:
         return msgspec.convert(data, NeuronConfig, strict=True)
     except msgspec.ValidationError as exc:
         key, detail = _msgspec_path(str(exc))
+        if key in from_env:
+            key = f"{key} (from {from_env[key]})"
         raise ConfigError(f"{origin}: key {key or '<root>'}: {detail}") from None
 
 
-def _parse_env_value(raw: str) -> Any:
-    """An override's value as TOML (numbers, booleans, arrays), or the raw string."""
+def _field_kind(struct: type[msgspec.Struct], key: str) -> str:
+    """ "str", "list" or "other": how an environment value for `key` is read."""
+    field = next(f for f in msgspec.structs.fields(struct) if f.name == key)
+    kind = typing.get_origin(field.type) or field.type
+    if kind is list:
+        return "list"
+    if field.type is str or field.type == (str | None):
+        return "str"
+    return "other"
+
+
+def _parse_env_value(raw: str, kind: str = "other") -> Any:
+    """An override's value: strings as given; lists as TOML arrays or comma-separated;
+    anything else as a TOML value (numbers, booleans), or the raw string (which then fails
+    type checking, naming the variable)."""
+    if kind == "str":
+        return raw
+    if kind == "list" and not raw.lstrip().startswith("["):
+        return [part.strip() for part in raw.split(",") if part.strip()]
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
 
 
-def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> list[str]:
-    """Apply NEURON_<SECTION>_<KEY>=value in place; return the variables applied."""
-    applied = []
+def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> dict[str, str]:
+    """Apply NEURON_<SECTION>_<KEY>=value in place; return {"section.key": variable}."""
+    applied: dict[str, str] = {}
     for var, raw in sorted(environ.items()):
         if not var.startswith("NEURON_"):
             continue
@@ -147,8 +169,8 @@ def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> list[str]:
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{var}: [{section}] is not a table")
-        table[key] = _parse_env_value(raw)
-        applied.append(var)
+        table[key] = _parse_env_value(raw, _field_kind(_SECTIONS[section], key))
+        applied[f"{section}.{key}"] = var
     return applied
 
 
@@ -196,8 +218,8 @@ def config_from_mapping(
 ) -> NeuronConfig:
     """Decode an already-parsed TOML document plus environment overrides."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    _env_overrides(data, dict(os.environ) if environ is None else environ)
-    config = _decode(data, origin)
+    from_env = _env_overrides(data, dict(os.environ) if environ is None else environ)
+    config = _decode(data, origin, from_env)
     _validate(config, origin)
     return _fill_defaults(config, origin)
 
