@@ -1,0 +1,144 @@
+"""The engine over a real (tiny, random) Llama model, tokenizer and chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.types import SamplingParams, SequenceEvent
+from tests.engine.tiny_gguf import BOS_ID, EOS_ID, write_tiny_llama
+
+PROMPTS = [
+    "the cat sat on the mat",
+    "in the beginning",
+    "a",
+    "there is an answer and here it is, with some more words to make it longer than a chunk",
+    "hello world",
+    "one two three four five six",
+    "réseau ünïcode",
+    "we are the ones",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=3)
+
+
+def _engine(path: Path, *, max_batch: int = 8, prefill_chunk: int = 8) -> Engine:
+    engine = Engine.from_gguf(
+        path, dtype="float32", device=torch.device("cpu"), max_batch=max_batch, context=128
+    )
+    engine.scheduler.prefill_chunk = prefill_chunk
+    return engine
+
+
+def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
+    events: dict[int, list[SequenceEvent]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+    return events
+
+
+def _tokens(events: list[SequenceEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_batching_invariance_alone_vs_eight(tiny_path: Path) -> None:
+    engine = _engine(tiny_path)
+    prompts = [engine.encode_prompt(p, chat=False) for p in PROMPTS]
+    alone = []
+    for prompt in prompts:
+        seq_id = engine.add(prompt, GREEDY, chat=False)
+        alone.append(_tokens(_run(engine)[seq_id]))
+    # all eight together, joining at different steps, long prompt prefilled in chunks
+    ids = {}
+    for i, prompt in enumerate(prompts):
+        ids[engine.add(prompt, GREEDY, chat=False)] = i
+        if i % 3 == 0:
+            engine.step()
+    together: dict[int, list[int]] = {i: [] for i in range(8)}
+    for events in (engine.step() for _ in range(200)):
+        for event in events:
+            together[ids[event.seq_id]].extend(event.token_ids)
+        if not engine.has_work:
+            break
+    # the steps taken before the loop only prefilled or decoded the first few sequences
+    for i in range(8):
+        assert together[i] == alone[i][-len(together[i]) :], i
+        assert len(alone[i]) == 12
+
+
+def test_text_is_the_decoded_tokens(tiny_path: Path) -> None:
+    engine = _engine(tiny_path, max_batch=4)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    ids = [engine.add(engine.encode_prompt(p, chat=False), params, chat=False) for p in PROMPTS[:4]]
+    events = _run(engine)
+    for seq_id in ids:
+        text = "".join(e.text for e in events[seq_id])
+        assert text == engine.tokenizer.decode(_tokens(events[seq_id]))
+        assert events[seq_id][-1].finish_reason == "length"
+        assert events[seq_id][-1].completion_tokens == 24
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_path: Path) -> None:
+    engine = _engine(tiny_path)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    prompt = engine.encode_prompt(PROMPTS[0], chat=False)
+    first = engine.add(prompt, params, chat=False)
+    alone = _tokens(_run(engine)[first])
+    others = [
+        engine.add(engine.encode_prompt(p, chat=False), GREEDY, chat=False) for p in PROMPTS[1:4]
+    ]
+    again = engine.add(prompt, params, chat=False)
+    events = _run(engine)
+    assert _tokens(events[again]) == alone
+    assert all(seq_id in events for seq_id in others)
+
+
+def test_chat_prompt_and_stop_string(tiny_path: Path) -> None:
+    engine = _engine(tiny_path)
+    text = engine.render_chat(
+        [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    prompt = engine.encode_prompt(text, chat=True)
+    assert prompt[0] == BOS_ID  # <|im_start|> is a control token here, parsed whole
+    assert prompt.count(EOS_ID) == 2
+    seq_id = engine.add(prompt, GREEDY, chat=True)
+    full = "".join(e.text for e in _run(engine)[seq_id])
+    assert len(full) >= 4
+    stop = full[2:4]
+    seq_id = engine.add(
+        prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)), chat=True
+    )
+    events = _run(engine)[seq_id]
+    assert "".join(e.text for e in events) == full[: full.index(stop)]
+    assert events[-1].finish_reason == "stop"
+
+
+def test_probe_does_not_disturb_sequences(tiny_path: Path) -> None:
+    engine = _engine(tiny_path, max_batch=2)
+    prompt = engine.encode_prompt(PROMPTS[3], chat=False)
+    seq_id = engine.add(prompt, GREEDY, chat=False)
+    alone = _tokens(_run(engine)[seq_id])
+    seq_id = engine.add(prompt, GREEDY, chat=False)
+    got: list[int] = []
+    while engine.has_work:
+        engine.probe()
+        for event in engine.step():
+            got.extend(event.token_ids)
+    assert got == alone
+    stats = engine.statistics()
+    assert stats.slots_total == 2 and stats.slots_in_use == 0
+    assert stats.generated_tokens_total == 24

@@ -1,0 +1,75 @@
+"""The engine on the built-in model (SmolLM2-135M-Instruct): answers, and batching invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.types import SamplingParams, SequenceEvent
+from neuron_trio.errors import SourceError
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Write a haiku about autumn.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "Give me a synonym for happy.",
+    "What is the largest planet in our solar system?",
+]
+
+
+def _model_path():
+    try:
+        return builtin_model_path()
+    except SourceError as e:
+        pytest.skip(str(e))
+
+
+def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
+    events: dict[int, list[SequenceEvent]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+    return events
+
+
+def _chat(engine: Engine, question: str) -> list[int]:
+    text = engine.render_chat([{"role": "user", "content": question}])
+    return engine.encode_prompt(text, chat=True)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_capital_of_france(dtype: str) -> None:
+    engine = Engine.from_gguf(
+        _model_path(), dtype=dtype, device=torch.device("cpu"), max_batch=2, context=512
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    seq_id = engine.add(_chat(engine, QUESTIONS[0]), params, chat=True)
+    events = _run(engine)[seq_id]
+    answer = "".join(e.text for e in events)
+    assert "Paris" in answer, answer
+    assert events[-1].finish_reason in ("stop", "length")
+    if events[-1].finish_reason == "stop":
+        assert "<|im_end|>" not in answer
+
+
+def test_batch_of_eight_gives_the_same_greedy_tokens() -> None:
+    engine = Engine.from_gguf(
+        _model_path(), dtype="float32", device=torch.device("cpu"), max_batch=8, context=512
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompts = [_chat(engine, q) for q in QUESTIONS]
+    alone = []
+    for prompt in prompts:
+        seq_id = engine.add(prompt, params, chat=True)
+        alone.append([t for e in _run(engine)[seq_id] for t in e.token_ids])
+    ids = {engine.add(prompt, params, chat=True): i for i, prompt in enumerate(prompts)}
+    events = _run(engine)
+    for seq_id, i in ids.items():
+        assert [t for e in events[seq_id] for t in e.token_ids] == alone[i], QUESTIONS[i]
