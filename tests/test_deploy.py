@@ -14,7 +14,7 @@ from neuron_trio.config import load_config
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNIT = DEPLOY / "neuron.service"
 
-EXPECTED = {
+EXPECTED: dict[str, dict[str, str | None]] = {
     "Unit": {
         "Description": None,
         "After": "network-online.target",
