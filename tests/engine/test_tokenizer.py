@@ -35,7 +35,7 @@ BYTE_CHARS = _byte_chars()
 SPACE = BYTE_CHARS[ord(" ")]  # "Ġ"
 
 
-def tiny_metadata(pre: str = "gpt2", **extra: Any) -> dict[str, object]:
+def tiny_metadata(pre: str = "gpt2", extra: dict[str, Any] | None = None) -> dict[str, object]:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = [f"{SPACE} w", "h e", "l l", "he ll", "hell o", f"{SPACE}w o", f"{SPACE}wo r"]
     merged = [f"{SPACE}w", "he", "ll", "hell", "hello", f"{SPACE}wo", f"{SPACE}wor"]
@@ -52,7 +52,7 @@ def tiny_metadata(pre: str = "gpt2", **extra: Any) -> dict[str, object]:
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": "{{ messages }}",
     }
-    md.update(extra)
+    md.update(extra or {})
     return md
 
 
@@ -87,7 +87,7 @@ def test_special_tokens_in_text_are_whole(tiny: Tokenizer) -> None:
 def test_add_bos_and_eos_from_metadata() -> None:
     tok = Tokenizer.from_metadata(
         tiny_metadata(
-            **{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}
+            extra={"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}
         )
     )
     assert tok.encode("he", add_special_tokens=True) == [1, tok.token_to_id("he"), 2]
@@ -129,7 +129,7 @@ def test_incremental_detokenizer_specials_and_flush(tiny: Tokenizer) -> None:
 
 def test_unknown_tokenizer_model_is_a_clear_error() -> None:
     with pytest.raises(UnsupportedModelError, match=r"tokenizer\.ggml\.model='bert'"):
-        Tokenizer.from_metadata(tiny_metadata(**{"tokenizer.ggml.model": "bert"}))
+        Tokenizer.from_metadata(tiny_metadata(extra={"tokenizer.ggml.model": "bert"}))
     with pytest.raises(UnsupportedModelError, match=r"tokenizer\.ggml\.pre='nonesuch'.*smollm"):
         Tokenizer.from_metadata(tiny_metadata(pre="nonesuch"))
     with pytest.raises(UnsupportedModelError, match="no tokenizer"):
