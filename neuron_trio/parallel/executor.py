@@ -1,0 +1,263 @@
+"""`Executor`: one loaded model: its engine, rank models, devices and communicator.
+
+Everything here is synchronous and may block; the service layer calls it from worker threads
+(`trio.to_thread.run_sync`) with its own deadlines and limiters:
+
+- `step()` / `probe()`: one engine step / one tiny forward; block their thread for a step
+  (for ever if a collective wedges, until `abort_comm()` unblocks them).
+- `abort_comm()`: `ncclCommAbort` on every rank; may block for ever itself, so it runs on a
+  thread of its own under the abort deadline.
+- `recreate_comm()`, `close()`: NCCL init and destroy; may block too.
+
+None of these may run on an event loop thread: a blocked NCCL call would take the loop with
+it. With `tp = 1` there is no communicator: `abort_comm()` and `recreate_comm()` do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_trio import failpoints as fp
+from neuron_trio.config import ModelConfig
+from neuron_trio.engine.types import SequenceEvent
+from neuron_trio.errors import CommError, ConfigError
+from neuron_trio.parallel.comm import Communicator
+from neuron_trio.parallel.sharding import check_tp, rank_shapes, shard_fn
+
+log = logging.getLogger(__name__)
+
+CommFactory = Callable[[], Communicator]
+
+
+class Executor:
+    """Owns the engine and what it runs on; its methods are meant for worker threads."""
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        models: list[Any],
+        devices: list[torch.device],
+        comm: Communicator | None,
+        comm_factory: CommFactory | None,
+        dtype: str,
+        ranks: list[dict[str, object]],
+        failpoints: fp.Failpoints | None = None,
+    ) -> None:
+        self.engine = engine
+        self.models = models
+        self.devices = devices
+        self.comm = comm
+        self._comm_factory = comm_factory
+        self.dtype = dtype
+        self.ranks = ranks
+        self.tp = len(models)
+        self._failpoints = fp.REGISTRY if failpoints is None else failpoints
+        self._lock = threading.Lock()  # recreate/close against each other
+        self.comm_generation = 0  # how many times the communicator was re-created
+        self.closed = False
+
+    @property
+    def runner(self) -> Any:
+        return self.engine.runner
+
+    def step(self) -> list[SequenceEvent]:
+        """The `engine.step` failpoint (hang: for ever), then one engine step."""
+        self._failpoints.reach("engine.step")
+        return list(self.engine.step())
+
+    def probe(self) -> None:
+        """One tiny forward on the scratch KV row; touches no sequence."""
+        self.engine.probe()
+
+    def abort_comm(self) -> None:
+        """Abort the communicator (unblocks a wedged step with CommAbortedError).
+
+        May block for ever (NCCL's abort can hang): call it on a thread of its own. With
+        `tp = 1`, nothing to abort: returns at once.
+        """
+        comm = self.comm
+        if comm is not None:
+            comm.abort()
+
+    def recreate_comm(self) -> None:
+        """Destroy (or, if that fails, drop) the old communicator; init a new one; rebind.
+
+        Blocks (NCCL init and destroy); raises CommError if the new one cannot be made.
+        """
+        with self._lock:
+            if self.comm is None or self._comm_factory is None:
+                return
+            old, self.comm = self.comm, None
+            try:
+                old.destroy()  # a no-op after a real abort (the handles are already freed)
+            except Exception as exc:
+                log.warning("dropping the old communicator: destroy failed: %s", exc)
+            try:
+                new = self._comm_factory()
+            except BaseException:
+                self.comm = old  # aborting it again is harmless; a step must not see None
+                raise
+            self.runner.rebind(new)
+            self.comm = new
+            self.comm_generation += 1
+
+    def async_error(self) -> str | None:
+        comm = self.comm
+        return None if comm is None else comm.async_error()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "tp": self.tp,
+            "dtype": self.dtype,
+            "ranks": self.ranks,
+            "comm": None if self.comm is None else self.comm.describe(),
+            "comm_generation": self.comm_generation,
+        }
+
+    def close(self) -> None:
+        """Cancel every sequence, destroy the communicator, free the models. May block."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.engine.cancel_all()
+            except Exception as exc:
+                log.warning("cancel_all on close failed: %s", exc)
+            comm, self.comm = self.comm, None
+            if comm is not None:
+                try:
+                    comm.destroy()
+                except Exception as exc:
+                    log.warning("destroying the communicator on close failed: %s", exc)
+            self.models = []
+            if any(d.type == "cuda" for d in self.devices) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def _rank_devices(devices: list[torch.device], tp: int) -> list[torch.device]:
+    if len(devices) == tp:
+        return list(devices)
+    if len(devices) == 1:
+        # CPU ranks; or several ranks on one GPU (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1).
+        return list(devices) * tp
+    raise ConfigError(f"tp = {tp} needs {tp} devices (or one), got {len(devices)}")
+
+
+def make_comm_factory(
+    devices: list[torch.device], failpoints: fp.Failpoints | None = None
+) -> CommFactory:
+    """How to (re-)create the communicator of these rank devices: NCCL or in-process."""
+    if all(d.type == "cuda" for d in devices):
+
+        def nccl() -> Communicator:
+            from neuron_trio.parallel.nccl_comm import NcclCommunicator
+
+            return NcclCommunicator.init_all(devices, failpoints=failpoints)
+
+        return nccl
+    if all(d.type == "cpu" for d in devices):
+
+        def in_process() -> Communicator:
+            from neuron_trio.parallel.inprocess import InProcessCommunicator
+
+            return InProcessCommunicator(len(devices), devices, failpoints=failpoints)
+
+        return in_process
+    raise ConfigError(f"tensor parallelism over {[str(d) for d in devices]}: mixed device types")
+
+
+def build_executor(
+    spec: ModelConfig,
+    model_path: str | Path,
+    devices: list[torch.device],
+    *,
+    failpoints: fp.Failpoints | None = None,
+) -> Executor:
+    """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
+
+    Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
+    thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
+    ConfigError if `tp` does not split the model, ModelLoadError if it cannot be loaded,
+    CommError (NcclError) if the communicator cannot be made.
+    """
+    from neuron_trio.engine.engine import Engine
+    from neuron_trio.engine.gguf_file import GGUFFile
+    from neuron_trio.engine.loader import SingleRunner, load_transformer
+    from neuron_trio.engine.tokenizer import Tokenizer
+    from neuron_trio.parallel.tp_runner import TPRunner
+
+    failpoints = fp.REGISTRY if failpoints is None else failpoints
+    tp = spec.tp
+    with GGUFFile(model_path) as gguf:
+        config = gguf.config
+    try:
+        check_tp(config, tp)
+    except ConfigError as exc:
+        raise ConfigError(f"model {spec.name!r}: {exc}") from None
+    rank_devices = _rank_devices(devices, tp)
+    slots = spec.max_batch + 1  # one scratch row for probes
+    models = [
+        load_transformer(
+            model_path,
+            dtype=spec.dtype,
+            device=rank_devices[rank],
+            shard=shard_fn(config, rank, tp) if tp > 1 else None,
+            tp=tp,
+        )
+        for rank in range(tp)
+    ]
+    comm: Communicator | None = None
+    factory: CommFactory | None = None
+    runner: Any
+    if tp == 1:
+        runner = SingleRunner(models[0], slots=slots, context=spec.context)
+    else:
+        factory = make_comm_factory(rank_devices, failpoints)
+        comm = factory()
+        try:
+            runner = TPRunner(models, comm, slots=slots, context=spec.context, config=config)
+        except BaseException:
+            _destroy_quietly(comm)
+            raise
+    tokenizer = Tokenizer.from_gguf(model_path)
+    engine = Engine(runner, tokenizer, max_batch=spec.max_batch, context=spec.context)
+    ranks: list[dict[str, object]] = [
+        {"device": str(d), **shape}
+        for d, shape in zip(rank_devices, rank_shapes(config, tp), strict=True)
+    ]
+    return Executor(
+        engine=engine,
+        models=models,
+        devices=rank_devices,
+        comm=comm,
+        comm_factory=factory,
+        dtype=_dtype_name(models[0], spec.dtype),
+        ranks=ranks,
+        failpoints=failpoints,
+    )
+
+
+def _destroy_quietly(comm: Communicator) -> None:
+    try:
+        comm.destroy()
+    except CommError as exc:
+        log.warning("destroying a communicator after a failed load: %s", exc)
+
+
+def _dtype_name(model: Any, requested: str) -> str:
+    """What the weights really are (e.g. "auto" resolved), for /v1/node."""
+    for attr in ("dtype_name", "dtype"):
+        value = getattr(model, attr, None)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")
+    return requested

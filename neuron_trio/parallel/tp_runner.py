@@ -1,0 +1,132 @@
+"""`TPRunner`: one shard per rank, driven in lockstep on one thread, partial sums all-reduced.
+
+Each rank's model is a TP shard whose `forward_steps(...)` is a generator: at every
+row-parallel projection (attention output, MLP down) it yields its partial sum `[B, T, dim]`
+and continues with the tensor sent back (the sum over ranks). The runner advances every
+rank to its next yield, calls `comm.all_reduce([p_0, …, p_n])` once (one grouped NCCL call
+across devices, as NCCL's single-process mode wants), sends each rank its sum, and repeats
+until every generator returns its logits; rank 0's come back.
+
+The model never imports a communicator, and this module never looks inside the model.
+Blocking: `forward` blocks its (worker) thread for the whole step; a wedged collective
+blocks it until the communicator is aborted, then raises CommAbortedError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from neuron_trio.engine.kv_cache import KVCache
+from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.errors import CommAbortedError
+from neuron_trio.parallel.comm import Communicator
+
+
+class TPRunner:
+    """The engine's `Runner` over `len(models)` tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        models: list[Any],
+        comm: Communicator,
+        *,
+        slots: int,
+        context: int,
+        config: LlamaConfig | None = None,
+    ) -> None:
+        if len(models) != comm.world_size:
+            raise ValueError(f"{len(models)} rank models for a communicator of {comm.world_size}")
+        self.models = models
+        self.comm = comm
+        self.tp = len(models)
+        self.slots = slots
+        self.context = context
+        shard_config: LlamaConfig = models[0].config
+        # The whole model's shape (what the scheduler sees), unless given.
+        self.config = config or replace(
+            shard_config,
+            n_heads=shard_config.n_heads * self.tp,
+            n_kv_heads=shard_config.n_kv_heads * self.tp,
+            ffn_dim=shard_config.ffn_dim * self.tp,
+        )
+        self.devices = [_device_of(m) for m in models]
+        self.device = self.devices[0]
+        self.kv = [
+            KVCache.allocate(m.config, slots, context, _dtype_of(m), d)
+            for m, d in zip(models, self.devices, strict=True)
+        ]
+        self.steps = 0
+
+    def rebind(self, comm: Communicator) -> None:
+        """Use a re-created communicator from the next forward on."""
+        if comm.world_size != self.tp:
+            raise ValueError(f"communicator of {comm.world_size} ranks for tp = {self.tp}")
+        self.comm = comm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        gens: list[Generator[torch.Tensor, torch.Tensor, torch.Tensor]] = [
+            model.forward_steps(
+                input_ids.to(device),
+                start_pos.to(device),
+                slots.to(device),
+                kv,
+                all_logits=all_logits,
+            )
+            for model, device, kv in zip(self.models, self.devices, self.kv, strict=True)
+        ]
+        comm = self.comm
+        try:
+            sums: list[torch.Tensor | None] = [None] * self.tp
+            while True:
+                partials: list[torch.Tensor] = []
+                results: list[torch.Tensor] = []
+                for gen, value in zip(gens, sums, strict=True):
+                    try:
+                        partial = next(gen) if value is None else gen.send(value)
+                    except StopIteration as stop:
+                        results.append(stop.value)
+                    else:
+                        partials.append(
+                            partial if partial.is_contiguous() else partial.contiguous()
+                        )
+                if results:
+                    if partials:
+                        raise RuntimeError("TP ranks out of lockstep: some returned, some yielded")
+                    break
+                comm.all_reduce(partials)  # in place: each now holds the sum
+                sums = list(partials)
+        finally:
+            for gen in gens:
+                gen.close()
+        if getattr(comm, "aborted", False):
+            # NCCL aborted while kernels ran: the logits may be garbage.
+            raise CommAbortedError("communicator aborted during the step")
+        self.steps += 1
+        return results[0]
+
+
+def _device_of(model: Any) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return torch.device("cpu")
+
+
+def _dtype_of(model: Any) -> torch.dtype:
+    """The KV cache's dtype: the model's activation dtype (what K and V are computed in)."""
+    for attr in ("kv_dtype", "act_dtype", "dtype"):
+        dtype = getattr(model, attr, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return torch.float32
