@@ -1,0 +1,245 @@
+"""The forensics report the deadman writes before exit 70 (format in DESIGN.md).
+
+Plain threading code, no trio: the deadman may gather from a worker thread, or from a
+thread that is not trio's at all. Every part that talks to something outside the
+interpreter (nvidia-smi, NVML, a communicator) runs under its own timeout on a daemon
+thread, so that gathering cannot hang the exit: a part that overruns is recorded as
+`{"error": "timed out after N s"}` and its thread is left behind (the process is about
+to exit anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from neuron_trio.gpu.smi import run_nvidia_smi
+
+T = TypeVar("T")
+
+FORENSICS_DIR = "forensics"
+
+
+class _Comm(Protocol):
+    def async_error(self) -> str | None: ...
+
+    def describe(self) -> dict[str, object]: ...
+
+
+class PartTimeout(Exception):
+    """Raised by `bounded` if a part did not finish within its timeout."""
+
+
+def bounded(fn: Callable[[], T], timeout_s: float, *, name: str) -> T:
+    """Run `fn` on a daemon thread named `name`; return its value or raise what it raised.
+
+    Raises PartTimeout if it is still running after `timeout_s`; the thread is then left
+    behind (a daemon thread never holds up the exit).
+    """
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PartTimeout(f"timed out after {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
+
+
+def _part(fn: Callable[[], Any], timeout_s: float, name: str) -> Any:
+    """A report part: its value, or {"error": why}, never an exception."""
+    try:
+        return bounded(fn, timeout_s, name=f"forensics-{name}")
+    except Exception as exc:
+        return {
+            "error": f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, PartTimeout)
+            else str(exc)
+        }
+
+
+def thread_stacks() -> list[dict[str, Any]]:
+    """The stack of every Python thread, innermost frame last, with its name."""
+    frames = sys._current_frames()
+    by_ident = {t.ident: t for t in threading.enumerate()}
+    stacks = []
+    for ident, frame in frames.items():
+        thread = by_ident.get(ident)
+        stacks.append(
+            {
+                "name": thread.name if thread else f"<unknown {ident}>",
+                "ident": ident,
+                "daemon": thread.daemon if thread else None,
+                "stack": [
+                    f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
+                    for fs in traceback.extract_stack(frame)
+                ],
+            }
+        )
+    del frames
+    stacks.sort(key=lambda s: str(s["name"]))
+    return stacks
+
+
+def query_nvml() -> dict[str, Any]:
+    """Live per-GPU memory through NVML (pynvml); raises if NVML cannot be used."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(
+                {
+                    "index": index,
+                    "memory_used_bytes": int(memory.used),
+                    "memory_total_bytes": int(memory.total),
+                }
+            )
+        return {"gpus": gpus}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _comm_part(comm: _Comm) -> dict[str, Any]:
+    part: dict[str, Any] = {}
+    try:
+        part["describe"] = comm.describe()
+    except Exception as exc:
+        part["describe"] = {"error": f"{type(exc).__name__}: {exc}"}
+    part["async_error"] = comm.async_error()
+    return part
+
+
+def gather_forensics(
+    *,
+    what: str,
+    since: float | None,
+    deadline_s: dict[str, float] | float | None,
+    inflight: list[dict[str, Any]] | None = None,
+    comms: Iterable[_Comm] = (),
+    nvidia_smi_timeout_s: float = 5.0,
+    part_timeout_s: float = 5.0,
+    reason: str = "",
+    extra: dict[str, Any] | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """Build the report. `since` and `now` are wall-clock (time.time()) seconds.
+
+    Bounded: nvidia-smi by `nvidia_smi_timeout_s` (plus a second to reap it), NVML and each
+    communicator by `part_timeout_s`. The thread stacks are read last, so that the report's
+    own helper threads (still hung, if one timed out) show too.
+    """
+    now = time.time() if now is None else now
+    report: dict[str, Any] = {
+        "kind": "neuron.forensics",
+        "version": 1,
+        "reason": reason,
+        "what": what,
+        "since": _iso(since) if since is not None else None,
+        "wedged_for_s": round(now - since, 3) if since is not None else None,
+        "deadlines_s": deadline_s,
+        "at": _iso(now),
+        "pid": os.getpid(),
+    }
+    inflight = list(inflight or [])
+    report["inflight"] = inflight
+    report["inflight_count"] = len(inflight)
+    # gpu.smi kills and reaps a hung nvidia-smi itself; the extra bound covers a child that
+    # cannot be reaped (stuck in the kernel on a sick GPU).
+    report["nvidia_smi"] = _part(
+        lambda: run_nvidia_smi(nvidia_smi_timeout_s), nvidia_smi_timeout_s + 2.0, "nvidia-smi"
+    )
+    report["nvml"] = _part(query_nvml, part_timeout_s, "nvml")
+    report["nccl"] = [
+        _part(lambda c=comm: _comm_part(c), part_timeout_s, f"comm-{i}")  # type: ignore[misc]
+        for i, comm in enumerate(comms)
+    ]
+    if extra:
+        report["extra"] = extra
+    report["threads"] = thread_stacks()
+    return report
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def report_filename(ts: float) -> str:
+    """`20261202T171727.123456Z.json`: sorts by time; the UTC instant of the report."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%dT%H%M%S.%fZ") + ".json"
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """One line of JSON (no newlines inside): the log record and the file's content."""
+    return json.dumps(report, default=repr, separators=(",", ":"), ensure_ascii=False)
+
+
+def write_report(
+    state_dir: str | Path, report: dict[str, Any], *, now: float | None = None
+) -> Path:
+    """Write `state_dir/forensics/<utc-timestamp>.json` atomically (temp file, fsync, rename)."""
+    folder = Path(state_dir) / FORENSICS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / report_filename(time.time() if now is None else now)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".forensics-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(to_json(report) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+    return path
+
+
+def last_report(state_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest report under `state_dir/forensics/` and its content, or None.
+
+    For `/v1/node` after a restart; a report that cannot be read is returned as
+    {"error": why} rather than hidden.
+    """
+    folder = Path(state_dir) / FORENSICS_DIR
+    try:
+        names = sorted(p for p in folder.glob("*.json") if not p.name.startswith("."))
+    except OSError:
+        return None
+    if not names:
+        return None
+    path = names[-1]
+    try:
+        return path, json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return path, {"error": f"cannot read {path.name}: {exc}"}

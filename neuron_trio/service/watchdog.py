@@ -1,0 +1,633 @@
+"""The wedge watchdog of one model: step deadline, abort on its own thread, recovery or exit 70.
+
+Why (DESIGN.md, "Why it exists"): a tensor-parallel step once wedged in an NCCL collective,
+and the abort meant to free it blocked forever too, so neither branch after it ever ran.
+Here every blocking call runs on a worker thread the event loop does not wait for
+(`abandon_on_cancel=True`), and every wait on such a thread has a deadline of its own:
+
+    run_step(fn)         fn on thread "neuron-step-<model>" under tp.step_timeout_s
+      └─ past it         -> StepTimeoutError; the model is "recovering"
+    recover(executor)    abort every rank's communicator on thread "nccl-abort-<model>"
+      ├─ wait_for_abort  returned / error / deadline (tp.abort_deadline_s from the wedge)
+      ├─ deadline        -> deadman: forensics, exit 70 (never returns)
+      └─ came back       -> wedged step thread back (bounded), recreate_comm (bounded),
+                            probe (bounded) -> serving again; any of them failing -> exit 70
+    tp = 1               nothing to abort: the wedged step itself gets the abort deadline
+
+How the model actor uses it (one Watchdog per model, one Deadman per process):
+
+    watchdog = Watchdog(model_name=name, tp=config.tp, deadman=deadman,
+                        metrics=WatchdogMetrics.for_registry(registry))
+    nursery.start_soon(watchdog.run_idle_probes, executor)      # optional idle probe
+    try:
+        events = await watchdog.run_step(executor.step)
+    except StepTimeoutError:
+        fail in-flight requests with 503 (watchdog.recovering is True now)
+        await watchdog.recover(executor)      # returns only once serving again
+    except UnavailableError:
+        the idle probe found a wedge and is recovering: fail or hold requests
+
+Steps, probes and recovery of one model are serialised by one lock, so the idle probe never
+runs beside a step (the engine is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, Protocol, TypeVar
+
+import trio
+
+from neuron_trio.config import TpConfig
+from neuron_trio.errors import StepTimeoutError, UnavailableError
+from neuron_trio.service.deadman import Deadman
+from neuron_trio.service.watchdog_metrics import WatchdogMetrics
+
+__all__ = [
+    "AbortOutcome",
+    "AbortResult",
+    "StepTimeoutError",
+    "ThreadRunner",
+    "Watchdog",
+    "WatchdogStatistics",
+    "run_in_thread",
+    "wait_for_abort",
+]
+
+log = logging.getLogger("neuron.watchdog")
+
+T = TypeVar("T")
+AbortOutcome = Literal["returned", "error", "deadline"]
+WatchdogState = Literal["idle", "stepping", "probing", "recovering", "aborting", "wedged"]
+
+# After the deadline fires, how many scheduling rounds (at the same clock instant) an abort
+# that completed at that instant gets to deliver its result. Each hop (thread runner ->
+# abort task -> event) takes one round; checkpoints do not advance even a MockClock.
+_SAME_INSTANT_ROUNDS = 16
+
+
+# --- the decision ---------------------------------------------------------------------------
+
+
+@dataclass
+class AbortResult:
+    """What came back from a blocking call watched by `wait_for_abort`: filled in, then
+    the paired event is set. `error` is None if it returned normally."""
+
+    error: BaseException | None = None
+    finished_at: float | None = None  # trio clock
+
+
+async def wait_for_abort(
+    abort_done: trio.Event, abort_result: AbortResult, deadline: float
+) -> AbortOutcome:
+    """Wait until `abort_done` is set or the trio clock reaches `deadline`; say which.
+
+    "returned": it came back in time; "error": it came back in time with
+    `abort_result.error` set (it came back: a recovery can go on); "deadline": it did not.
+
+    An abort that lands an instant before the deadline, or exactly at it, is a recovery:
+    when the deadline scope fires first, every task made runnable at that same instant is
+    given its turn (a bounded number of checkpoints, which never move the clock) and the
+    event is checked again before deciding. So the answer does not depend on the order in
+    which trio runs tasks woken at the same instant.
+
+    Touches no thread: test it with MockClock and trio-native fakes.
+    """
+    with trio.move_on_at(deadline):
+        await abort_done.wait()
+    rounds = 0
+    while not abort_done.is_set() and rounds < _SAME_INSTANT_ROUNDS:
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        rounds += 1
+    if not abort_done.is_set():
+        return "deadline"
+    return "error" if abort_result.error is not None else "returned"
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+class ThreadRunner(Protocol):
+    """Runs `fn` on a worker thread with `abandon_on_cancel=True` semantics.
+
+    `on_return(error)` is called in trio context once `fn` really returns (error None) or
+    raises, even after the caller was cancelled and the thread abandoned. Tests substitute
+    a trio-native fake (see tests/service/test_watchdog.py).
+    """
+
+    def __call__(
+        self,
+        fn: Callable[[], T],
+        *,
+        thread_name: str,
+        limiter: trio.CapacityLimiter,
+        on_return: Callable[[BaseException | None], None],
+    ) -> Awaitable[T]: ...
+
+
+async def run_in_thread(
+    fn: Callable[[], T],
+    *,
+    thread_name: str,
+    limiter: trio.CapacityLimiter,
+    on_return: Callable[[BaseException | None], None],
+) -> T:
+    """The real ThreadRunner: `trio.to_thread.run_sync(fn, abandon_on_cancel=True, ...)`.
+
+    Cancellation handling: the caller gets Cancelled at once; the thread runs on, keeps its
+    `limiter` slot until it returns, and then reports through `on_return` (delivered with
+    the run's TrioToken, dropped if the run has finished).
+    """
+    token = trio.lowlevel.current_trio_token()
+
+    def body() -> T:
+        error: BaseException | None = None
+        try:
+            return fn()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            try:
+                token.run_sync_soon(on_return, error)
+            except trio.RunFinishedError:
+                pass
+
+    return await trio.to_thread.run_sync(
+        body, abandon_on_cancel=True, thread_name=thread_name, limiter=limiter
+    )
+
+
+class WatchedExecutor(Protocol):
+    """What the watchdog needs of `parallel.executor.Executor` (its methods block)."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def comm(self) -> Any: ...  # Communicator | None
+
+    def probe(self) -> Any: ...
+
+    def abort_comm(self) -> None: ...
+
+    def recreate_comm(self) -> None: ...
+
+
+@dataclass
+class _Watch:
+    """One blocking call on a thread: when it started, and whether it has come back."""
+
+    what: str
+    started: float  # trio clock
+    started_wall: float
+    done: trio.Event = field(default_factory=trio.Event)
+    result: AbortResult = field(default_factory=AbortResult)
+    detected: float | None = None  # trio clock: when it ran past its deadline
+
+    def mark(self, error: BaseException | None, now: float) -> None:
+        if not self.done.is_set():
+            self.result.error = error
+            self.result.finished_at = now
+            self.done.set()
+
+
+@dataclass(frozen=True)
+class WatchdogStatistics:
+    model: str
+    state: WatchdogState
+    since: float  # wall clock: when this state began
+    step_timeout_s: float
+    abort_deadline_s: float
+    probe_interval_s: float
+    wedges: int
+    aborts: dict[str, int]
+    recoveries: int
+    probes: int
+    last_wedge: dict[str, Any] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """For `/v1/node`."""
+        return {
+            "state": self.state,
+            "since": _iso(self.since),
+            "step_timeout_s": self.step_timeout_s,
+            "abort_deadline_s": self.abort_deadline_s,
+            "probe_interval_s": self.probe_interval_s,
+            "wedges": self.wedges,
+            "aborts": dict(self.aborts),
+            "recoveries": self.recoveries,
+            "probes": self.probes,
+            "last_wedge": dict(self.last_wedge) if self.last_wedge else None,
+        }
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def _ignore(_error: BaseException | None) -> None:
+    pass
+
+
+# --- the watchdog ----------------------------------------------------------------------------
+
+
+class Watchdog:
+    """The wedge watchdog of one model (see the module docstring for the flow)."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        tp: TpConfig,
+        deadman: Deadman,
+        metrics: WatchdogMetrics | None = None,
+        clock: Callable[[], float] = trio.current_time,
+        wall_clock: Callable[[], float] = time.time,
+        run_thread: ThreadRunner = run_in_thread,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.step_timeout_s = tp.step_timeout_s
+        self.abort_deadline_s = tp.abort_deadline_s
+        self.probe_interval_s = tp.probe_interval_s
+        self._deadman = deadman
+        self._metrics = metrics
+        self._clock = clock
+        self._wall = wall_clock
+        self._run_thread = run_thread
+        self._log = logger or log
+        self._step_limiter = trio.CapacityLimiter(1)
+        self._busy = trio.Lock()
+        self._state: WatchdogState = "idle"
+        self._state_since = wall_clock()
+        self._last_activity: float | None = None  # trio clock; None until the first step
+        self._wedge: _Watch | None = None
+        self._wedges = 0
+        self._aborts = {"returned": 0, "error": 0, "deadline": 0}
+        self._recoveries = 0
+        self._probes = 0
+        self._last_wedge: dict[str, Any] | None = None
+        if metrics is not None:
+            metrics.recovering.labels(model_name).set(0)
+
+    # --- what others read -------------------------------------------------------------------
+
+    @property
+    def state(self) -> WatchdogState:
+        return "wedged" if self._deadman.firing else self._state
+
+    @property
+    def recovering(self) -> bool:
+        """True from a step's timeout until recovery ends (or the deadman fires)."""
+        return self.state in ("recovering", "aborting", "wedged")
+
+    def statistics(self) -> WatchdogStatistics:
+        return WatchdogStatistics(
+            model=self.model_name,
+            state=self.state,
+            since=self._state_since,
+            step_timeout_s=self.step_timeout_s,
+            abort_deadline_s=self.abort_deadline_s,
+            probe_interval_s=self.probe_interval_s,
+            wedges=self._wedges,
+            aborts=dict(self._aborts),
+            recoveries=self._recoveries,
+            probes=self._probes,
+            last_wedge=dict(self._last_wedge) if self._last_wedge else None,
+        )
+
+    def probe_due_at(self) -> float:
+        """Trio-clock instant at which an idle model is due for its probe."""
+        last = self._clock() if self._last_activity is None else self._last_activity
+        return last + self.probe_interval_s
+
+    # --- steps ------------------------------------------------------------------------------
+
+    async def run_step(self, fn: Callable[[], T], *, what: str = "step") -> T:
+        """Run `fn` (e.g. `executor.step`) on the model's step thread under step_timeout_s.
+
+        Raises StepTimeoutError if it runs past the deadline: the thread is abandoned (it
+        may still come back; `recover` waits for that), the model is `recovering`, and the
+        caller must call `recover(executor)` next. Raises UnavailableError (503) if the
+        model is recovering already. Exceptions of `fn` propagate unchanged.
+
+        Cancellation handling: if the caller is cancelled, the thread is abandoned and keeps
+        the step limiter's only slot until it returns (a later step waits for it).
+        """
+        async with self._busy:
+            self._ensure_serving()
+            return await self._deadline_call(fn, what)
+
+    async def run_probe(self, executor: WatchedExecutor) -> Any:
+        """One tiny probe step (`executor.probe`) under the step deadline; as `run_step`."""
+        return await self.run_step(executor.probe, what="probe")
+
+    def _ensure_serving(self) -> None:
+        if self._wedge is not None or self.state not in ("idle", "stepping", "probing"):
+            raise UnavailableError(
+                f"model {self.model_name!r} is {self.state}", code=self.state, retry_after_s=5
+            )
+
+    async def _deadline_call(self, fn: Callable[[], T], what: str) -> T:
+        now = self._clock()
+        watch = _Watch(what=what, started=now, started_wall=self._wall())
+        self._set_state("probing" if what == "probe" else "stepping")
+        finished = False
+        try:
+            with trio.move_on_at(now + self.step_timeout_s):
+                result = await self._run_thread(
+                    fn,
+                    thread_name=f"neuron-step-{self.model_name}",
+                    limiter=self._step_limiter,
+                    on_return=lambda error: watch.mark(error, self._clock()),
+                )
+                finished = True
+        finally:
+            if finished or self._wedge is None:
+                self._last_activity = self._clock()
+            if self._state in ("stepping", "probing"):
+                self._set_state("idle")
+        if finished:
+            return result
+        watch.detected = self._clock()
+        self._wedge = watch
+        self._wedges += 1
+        self._last_wedge = {
+            "what": what,
+            "at": _iso(watch.started_wall),
+            "detected_after_s": round(watch.detected - watch.started, 3),
+            "outcome": "recovering",
+        }
+        self._set_state("recovering")
+        if self._metrics is not None:
+            self._metrics.wedges.labels(self.model_name, what).inc()
+        self._log.error(
+            "watchdog: model %s: %s ran past step_timeout_s=%g: wedged; recovering",
+            self.model_name,
+            what,
+            self.step_timeout_s,
+        )
+        raise StepTimeoutError(
+            f"model {self.model_name!r}: {what} ran past step_timeout_s={self.step_timeout_s:g}"
+        )
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    async def recover(self, executor: WatchedExecutor) -> None:
+        """Recover after a StepTimeoutError: returns once the model serves again.
+
+        Never returns otherwise: if the abort does not come back within abort_deadline_s of
+        the wedge, or the wedged step thread, `recreate_comm` or the probe fails or hangs
+        (each bounded by step_timeout_s), the deadman writes forensics and exits 70.
+        Returns at once if there is no wedge to recover from (another task recovered it).
+        """
+        async with self._busy:
+            watch = self._wedge
+            if watch is None:
+                return
+            assert watch.detected is not None
+            comm = executor.comm
+            comms = [comm] if comm is not None else []
+            abort_deadline = watch.detected + self.abort_deadline_s
+            if executor.tp > 1:
+                outcome = await self._abort(executor, abort_deadline)
+                if outcome == "deadline":
+                    await self._fire("abort-deadline", watch, comms, "the communicator abort")
+                self._set_state("recovering")
+                back = await wait_for_abort(
+                    watch.done, watch.result, self._clock() + self.step_timeout_s
+                )
+                if back == "deadline":
+                    await self._fire(
+                        "step-thread-stuck", watch, comms, "the step thread, after the abort"
+                    )
+                await self._recovery_call(executor.recreate_comm, "recreate_comm", watch, comms)
+            else:
+                # Nothing to abort: the step itself gets the abort deadline to come back.
+                back = await wait_for_abort(watch.done, watch.result, abort_deadline)
+                if back == "deadline":
+                    await self._fire("step-deadline", watch, comms, "the step (tp = 1)")
+            await self._recovery_call(executor.probe, "probe", watch, comms)
+            self._wedge = None
+            self._recoveries += 1
+            self._last_activity = self._clock()
+            if self._last_wedge is not None:
+                self._last_wedge["outcome"] = "recovered"
+                self._last_wedge["recovered_after_s"] = round(self._clock() - watch.started, 3)
+            if self._metrics is not None:
+                self._metrics.recoveries.labels(self.model_name).inc()
+            self._set_state("idle")
+            self._log.warning(
+                "watchdog: model %s recovered from a wedged %s in %.3f s",
+                self.model_name,
+                watch.what,
+                self._clock() - watch.started,
+            )
+
+    async def _abort(self, executor: WatchedExecutor, deadline: float) -> AbortOutcome:
+        """Abort every rank's communicator on a thread of its own; wait until `deadline`."""
+        self._set_state("aborting")
+        started = self._clock()
+        done = trio.Event()
+        result = AbortResult()
+
+        async def abort_task() -> None:
+            try:
+                await self._run_thread(
+                    executor.abort_comm,
+                    thread_name=f"nccl-abort-{self.model_name}",
+                    # A fresh limiter: an abandoned abort keeps its slot for ever.
+                    limiter=trio.CapacityLimiter(1),
+                    on_return=_ignore,
+                )
+            except Exception as exc:
+                result.error = exc
+            result.finished_at = self._clock()
+            done.set()
+
+        self._log.warning("watchdog: model %s: aborting the communicator", self.model_name)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(abort_task)
+            outcome = await wait_for_abort(done, result, deadline)
+            nursery.cancel_scope.cancel()  # deadline: abandon the abort's thread
+        duration = (result.finished_at if outcome != "deadline" else None) or self._clock()
+        duration -= started
+        self._aborts[outcome] += 1
+        if self._last_wedge is not None:
+            self._last_wedge["abort"] = outcome
+            self._last_wedge["abort_s"] = round(duration, 3)
+        if self._metrics is not None:
+            self._metrics.aborts.labels(self.model_name, outcome).inc()
+            self._metrics.abort_seconds.labels(self.model_name, outcome).observe(duration)
+        if outcome == "deadline":
+            self._log.critical(
+                "watchdog: model %s: abort did not return within abort_deadline_s=%g",
+                self.model_name,
+                self.abort_deadline_s,
+            )
+        else:
+            self._log.warning(
+                "watchdog: model %s: abort %s after %.3f s%s",
+                self.model_name,
+                outcome,
+                duration,
+                f": {result.error!r}" if result.error is not None else "",
+            )
+        return outcome
+
+    async def _recovery_call(
+        self, fn: Callable[[], Any], what: str, watch: _Watch, comms: list[Any]
+    ) -> None:
+        """One recovery step on a worker thread, bounded by step_timeout_s; failing -> exit 70."""
+        done = trio.Event()
+        result = AbortResult()
+        on_step_thread = what == "probe"
+
+        async def call() -> None:
+            try:
+                await self._run_thread(
+                    fn,
+                    thread_name=f"neuron-step-{self.model_name}"
+                    if on_step_thread
+                    else f"nccl-init-{self.model_name}",
+                    limiter=self._step_limiter if on_step_thread else trio.CapacityLimiter(1),
+                    on_return=_ignore,
+                )
+            except Exception as exc:
+                result.error = exc
+            result.finished_at = self._clock()
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            outcome = await wait_for_abort(done, result, self._clock() + self.step_timeout_s)
+            nursery.cancel_scope.cancel()
+        if outcome == "returned":
+            return
+        why = (
+            f"{what} ran past step_timeout_s={self.step_timeout_s:g}"
+            if outcome == "deadline"
+            else f"{what} failed: {result.error!r}"
+        )
+        self._log.critical("watchdog: model %s: recovery failed: %s", self.model_name, why)
+        await self._fire(f"{what}-failed", watch, comms, why)
+
+    async def _fire(self, reason: str, watch: _Watch, comms: list[Any], detail: str) -> NoReturn:
+        self._set_state("wedged")
+        if self._last_wedge is not None:
+            self._last_wedge["outcome"] = f"deadman: {reason}"
+        await self._deadman.fire(
+            reason,
+            what=f"model {self.model_name}: {watch.what}",
+            since=watch.started_wall,
+            deadlines_s={
+                "step_timeout_s": self.step_timeout_s,
+                "abort_deadline_s": self.abort_deadline_s,
+            },
+            comms=comms,
+            details={
+                "model": self.model_name,
+                "detail": detail,
+                "watchdog": self.statistics().as_dict(),
+            },
+        )
+
+    # --- bounded one-off calls (load, communicator init/destroy, first steps) ---------------
+
+    async def run_or_die(
+        self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None
+    ) -> T:
+        """Run a blocking call that must not hang (communicator init or destroy, a model's
+        first steps) on a thread of its own, under `timeout_s` (default step_timeout_s).
+
+        Past it the deadman fires (forensics, exit 70): a model that wedges on load must end
+        the process, not leave a start that never ends. Exceptions of `fn` propagate.
+        Cancellation handling: the thread is abandoned.
+        """
+        now = self._clock()
+        watch = _Watch(what=what, started=now, started_wall=self._wall())
+        with trio.move_on_at(now + (timeout_s or self.step_timeout_s)):
+            return await self._run_thread(
+                fn,
+                thread_name=f"neuron-{what.replace(' ', '-')}-{self.model_name}",
+                limiter=trio.CapacityLimiter(1),
+                on_return=_ignore,
+            )
+        watch.detected = self._clock()
+        self._log.critical(
+            "watchdog: model %s: %s ran past %g s", self.model_name, what, timeout_s or 0
+        )
+        await self._fire(f"{what}-timeout", watch, [], f"{what} ran past its deadline")
+
+    # --- idle probe -------------------------------------------------------------------------
+
+    async def run_idle_probes(
+        self,
+        executor: WatchedExecutor,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> NoReturn:
+        """Forever: when the model has been idle for probe_interval_s, run one probe step.
+
+        A probe past the step deadline is a wedge like any other: this task recovers it
+        (or the deadman fires), while the actor's steps get UnavailableError meanwhile.
+        A probe that fails with an error is treated the same way (abort, re-create, probe
+        again; a second failure exits 70): a broken model must look broken.
+        """
+        if self._last_activity is None:
+            self._last_activity = self._clock()
+        task_status.started()
+        while True:
+            due = self.probe_due_at()
+            if self._clock() < due:
+                await trio.sleep_until(due)
+                continue
+            if self._busy.locked() or self.state != "idle":
+                await trio.sleep(self.probe_interval_s)
+                continue
+            await self._idle_probe(executor)
+
+    async def _idle_probe(self, executor: WatchedExecutor) -> None:
+        self._probes += 1
+        try:
+            await self.run_probe(executor)
+        except StepTimeoutError:
+            self._count_probe("timeout")
+            await self.recover(executor)
+        except UnavailableError:
+            self._last_activity = self._clock()
+        except Exception as exc:
+            self._count_probe("error")
+            self._log.error("watchdog: model %s: idle probe failed: %r", self.model_name, exc)
+            await self._recover_from_error(executor, exc)
+        else:
+            self._count_probe("ok")
+
+    async def _recover_from_error(self, executor: WatchedExecutor, exc: Exception) -> None:
+        async with self._busy:
+            if self._wedge is not None:
+                return
+            now = self._clock()
+            watch = _Watch(what="probe", started=now, started_wall=self._wall(), detected=now)
+            watch.mark(exc, now)  # the probe's thread did come back (with an error)
+            self._wedge = watch
+            self._set_state("recovering")
+        await self.recover(executor)
+
+    def _count_probe(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.probes.labels(self.model_name, result).inc()
+
+    def _set_state(self, state: WatchdogState) -> None:
+        if state != self._state:
+            self._state = state
+            self._state_since = self._wall()
+            if self._metrics is not None:
+                recovering = state in ("recovering", "aborting", "wedged")
+                self._metrics.recovering.labels(self.model_name).set(1 if recovering else 0)
