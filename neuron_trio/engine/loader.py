@@ -1,0 +1,215 @@
+"""GGUF file → `Transformer` on a device; `SingleRunner`; size estimates for placement.
+
+The model is built on the meta device, then each weight is dequantised from the memory-mapped
+file, sliced for this rank by `shard` (tensor parallelism), converted and assigned: no weight
+is ever held twice in full. Each GGUF weight reaches `shard` by name (e.g.
+"blk.0.attn_q.weight") as a logical float32 tensor `[out, in]` (Q/K un-permuted) or `[n]`
+for norms; the shard returns this rank's slice (norms, token_embd and output whole).
+
+dtype:
+- "float32": every weight dequantised to float32; the reference numerics.
+- "bfloat16", "float16": dense weights and activations in that type.
+- "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
+  (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
+  rest and the output head) through torch's CPU kernels, bfloat16 activations and a float32
+  residual stream (bench/bench_decode.py measures speed and agreement with float32).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from neuron_trio.engine import quant
+from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.kv_cache import KVCache
+from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.engine.model import Int4Linear, Int8Linear, Linear, Transformer, run_to_end
+from neuron_trio.errors import ModelLoadError
+
+ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FOUR_BIT = frozenset({quant.QType.Q4_0, quant.QType.Q4_1, quant.QType.Q4_K})
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """The concrete scheme for `dtype` on `device`: float32 | bfloat16 | float16 | cpu-int."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    if device.type == "cpu" and quant.int4_available():
+        return "cpu-int"
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def _dtypes(scheme: str) -> tuple[torch.dtype, torch.dtype]:
+    """(activation dtype, residual dtype) of a scheme."""
+    if scheme == "cpu-int":
+        return torch.bfloat16, torch.float32
+    dt = _DENSE[scheme]
+    return dt, (torch.float32 if dt == torch.float32 else dt)
+
+
+def load_transformer(
+    source: str | os.PathLike[str] | GGUFFile,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    shard: ShardFn | None = None,
+    tp: int = 1,
+) -> Transformer:
+    """Build the model of a GGUF file on `device` (one TP shard of it when `tp > 1`).
+
+    With `tp > 1` the model has `config.shard(tp)`'s shape and `partial_sums=True`; `shard`
+    must then slice each weight for this rank. Raises ModelLoadError (UnsupportedModelError
+    for an unsupported file) naming the file and the tensor.
+    """
+    gf = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    device = torch.device(device)
+    if tp > 1 and shard is None:
+        raise ModelLoadError(f"tp = {tp} needs a shard function")
+    scheme = resolve_dtype(dtype, device)
+    act, residual = _dtypes(scheme)
+    full = gf.config
+    local = full.shard(tp) if tp > 1 else full
+    model = Transformer(local, partial_sums=tp > 1, act_dtype=act, residual_dtype=residual)
+    model.scheme = scheme  # type: ignore[assignment]
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = gf.weight(name)
+        if shard is not None:
+            w = shard(name, w)
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(
+                f"{gf.path}: tensor {name} has shape {tuple(w.shape)} for this rank, "
+                f"expected {shape}"
+            )
+        return w
+
+    def vector(name: str) -> torch.Tensor:
+        return get(name, (local.dim,)).to(device=device, dtype=residual)
+
+    def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+        w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
+        four_bit = all(gf.tensors[n].qtype in _FOUR_BIT for n in names)
+        return make_linear(w, scheme, device, four_bit=four_bit)
+
+    c, hd = local, local.head_dim
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        layer.attn_norm = vector(p + "attn_norm.weight")
+        layer.ffn_norm = vector(p + "ffn_norm.weight")
+        layer.wqkv = linear(
+            [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+            [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)],
+        )
+        layer.wo = linear([p + "attn_output.weight"], [(c.dim, c.n_heads * hd)])
+        layer.w_gate_up = linear(
+            [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
+        )
+        layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+    model.norm = vector("output_norm.weight")
+    embed = get("token_embd.weight", (c.vocab_size, c.dim))
+    # The embedding table keeps float32 unless the whole model is a dense half type.
+    table_dtype = act if scheme in ("bfloat16", "float16") else torch.float32
+    model.tok_embeddings = embed.to(device=device, dtype=table_dtype)
+    if c.tied_output and scheme != "cpu-int":
+        model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
+    else:
+        head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
+        model.output = make_linear(head, scheme, device, four_bit=False)
+    model.init_rope(min(full.context_length, 4096))
+    model.eval()
+    return model
+
+
+def make_linear(
+    weight: torch.Tensor, scheme: str, device: torch.device, *, four_bit: bool
+) -> torch.nn.Module:
+    """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`)."""
+    if scheme != "cpu-int":
+        return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
+    out_f, in_f = weight.shape
+    if four_bit and in_f % quant.INT4_GROUP == 0 and out_f % 16 == 0:
+        packed, scales_zeros = quant.pack_int4(weight)
+        return Int4Linear(packed, scales_zeros, out_f, in_f, quant.INT4_GROUP)
+    q, scales = quant.pack_int8(weight)
+    return Int8Linear(q, scales)
+
+
+class SingleRunner:
+    """The `Runner` of one unsharded model: owns its KV cache, runs each forward to the end.
+
+    `slots` is the number of KV rows (the scheduler asks for max_batch + 1: the last row is a
+    scratch row for probes). `kv_dtype` defaults to the model's activation dtype.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        slots: int,
+        context: int,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.config: LlamaConfig = model.config
+        self.slots = slots
+        self.context = context
+        self.device = model.device
+        self.kv = KVCache.allocate(
+            model.config, slots, context, kv_dtype or model.act_dtype, self.device
+        )
+        model.init_rope(context)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Write the rows' K/V into their slots; return float32 logits ([B, V] or [B, T, V])."""
+        with torch.inference_mode():
+            steps = self.model.forward_steps(
+                input_ids, start_pos, slots, self.kv, all_logits=all_logits
+            )
+            return run_to_end(steps)
+
+
+def estimate_model_bytes(
+    path: str | os.PathLike[str] | GGUFFile,
+    dtype: str,
+    context: int,
+    slots: int,
+    *,
+    device: torch.device | str = "cuda",
+) -> int:
+    """Bytes the loaded model takes on `device`: weights under `dtype` plus the KV cache.
+
+    For the whole (unsharded) model; divide the sharded parts by tp for a rank's share.
+    """
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(Path(path))
+    c = gf.config
+    scheme = resolve_dtype(dtype, torch.device(device))
+    act, _ = _dtypes(scheme)
+    total = 0
+    for name, info in gf.tensors.items():
+        n = info.n_elements
+        if scheme != "cpu-int" or len(info.shape) == 1:
+            size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
+            total += n * size
+        elif name == "token_embd.weight":
+            total += n * 4 + (n + 2 * c.vocab_size if c.tied_output else 0)  # table + int8 head
+        elif info.qtype in _FOUR_BIT:
+            total += n // 2 + n // quant.INT4_GROUP * 4
+        else:
+            total += n + 2 * info.shape[0]
+    return total + KVCache.bytes_needed(c, slots, context, act)
