@@ -158,3 +158,23 @@ async def _actor_without_gpu(clock: trio.testing.MockClock) -> None:
         assert actor.cpu_only and probe.reads == 1
         assert not (await actor.live()).available and probe.reads == 1
         nursery.cancel_scope.cancel()
+
+
+def test_gpu_collector() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from neuron_trio.gpu.metrics import GpuCollector
+
+    class Source:
+        snapshot = NvmlProbe(FakeNvml(2)).read_sync(5)  # type: ignore[arg-type]
+
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(Source()))
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    used = families["neuron_gpu_memory_used_bytes"].samples
+    assert [(s.labels["gpu"], s.value) for s in used] == [("0", 2.0**30), ("1", 2.0 * 2**30)]
+    assert families["neuron_gpu_available"].samples[0].value == 1.0
+    assert families["neuron_gpu_utilization_ratio"].samples[0].value == 0.4
