@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU check for the TP path: the GPU-marked tests, then bench/gpu_check.py (NCCL init and
+# all-reduce, abort with a collective pending, the built-in model on CUDA, decode tokens/s).
+# Runs in under 5 minutes on a machine with an NVIDIA GPU. Usage:
+#   bench/gpu_check.sh [--json PATH] [--dtype bfloat16|float16|float32|auto]
+# PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONUNBUFFERED=1
+# Several ranks on one GPU need NCCL >= 2.30 and this, set before NCCL initialises.
+export NCCL_MULTI_RANK_GPU_ENABLE="${NCCL_MULTI_RANK_GPU_ENABLE:-1}"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+
+command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || echo "nvidia-smi: not available"
+
+status=0
+echo "==== pytest -m gpu tests/parallel ===="
+timeout 120 "$PYTHON" -m pytest -q -m gpu tests/parallel -p no:cacheprovider || status=$?
+echo "pytest exit: $status"
+
+echo "==== bench/gpu_check.py ===="
+timeout 240 "$PYTHON" bench/gpu_check.py "$@"
+check=$?
+echo "gpu_check.py exit: $check"
+if [[ $check -ne 0 ]]; then exit "$check"; fi
+exit "$status"
