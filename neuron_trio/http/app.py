@@ -1,0 +1,279 @@
+"""The ASGI app: routes over a `NodeService`, JSON errors, auth, limits, metrics.
+
+`create_app(node, config)` is all the daemon needs; the app talks to nothing but `node`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match, Route
+from starlette.types import ASGIApp, Scope
+
+from neuron_trio.config import ModelConfig, NeuronConfig
+from neuron_trio.errors import (
+    ConfigError,
+    ModelLoadError,
+    PlacementError,
+    QueueFullError,
+    RequestError,
+    SourceError,
+    UnavailableError,
+)
+from neuron_trio.http.generation import ClientGone, SSEResponse, complete
+from neuron_trio.http.metrics import http_metrics
+from neuron_trio.http.middleware import NeuronMiddleware
+from neuron_trio.http.openai import (
+    decode_struct,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+)
+from neuron_trio.service.api import NodeService
+
+__all__ = ["JSONResponse", "create_app", "read_api_keys"]
+
+log = logging.getLogger(__name__)
+
+UNMATCHED_ROUTE = "<unmatched>"
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, set | frozenset):
+        return sorted(obj, key=str)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__} as JSON")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _encoder.encode(content)
+
+
+def _error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = error_body(message, error_type=error_type, code=code, param=param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# --- exception handlers --------------------------------------------------------------------
+
+
+async def _on_request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    headers = None
+    if isinstance(exc, QueueFullError | UnavailableError):
+        headers = {"Retry-After": str(max(1, int(exc.retry_after_s)))}
+    return _error_response(
+        exc.status,
+        exc.message,
+        error_type=exc.error_type,
+        code=exc.code,
+        param=exc.param,
+        headers=headers,
+    )
+
+
+async def _on_load_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ModelLoadError)
+    if isinstance(exc, SourceError):
+        return _error_response(400, str(exc), code="invalid_source", param="source")
+    if isinstance(exc, PlacementError):
+        return _error_response(507, str(exc), error_type="server_error", code="insufficient_memory")
+    return _error_response(500, str(exc), error_type="server_error", code="model_load_failed")
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return _error_response(
+            404,
+            f"no route for {request.method} {request.url.path}",
+            error_type="not_found_error",
+            code="not_found",
+        )
+    if exc.status_code == 405:
+        return _error_response(
+            405,
+            f"method {request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed",
+            headers=dict(exc.headers or {}),
+        )
+    return _error_response(
+        exc.status_code, str(exc.detail), code=None, headers=dict(exc.headers or {})
+    )
+
+
+async def _on_decode_error(request: Request, exc: Exception) -> Response:
+    return _error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    # Logged by NeuronMiddleware (Starlette re-raises after answering); never a traceback here.
+    return _error_response(500, "internal error", error_type="server_error", code="internal_error")
+
+
+# --- routes ------------------------------------------------------------------------------
+
+
+class _Routes:
+    def __init__(self, node: NodeService) -> None:
+        self.node = node
+
+    def _refuse_while_draining(self) -> None:
+        if self.node.draining:
+            raise UnavailableError("the node is draining; try another node", code="draining")
+
+    async def health(self, request: Request) -> Response:
+        snap = self.node.health()
+        body = {
+            **snap.detail,
+            "status": snap.status,
+            "boot_id": snap.boot_id,
+            "started_at": snap.started_at,
+            "starts": snap.starts,
+        }
+        return JSONResponse(
+            body,
+            status_code=200 if snap.status == "ok" else 503,
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def node_info(self, request: Request) -> Response:
+        return JSONResponse(await self.node.node_info())
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.node.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        if request.method == "POST":
+            return await self.load_model(request)
+        return await self.list_models(request)
+
+    async def list_models(self, request: Request) -> Response:
+        data = [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": m.created,
+                "owned_by": "neuron",
+                "context_length": m.context,
+            }
+            for m in self.node.list_models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def load_model(self, request: Request) -> Response:
+        self._refuse_while_draining()
+        spec = decode_struct(await request.body(), ModelConfig)
+        info = await self.node.load_model(spec)
+        return JSONResponse(info, status_code=201)
+
+    async def unload_model(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        await self.node.unload_model(name)
+        return JSONResponse({"id": name, "object": "model", "deleted": True})
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._refuse_while_draining()
+        parsed = parse_chat_request(await request.body())
+        return await self._generate(request, parsed)
+
+    async def completions(self, request: Request) -> Response:
+        self._refuse_while_draining()
+        parsed = parse_completion_request(await request.body())
+        return await self._generate(request, parsed)
+
+    async def _generate(self, request: Request, parsed: Any) -> Response:
+        if parsed.stream:
+            return SSEResponse(self.node, parsed)
+        doc = await complete(self.node, parsed, request.receive)
+        if doc is None:
+            return ClientGone()
+        return JSONResponse(doc)
+
+
+def read_api_keys(path: str | None) -> tuple[bytes, ...]:
+    """The keys in `api_key_file`: one per non-empty line (several allow a rotation).
+
+    Raises ConfigError if the file cannot be read or holds no key.
+    """
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"server.api_key_file: cannot read {path}: {exc}") from None
+    keys = tuple(line.strip().encode() for line in text.splitlines() if line.strip())
+    if not keys:
+        raise ConfigError(f"server.api_key_file: {path} holds no key")
+    return keys
+
+
+def _route_resolver(routes: list[Route]) -> Any:
+    def route_of(scope: Scope) -> str:
+        partial = None
+        for route in routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return route.path
+            if match is Match.PARTIAL and partial is None:
+                partial = route.path
+        return partial or UNMATCHED_ROUTE
+
+    return route_of
+
+
+def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
+    """The ASGI app serving `node`. Raises ConfigError if `api_key_file` is unusable."""
+    r = _Routes(node)
+    routes = [
+        Route("/health", r.health, methods=["GET"]),
+        Route("/metrics", r.metrics, methods=["GET"]),
+        Route("/v1/node", r.node_info, methods=["GET"]),
+        Route("/v1/models", r.models, methods=["GET", "POST"]),
+        Route("/v1/models/{name}", r.unload_model, methods=["DELETE"]),
+        Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
+        Route("/v1/completions", r.completions, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            HTTPException: _on_http_exception,
+            RequestError: _on_request_error,
+            ModelLoadError: _on_load_error,
+            msgspec.DecodeError: _on_decode_error,
+            Exception: _on_unexpected,
+        },
+    )
+    return NeuronMiddleware(
+        app,
+        metrics=http_metrics(node.metrics_registry),
+        route_of=_route_resolver(routes),
+        api_keys=read_api_keys(config.server.api_key_file),
+        max_body_bytes=config.server.max_body_bytes,
+    )

@@ -1,0 +1,186 @@
+"""The outermost ASGI layer: metrics, auth, the body limit, last-resort errors, shielded end.
+
+Order, outside in (one class, so each request pays for one wrapper, not five):
+1. metrics: in-flight gauge, count and latency by route template and status;
+2. last resort: an exception that escapes the app is logged once and, if no response has
+   started, answered with a generic JSON 500 (never a traceback);
+3. shielded final send: the last `http.response.body` of a response is sent inside a shielded
+   (and bounded) cancel scope; without it hypercorn never restarts a connection's idle timer
+   after a streaming response and a drain waits its whole graceful timeout (STACK-NOTES.md);
+4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`;
+5. body limit: a `Content-Length` over the limit is a 413 at once; otherwise `receive()`
+   counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import trio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from neuron_trio.errors import RequestError
+from neuron_trio.http.metrics import HttpMetrics
+from neuron_trio.http.openai import error_body
+
+__all__ = ["BodyTooLargeError", "NeuronMiddleware", "json_error_messages"]
+
+log = logging.getLogger(__name__)
+
+FINAL_SEND_TIMEOUT_S = 10.0
+CLIENT_CLOSED_STATUS = 499  # nginx's convention: the client left before its response
+
+
+class BodyTooLargeError(RequestError):
+    """Raised by the limited `receive()` if a request body grows past `max_body_bytes`."""
+
+    status = 413
+
+    def __init__(self, limit: int):
+        super().__init__(f"request body is larger than {limit} bytes", code="request_too_large")
+
+
+def json_error_messages(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> list[Message]:
+    raw = msgspec.json.encode(body)
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return [
+        {"type": "http.response.start", "status": status, "headers": head},
+        {"type": "http.response.body", "body": raw, "more_body": False},
+    ]
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class NeuronMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        metrics: HttpMetrics,
+        route_of: Callable[[Scope], str],
+        api_keys: tuple[bytes, ...] = (),
+        max_body_bytes: int,
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.route_of = route_of
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self.api_keys:
+            return True
+        path: str = scope["path"]
+        if path != "/v1" and not path.startswith("/v1/"):
+            return True
+        header = _header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        # Compare against every key (no early exit), each in constant time.
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    def _content_length(self, scope: Scope) -> int | None:
+        raw = _header(scope, b"content-length")
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = self.route_of(scope)
+        status: int | None = None
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.move_on_after(FINAL_SEND_TIMEOUT_S) as scope_:
+                    scope_.shield = True
+                    await send(message)
+                return
+            await send(message)
+
+        limit = self.max_body_bytes
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        self.metrics.in_flight.inc()
+        started = time.perf_counter()
+        try:
+            if not self._authorized(scope):
+                await self._reply(
+                    send_wrapper,
+                    401,
+                    error_body(
+                        "missing or invalid API key (Authorization: Bearer <key>)",
+                        error_type="authentication_error",
+                        code="invalid_api_key",
+                    ),
+                    {"WWW-Authenticate": "Bearer"},
+                )
+            elif (self._content_length(scope) or 0) > limit:
+                await self._reply(
+                    send_wrapper,
+                    413,
+                    error_body(
+                        f"request body is larger than {limit} bytes", code="request_too_large"
+                    ),
+                    {"Connection": "close"} if scope.get("http_version") == "1.1" else None,
+                )
+            else:
+                await self.app(scope, limited_receive, send_wrapper)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if status is None:
+                await self._reply(
+                    send_wrapper,
+                    500,
+                    error_body("internal error", error_type="server_error", code="internal_error"),
+                )
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.observe(
+                route,
+                scope.get("method", ""),
+                status if status is not None else CLIENT_CLOSED_STATUS,
+                time.perf_counter() - started,
+            )
+
+    @staticmethod
+    async def _reply(
+        send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
+        for message in json_error_messages(status, body, headers):
+            await send(message)

@@ -1,0 +1,166 @@
+"""A `NodeService` test double for the HTTP layer: scripted tokens, paced by trio events.
+
+Tests steer it through plain attributes: `status`, `draining`, `enter_error` (raised on
+entering `generate`), `fail_at` (UnavailableError instead of event number N), and `gate`
+(an async function awaited before event N is produced: pacing with trio events, no sleeps).
+It records what the HTTP layer asked: `jobs`, `produced`, `open`, `closed_early`, `exited`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter
+
+from neuron_trio.config import ModelConfig
+from neuron_trio.errors import ModelLoadError, ModelNotFoundError, UnavailableError
+from neuron_trio.service.api import (
+    GenerationJob,
+    HealthSnapshot,
+    HealthStatus,
+    ModelSummary,
+    SequenceEvent,
+    TokenLogprob,
+)
+
+DEFAULT_TOKENS = ("Hello", ",", " world", "!")
+
+
+class FakeNode:
+    def __init__(
+        self, *, models: tuple[str, ...] = ("fake-model",), tokens: tuple[str, ...] = DEFAULT_TOKENS
+    ):
+        self.status: HealthStatus = "ok"
+        self._draining = False
+        self.registry = CollectorRegistry()
+        self.node_counter = Counter(
+            "fake_node_things", "A collector the node owns.", registry=self.registry
+        )
+        self.models = {
+            name: ModelSummary(name=name, created=1_700_000_000, context=2048) for name in models
+        }
+        self.tokens = tokens
+        self.prompt_tokens = 7
+        self.finish_reason = "stop"
+        self.enter_error: Exception | None = None
+        self.fail_at: int | None = None
+        self.gate: Callable[[int], Awaitable[None]] | None = None
+        self.load_error: Exception | None = None
+        self.jobs: list[GenerationJob] = []
+        self.produced = 0  # events yielded, over all requests
+        self.open = 0  # generate contexts open now
+        self.closed_early = 0  # contexts left before their last event
+        self.entered = trio.Event()  # set on every entry (replace it to wait for the next)
+        self.exited = trio.Event()  # set on every exit
+        self.loaded: list[ModelConfig] = []
+        self.unloaded: list[str] = []
+        self.next_seq = 0
+
+    # --- NodeService ----------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+
+    def health(self) -> HealthSnapshot:
+        return HealthSnapshot(
+            status=self.status,
+            boot_id="b00t",
+            started_at="2026-01-01T00:00:00Z",
+            starts=3,
+            detail={"models": len(self.models)},
+        )
+
+    async def node_info(self) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        return {
+            "hostname": "fake-host",
+            "boot_id": "b00t",
+            "gpus": [],
+            "models": [{"name": m, "state": "ready"} for m in self.models],
+        }
+
+    def list_models(self) -> list[ModelSummary]:
+        return list(self.models.values())
+
+    @asynccontextmanager
+    async def generate(self, job: GenerationJob) -> AsyncIterator[AsyncIterator[SequenceEvent]]:
+        await trio.lowlevel.checkpoint()
+        if job.model not in self.models:
+            raise ModelNotFoundError(job.model)
+        if self.enter_error is not None:
+            raise self.enter_error
+        self.jobs.append(job)
+        self.next_seq += 1
+        state = {"done": False}
+        self.open += 1
+        self.entered.set()
+        try:
+            yield self._events(job, self.next_seq, state)
+        finally:
+            self.open -= 1
+            if not state["done"]:
+                self.closed_early += 1
+            self.exited.set()
+
+    async def _events(
+        self, job: GenerationJob, seq_id: int, state: dict[str, bool]
+    ) -> AsyncIterator[SequenceEvent]:
+        count = min(len(self.tokens), job.params.max_tokens)
+        reason = "length" if job.params.max_tokens < len(self.tokens) else self.finish_reason
+        for i in range(count):
+            if self.gate is not None:
+                await self.gate(i)
+            else:
+                await trio.lowlevel.checkpoint()
+            if self.fail_at == i:
+                state["done"] = True
+                raise UnavailableError("model fake-model is wedged", code="wedged")
+            text = self.tokens[i]
+            last = i == count - 1
+            logprobs = None
+            if job.params.logprobs:
+                top = tuple((100 + k, f"alt{k}", -1.0 - k) for k in range(job.params.top_logprobs))
+                logprobs = [TokenLogprob(token_id=i, text=text, logprob=-0.5, top=top)]
+            self.produced += 1
+            if last:
+                state["done"] = True
+            yield SequenceEvent(
+                seq_id=seq_id,
+                text=text,
+                token_ids=[i],
+                logprobs=logprobs,
+                finish_reason=reason if last else None,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=i + 1,
+            )
+
+    async def load_model(self, spec: ModelConfig) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        if self.load_error is not None:
+            raise self.load_error
+        if spec.source == "bad:":
+            raise ModelLoadError("cannot read bad:")
+        self.loaded.append(spec)
+        self.models[spec.name] = ModelSummary(
+            name=spec.name, created=1_700_000_001, context=spec.context
+        )
+        return {"name": spec.name, "state": "ready"}
+
+    async def unload_model(self, name: str) -> None:
+        await trio.lowlevel.checkpoint()
+        if name not in self.models:
+            raise ModelNotFoundError(name)
+        del self.models[name]
+        self.unloaded.append(name)
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.registry

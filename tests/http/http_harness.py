@@ -1,0 +1,84 @@
+"""Run the real app and server on 127.0.0.1, port 0, inside a test's trio.run."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from neuron_trio.config import NeuronConfig, ServerConfig
+from neuron_trio.http import BoundAddress, create_app, serve_http
+
+TEST_TIMEOUT_S = 30.0
+
+
+def run(fn: Callable[[], Awaitable[Any]], timeout: float = TEST_TIMEOUT_S) -> None:
+    """trio.run a test body, failing (not hanging) if it takes longer than `timeout`."""
+
+    async def main() -> None:
+        with trio.fail_after(timeout):
+            await fn()
+
+    trio.run(main)
+
+
+def make_config(**server: Any) -> NeuronConfig:
+    server.setdefault("listen", ["127.0.0.1:0"])
+    server.setdefault("drain_timeout_s", 2.0)
+    return NeuronConfig(server=ServerConfig(**server))
+
+
+@dataclass
+class Running:
+    bound: list[BoundAddress]
+    stop: trio.Event
+
+    @property
+    def url(self) -> str:
+        return self.bound[0].url
+
+
+@asynccontextmanager
+async def serving(node: Any, config: NeuronConfig | None = None) -> AsyncIterator[Running]:
+    config = config or make_config()
+    app = create_app(node, config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(partial(serve_http, app, config, shutdown_trigger=stop.wait))
+        try:
+            yield Running(bound, stop)
+        finally:
+            stop.set()
+
+
+def h2_client(base_url: str, **kw: Any) -> httpx.AsyncClient:
+    """A cleartext HTTP/2 (prior knowledge) client."""
+    return httpx.AsyncClient(base_url=base_url, http1=False, http2=True, timeout=10.0, **kw)
+
+
+def h1_client(base_url: str, **kw: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=base_url, timeout=10.0, **kw)
+
+
+def sse_events(raw: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, decoded (the `[DONE]` marker as the string)."""
+    out: list[Any] = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block.removeprefix("data: ")
+        out.append(payload if payload == "[DONE]" else msgspec.json.decode(payload))
+    return out
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(extra)
+    return body
