@@ -57,10 +57,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.vocab_size = runner.config.vocab_size
         self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk)
-        self.sampler = Sampler()
-        if chat_template is None and getattr(tokenizer, "chat_template", None):
+        self.sampler = Sampler(token_text=tokenizer.token_text)
+        if chat_template is None:
             chat_template = ChatTemplate(
-                tokenizer.chat_template,
+                getattr(tokenizer, "chat_template", None),
                 bos_token=_token_text(tokenizer, tokenizer.bos_id),
                 eos_token=_token_text(tokenizer, tokenizer.eos_id),
             )
@@ -98,13 +98,11 @@ class Engine:
     # ---- prompts -------------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The chat template applied to `messages`, ending with the assistant's turn opening."""
-        if self.chat_template is None:
-            raise RequestError("this model has no chat template", param="messages")
-        normalised = [
-            {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
-        ]
-        return str(self.chat_template.render(normalised, add_generation_prompt=True))
+        """The chat template applied to `messages`, ending with the assistant's turn opening.
+
+        RequestError (param "messages") if the model has no template or it refuses them.
+        """
+        return str(self.chat_template.render(messages, add_generation_prompt=True))
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         """Token ids of `text`; BOS is added when the model wants it and the text lacks it.
