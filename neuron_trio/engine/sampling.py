@@ -1,0 +1,200 @@
+"""Picking the next token of each sequence in a batch from the model's logits.
+
+Per row, in this order (as vLLM and transformers do): repetition penalty (over prompt and
+output, multiplicative as in transformers), then presence and frequency penalties (over the
+output, additive as OpenAI defines them), then temperature, top-k, top-p, min-p, and one draw
+from what is left. Temperature 0 is greedy: argmax of the penalised logits, no randomness.
+
+Logprobs are those of the model's raw distribution (log-softmax of the logits before any
+penalty or filter), as OpenAI reports them.
+
+Each sequence draws from its own `torch.Generator`, one draw per step, seeded from
+`SamplingParams.seed` (or from the OS when there is none): the same seed gives the same tokens
+whatever else shares the batch.
+
+Fast path: a batch whose rows are all greedy, without penalties or logprobs, is one argmax.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from neuron_trio.engine.types import SamplingParams, TokenLogprob
+
+# Below this temperature a row is greedy (vLLM's threshold): dividing by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprob: TokenLogprob | None = None  # set when the row's params ask for logprobs
+
+
+class SamplingState:
+    """What one sequence's sampling remembers between steps: its generator and the tokens seen.
+
+    `Sampler.sample` records each token it picks (`append`); call `append` yourself only for a
+    token that did not come from `sample`.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        self.params = params
+        self.prompt_ids = tuple(int(t) for t in prompt_ids)
+        self.output_ids: list[int] = []
+        self.output_counts: dict[int, int] = {}
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._prompt_unique: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
+
+    @property
+    def needs_slow_path(self) -> bool:
+        return not self.greedy or self.has_penalties or self.params.logprobs
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    def apply_penalties(self, row: torch.Tensor) -> None:
+        """Penalise, in place, the logits `row` [V] of this sequence."""
+        p = self.params
+        device = row.device
+        vocab = row.shape[-1]
+        if p.repetition_penalty != 1.0:
+            prompt = self._prompt_unique.get(device)
+            if prompt is None:
+                prompt = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.int64)
+                prompt = prompt[prompt < vocab].to(device)
+                self._prompt_unique[device] = prompt
+            if self.output_counts:
+                out = torch.tensor(list(self.output_counts), dtype=torch.int64, device=device)
+                seen = torch.unique(torch.cat([prompt, out[out < vocab]]))
+            else:
+                seen = prompt
+            if seen.numel():
+                vals = row[seen]
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and self.output_counts:
+            ids = [t for t in self.output_counts if t < vocab]
+            idx = torch.tensor(ids, dtype=torch.int64, device=device)
+            counts = torch.tensor(
+                [self.output_counts[t] for t in ids], dtype=row.dtype, device=device
+            )
+            row[idx] -= counts * p.frequency_penalty + p.presence_penalty
+
+
+class Sampler:
+    """Samples a batch. `token_text(id)` gives the text shown in logprobs (the tokenizer's
+    `token_text`); without it the text is empty."""
+
+    def __init__(self, token_text: Callable[[int], str] | None = None) -> None:
+        self.token_text = token_text
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> list[SampleResult]:
+        """One token for each row of `logits` [B, V] (float32), recorded in its state."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+        if not any(s.needs_slow_path for s in rows):
+            ids = logits.argmax(dim=-1).tolist()
+            for state, token in zip(rows, ids, strict=True):
+                state.append(token)
+            return [SampleResult(token) for token in ids]
+
+        logits = logits.float()
+        raw = logits
+        work = logits.clone() if any(s.has_penalties for s in rows) else logits
+        for i, state in enumerate(rows):
+            if state.has_penalties:
+                state.apply_penalties(work[i])
+
+        chosen: list[int] = [0] * len(rows)
+        greedy = [i for i, s in enumerate(rows) if s.greedy]
+        if greedy:
+            picks = work[greedy].argmax(dim=-1).tolist()
+            for i, token in zip(greedy, picks, strict=True):
+                chosen[i] = token
+        sampled = [i for i, s in enumerate(rows) if not s.greedy]
+        if sampled:
+            probs = self._filtered_probs(work[sampled], [rows[i].params for i in sampled])
+            for j, i in enumerate(sampled):
+                gen = rows[i].generator(probs.device)
+                chosen[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+
+        results: list[SampleResult] = []
+        for i, state in enumerate(rows):
+            token = chosen[i]
+            state.append(token)
+            lp = self._logprob(raw[i], token, state.params) if state.params.logprobs else None
+            results.append(SampleResult(token, lp))
+        return results
+
+    @staticmethod
+    def _filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p on logits `x` [b, V]; probabilities [b, V]."""
+        device = x.device
+        b, vocab = x.shape
+        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+        x = x / temps[:, None]
+        neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=device)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]  # 2: never cuts
+        if use_top_p or any(k < vocab for k in top_k):
+            sorted_x, order = x.sort(dim=-1, descending=True)
+            positions = torch.arange(vocab, device=device).expand(b, vocab)
+            ks = torch.tensor(top_k, device=device)
+            remove_sorted = positions >= ks[:, None]
+            sorted_x = sorted_x.masked_fill(remove_sorted, neg_inf)
+            if use_top_p:
+                probs_sorted = sorted_x.softmax(dim=-1)
+                better = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass of the tokens before
+                ps = torch.tensor(top_p, dtype=x.dtype, device=device)
+                cut = better >= ps[:, None]
+                cut[:, 0] = False  # the best token always stays
+                remove_sorted |= cut
+            remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
+            x = x.masked_fill(remove, neg_inf)
+        probs = x.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            mp = torch.tensor(min_p, dtype=x.dtype, device=device)
+            threshold = probs.max(dim=-1, keepdim=True).values * mp[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+            renorm = probs / probs.sum(dim=-1, keepdim=True)
+            probs = torch.where(mp[:, None] > 0, renorm, probs)  # rows without min_p: as they were
+        return probs
+
+    def _logprob(self, row: torch.Tensor, token: int, params: SamplingParams) -> TokenLogprob:
+        logprobs = torch.log_softmax(row, dim=-1)
+        text = self.token_text or (lambda _i: "")
+        top: tuple[tuple[int, str, float], ...] = ()
+        n = min(max(params.top_logprobs, 0), row.shape[-1])
+        if n:
+            values, ids = logprobs.topk(n)
+            top = tuple((t, text(t), v) for t, v in zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token, text(token), float(logprobs[token].item()), top)

@@ -1,0 +1,190 @@
+"""Sampling on hand-made logits: each option's effect, seeds, logprobs, the greedy fast path."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_trio.engine.sampling import Sampler, SamplingState
+from neuron_trio.engine.types import SamplingParams
+
+
+def params(**kw: Any) -> SamplingParams:
+    return SamplingParams(**kw)
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs], dtype=torch.float32).log()
+
+
+def filtered(probs: list[float], **kw: Any) -> list[float]:
+    out = Sampler._filtered_probs(logits_of(probs), [params(**kw)])
+    return [round(v, 6) for v in out[0].tolist()]
+
+
+def test_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 4.9]])
+    rows = [SamplingState(params(temperature=0.0), [1, 2]) for _ in range(2)]
+    calls = []
+    monkeypatch.setattr(
+        Sampler, "_filtered_probs", staticmethod(lambda *a: calls.append(a))
+    )  # must not be reached
+    results = Sampler().sample(logits, rows)
+    assert [r.token_id for r in results] == [1, 0]
+    assert all(r.logprob is None for r in results)
+    assert calls == []
+    assert rows[0].output_ids == [1] and rows[1].output_counts == {0: 1}
+
+
+def test_repetition_penalty_over_prompt_and_output() -> None:
+    # token 0 was in the prompt: 2.0 / 1.5 = 1.33 < 1.9; a negative logit is multiplied
+    logits = torch.tensor([[2.0, 1.9, -0.5, -0.6]])
+    state = SamplingState(params(temperature=0.0, repetition_penalty=1.5), [0, 3])
+    assert Sampler().sample(logits, [state])[0].token_id == 1
+    # now token 1 is in the output too: 1.9 / 1.5 = 1.27 < 2.0 / 1.5 = 1.33 -> token 0
+    assert Sampler().sample(logits, [state])[0].token_id == 0
+    row = logits[0].clone()
+    state.apply_penalties(row)
+    assert row.tolist() == pytest.approx([2.0 / 1.5, 1.9 / 1.5, -0.5, -0.6 * 1.5])
+
+
+def test_presence_and_frequency_penalties_count_output_only() -> None:
+    state = SamplingState(params(presence_penalty=0.5, frequency_penalty=0.25), [2, 2, 2])
+    for t in (0, 0, 1):
+        state.append(t)
+    row = torch.zeros(4)
+    state.apply_penalties(row)
+    # token 0: twice -> 2*0.25 + 0.5; token 1: once -> 0.25 + 0.5; prompt token 2 untouched
+    assert row.tolist() == pytest.approx([-1.0, -0.75, 0.0, 0.0])
+    # greedy with the penalty moves off a repeated token
+    state = SamplingState(params(temperature=0.0, frequency_penalty=2.0))
+    logits = torch.tensor([[1.0, 0.5, 0.0]])
+    picks = [Sampler().sample(logits, [state])[0].token_id for _ in range(3)]
+    assert picks == [0, 1, 2]
+
+
+def test_temperature_scales_logits() -> None:
+    probs = [0.5, 0.3, 0.2]
+    at_1 = filtered(probs, temperature=1.0)
+    assert at_1 == pytest.approx(probs, abs=1e-6)
+    at_half = filtered(probs, temperature=0.5)
+    z = sum(p**2 for p in probs)
+    assert at_half == pytest.approx([p**2 / z for p in probs], abs=1e-6)
+    assert filtered(probs, temperature=2.0)[0] < 0.5 < at_half[0]
+
+
+def test_top_k_top_p_min_p() -> None:
+    probs = [0.1, 0.5, 0.15, 0.25]
+    assert filtered(probs, top_k=2) == pytest.approx([0, 0.5 / 0.75, 0, 0.25 / 0.75], abs=1e-6)
+    assert filtered(probs, top_k=1) == [0, 1, 0, 0]
+    # top_p: keep the smallest best-first set whose mass reaches p
+    assert filtered(probs, top_p=0.7) == pytest.approx([0, 0.5 / 0.75, 0, 0.25 / 0.75], abs=1e-6)
+    assert filtered(probs, top_p=0.5) == [0, 1, 0, 0]
+    assert filtered(probs, top_p=0.76) == pytest.approx(
+        [0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9], abs=1e-6
+    )
+    assert filtered(probs, top_p=1e-9) == [0, 1, 0, 0]
+    # min_p: drop what is below min_p times the best token's probability (0.5 * 0.25)
+    assert filtered(probs, min_p=0.25) == pytest.approx(
+        [0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9], abs=1e-6
+    )
+
+
+def test_top_k_applies_before_top_p() -> None:
+    probs = [0.4, 0.3, 0.2, 0.1]
+    # alone, top_p=0.5 keeps two tokens (0.4 < 0.5) ...
+    assert sum(v > 0 for v in filtered(probs, top_p=0.5)) == 2
+    # ... but after top_k=2 renormalises to [4/7, 3/7], 4/7 already reaches 0.5
+    assert filtered(probs, top_k=2, top_p=0.5) == [1, 0, 0, 0]
+
+
+def test_off_values_leave_the_distribution_unchanged() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 1000) * 4
+    off = [params(top_p=1.0, top_k=0, min_p=0.0)] * 3
+    assert torch.equal(Sampler._filtered_probs(x, off), x.softmax(dim=-1))
+    # top_k >= vocabulary is off too
+    assert torch.equal(Sampler._filtered_probs(x, [params(top_k=1000)] * 3), x.softmax(dim=-1))
+    # mixed rows: an off row is untouched by its neighbours' filters
+    mixed = [params(top_k=5), params(), params(top_p=0.3, min_p=0.1)]
+    out = Sampler._filtered_probs(x, mixed)
+    assert torch.equal(out[1], x[1].softmax(dim=-1))
+    assert (out[0] > 0).sum() == 5
+
+
+def _run(state: SamplingState, logits: torch.Tensor, steps: int, batch_with: int = 0) -> list[int]:
+    """`steps` tokens for `state`, in a batch with `batch_with` other (unseeded) rows before it."""
+    out = []
+    for _ in range(steps):
+        others = [SamplingState(params(temperature=1.3)) for _ in range(batch_with)]
+        batch = logits.expand(batch_with + 1, -1).contiguous()
+        out.append(Sampler().sample(batch, [*others, state])[-1].token_id)
+    return out
+
+
+def test_seed_reproducible_whatever_the_batch() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(1, 500)
+    p = params(seed=1234, temperature=1.0)
+    alone = _run(SamplingState(p), logits, 20)
+    in_batch = _run(SamplingState(p), logits, 20, batch_with=3)
+    assert alone == in_batch
+    other_seed = _run(SamplingState(params(seed=4321)), logits, 20)
+    assert other_seed != alone
+    unseeded = [_run(SamplingState(params()), logits, 20) for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = [0.6, 0.3, 0.1, 0.0]
+    rows = [SamplingState(params(seed=s)) for s in range(3000)]
+    logits = logits_of(probs).expand(len(rows), -1).contiguous()
+    tokens = [r.token_id for r in Sampler().sample(logits, rows)]
+    freq = [tokens.count(t) / len(tokens) for t in range(4)]
+    assert freq == pytest.approx(probs, abs=0.03)
+    assert freq[3] == 0
+    # top_k=1 at temperature 1 is always the best token
+    rows = [SamplingState(params(seed=s, top_k=1)) for s in range(50)]
+    assert {r.token_id for r in Sampler().sample(logits[:50], rows)} == {0}
+
+
+def test_logprobs_are_the_raw_distribution() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    names = {0: "a", 1: "b", 2: "c", 3: "d"}
+    state = SamplingState(
+        params(temperature=0.0, logprobs=True, top_logprobs=2, repetition_penalty=2.0), [1]
+    )
+    [res] = Sampler(names.__getitem__).sample(logits, [state])
+    # the penalty moved the pick to token 2, but the logprob is the model's own
+    assert res.token_id == 2
+    lp = res.logprob
+    assert lp is not None
+    expected = torch.log_softmax(logits[0], dim=-1).tolist()
+    assert lp.token_id == 2 and lp.text == "c"
+    assert lp.logprob == pytest.approx(expected[2])
+    assert [(t, s) for t, s, _ in lp.top] == [(1, "b"), (2, "c")]
+    assert lp.top[0][2] == pytest.approx(expected[1])
+    assert math.isclose(sum(math.exp(v) for v in expected), 1.0, rel_tol=1e-6)
+    # sampled rows report the raw distribution too, not the temperature-scaled one
+    hot = SamplingState(params(temperature=5.0, logprobs=True, seed=3))
+    [res] = Sampler().sample(logits, [hot])
+    assert res.logprob is not None
+    assert res.logprob.logprob == pytest.approx(expected[res.token_id])
+    assert res.logprob.top == () and res.logprob.text == ""
+
+
+def test_mixed_batch_and_shape_check() -> None:
+    logits = torch.tensor([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    rows = [
+        SamplingState(params(temperature=0.0)),
+        SamplingState(params(temperature=0.7, top_k=1, seed=1)),
+        SamplingState(params(temperature=0.0, logprobs=True)),
+    ]
+    res = Sampler().sample(logits, rows)
+    assert [r.token_id for r in res] == [1, 0, 2]
+    assert [r.logprob is not None for r in res] == [False, False, True]
+    with pytest.raises(ValueError, match="rows"):
+        Sampler().sample(logits, rows[:2])
