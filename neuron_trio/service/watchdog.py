@@ -380,17 +380,24 @@ class Watchdog:
     # --- recovery ---------------------------------------------------------------------------
 
     async def recover(self, executor: WatchedExecutor) -> None:
-        """Recover after a StepTimeoutError: returns once the model serves again.
+        """Recover after a StepTimeoutError (or a failed step): returns once the model serves
+        again.
 
         Never returns otherwise: if the abort does not come back within abort_deadline_s of
         the wedge, or the wedged step thread, `recreate_comm` or the probe fails or hangs
         (each bounded by step_timeout_s), the deadman writes forensics and exits 70.
-        Returns at once if there is no wedge to recover from (another task recovered it).
+        Called without a pending wedge (a step that raised instead of hanging), it recovers
+        the same way: with tp > 1 abort (nothing hangs, so it returns), re-create, probe.
         """
         async with self._busy:
             watch = self._wedge
             if watch is None:
-                return
+                now = self._clock()
+                watch = _Watch(what="failed step", started=now, started_wall=self._wall())
+                watch.detected = now
+                watch.mark(None, now)  # its thread did come back, with an error
+                self._wedge = watch
+                self._set_state("recovering")
             assert watch.detected is not None
             comm = executor.comm
             comms = [comm] if comm is not None else []
@@ -605,20 +612,9 @@ class Watchdog:
         except Exception as exc:
             self._count_probe("error")
             self._log.error("watchdog: model %s: idle probe failed: %r", self.model_name, exc)
-            await self._recover_from_error(executor, exc)
+            await self.recover(executor)
         else:
             self._count_probe("ok")
-
-    async def _recover_from_error(self, executor: WatchedExecutor, exc: Exception) -> None:
-        async with self._busy:
-            if self._wedge is not None:
-                return
-            now = self._clock()
-            watch = _Watch(what="probe", started=now, started_wall=self._wall(), detected=now)
-            watch.mark(exc, now)  # the probe's thread did come back (with an error)
-            self._wedge = watch
-            self._set_state("recovering")
-        await self.recover(executor)
 
     def _count_probe(self, result: str) -> None:
         if self._metrics is not None:
