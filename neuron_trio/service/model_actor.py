@@ -1,0 +1,653 @@
+"""One trio actor per loaded model: a bounded queue in front of the engine's slots.
+
+Requests are tokenized and validated on the trio thread when they arrive (fast, and a bad
+request gets its 400 before it waits anywhere), then wait in a bounded queue. The actor's
+loop is the only code that touches the engine's mutable state: between steps it admits queued
+requests into free slots and applies cancellations; while the engine has work it runs
+`executor.step()` on a worker thread (through the watchdog, which bounds it) and routes each
+event to its request's stream. Nothing blocking ever runs on the trio thread.
+
+Per-request streams are bounded and never block the loop: past `stream_capacity` buffered
+events, new events are merged into the last one (text and tokens appended), so a slow client
+costs memory bounded by its own completion, and never stalls the other sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+import trio
+
+from neuron_trio.config import ModelConfig
+from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.errors import (
+    ModelLoadError,
+    NeuronError,
+    QueueFullError,
+    RequestError,
+    StepTimeoutError,
+    UnavailableError,
+)
+from neuron_trio.service.api import GenerationJob
+from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
+
+
+class EngineLike(Protocol):
+    """What the actor needs of `engine.engine.Engine`."""
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int: ...
+    def cancel(self, seq_id: int) -> None: ...
+    def cancel_all(self) -> list[int]: ...
+    @property
+    def free_slots(self) -> int: ...
+    @property
+    def has_work(self) -> bool: ...
+    def statistics(self) -> EngineStatistics: ...
+
+
+class ExecutorLike(Protocol):
+    """What the actor needs of `parallel.executor.Executor` (sync methods: worker threads)."""
+
+    engine: Any  # EngineLike
+    tp: int
+    ranks: list[dict[str, Any]]
+    dtype: Any
+
+    def step(self) -> list[SequenceEvent]: ...
+    def probe(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class WatchdogLike(Protocol):
+    """What the actor needs of `service.watchdog.Watchdog` (one per model)."""
+
+    @property
+    def state(self) -> str: ...
+
+    async def run_step(self, fn: Callable[[], T], *, what: str = "step") -> T: ...
+    async def recover(self, executor: Any) -> None: ...
+    async def run_or_die(
+        self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None
+    ) -> T: ...
+
+
+def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
+    """`b` appended to `a` (same sequence): one event carrying both."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = [*(a.logprobs or ()), *(b.logprobs or ())]
+    return SequenceEvent(
+        seq_id=b.seq_id,
+        text=a.text + b.text,
+        token_ids=[*a.token_ids, *b.token_ids],
+        logprobs=logprobs,
+        finish_reason=b.finish_reason or a.finish_reason,
+        prompt_tokens=max(a.prompt_tokens, b.prompt_tokens),
+        completion_tokens=max(a.completion_tokens, b.completion_tokens),
+        error=b.error or a.error,
+    )
+
+
+class EventStream:
+    """A request's events: an async iterator fed by the actor without ever blocking it.
+
+    Iteration ends after the event that carries `finish_reason`, or raises the error the
+    actor failed the request with (UnavailableError when the model wedges).
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._capacity = max(1, capacity)
+        self._buffer: deque[SequenceEvent] = deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._lot = trio.lowlevel.ParkingLot()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def push(self, event: SequenceEvent) -> None:
+        if self._closed:
+            return
+        if len(self._buffer) >= self._capacity:
+            self._buffer[-1] = merge_events(self._buffer[-1], event)
+        else:
+            self._buffer.append(event)
+        self._lot.unpark_all()
+
+    def close(self) -> None:
+        self._closed = True
+        self._lot.unpark_all()
+
+    def fail(self, error: BaseException) -> None:
+        if self._closed:
+            return
+        self._error = error
+        self.close()
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> SequenceEvent:
+        while True:
+            if self._buffer:
+                await trio.lowlevel.checkpoint()
+                return self._buffer.popleft()
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._closed:
+                raise StopAsyncIteration
+            await self._lot.park()
+
+
+@dataclass(eq=False)
+class _Request:
+    job: GenerationJob
+    prompt_ids: list[int]
+    chat: bool
+    stream: EventStream
+    enqueued_at: float  # trio clock (metrics)
+    enqueued_wall: float = 0.0  # time.time() (forensics, read from other threads)
+    seq_id: int | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0
+    done: bool = False
+    outcome: str = ""
+
+
+class ModelActor:
+    """One loaded model: its executor, a bounded queue, and the loop that drives steps.
+
+    Start with `await nursery.start(actor.run)`: it loads (on a worker thread), warms up with
+    one probe step (bounded by the watchdog: a hang there is exit 70), and reports started
+    once serving; a failed load raises ModelLoadError from `nursery.start`. `unload()` stops
+    admitting, waits for in-flight requests, closes the executor, and returns once `run` has
+    finished.
+
+    Every step and probe goes through the watchdog (`run_step`); a step past its deadline
+    fails the in-flight and queued requests with UnavailableError (503), and the loop awaits
+    `watchdog.recover(executor)`, which returns once serving again (or never: exit 70).
+    Without a watchdog (tests, tools) steps run on a plain worker thread, unbounded.
+    """
+
+    def __init__(
+        self,
+        spec: ModelConfig,
+        loader: Callable[[], ExecutorLike],
+        *,
+        max_queue: int,
+        probe_interval_s: float = 30.0,
+        watchdog: WatchdogLike | None = None,
+        metrics: ModelMetrics | None = None,
+        stream_capacity: int = 64,
+        source_path: str | None = None,
+        memory: dict[str, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.max_queue = max_queue
+        self.probe_interval_s = probe_interval_s
+        self.source_path = source_path
+        self.memory = dict(memory or {})
+        self.loaded_at: float | None = None  # unix seconds
+        self.executor: ExecutorLike | None = None
+        self.watchdog = watchdog
+        self._state: ModelState = "loading"
+        self._loader = loader
+        self._metrics = metrics
+        self._stream_capacity = stream_capacity
+        self._queue: deque[_Request] = deque()
+        self._active: dict[int, _Request] = {}
+        self._cancels: list[int] = []
+        self._wakeup = trio.Event()
+        self._idle_lot = trio.lowlevel.ParkingLot()
+        self._stopping = False
+        self._finished = trio.Event()
+        self._limiter = trio.CapacityLimiter(1)  # a hung step keeps only this slot
+        self._engine_stats: EngineStatistics | None = None
+        self._steps = 0
+        self._failures = 0
+        self._last_error: str | None = None
+
+    # ---- what the node reads -------------------------------------------------------------
+
+    @property
+    def state(self) -> ModelState:
+        if self.watchdog is not None and self.watchdog.state == "wedged":
+            return "wedged"  # the deadman is firing
+        return self._state
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._active
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == "serving" and not self._stopping
+
+    def statistics(self) -> ModelActorStatistics:
+        stats = self._engine_stats
+        return ModelActorStatistics(
+            name=self.name,
+            state=self.state,
+            queued=len(self._queue),
+            running=len(self._active),
+            slots_in_use=stats.slots_in_use if stats else 0,
+            slots_total=self.spec.max_batch,
+            steps=self._steps,
+            failures=self._failures,
+        )
+
+    def inflight(self) -> list[dict[str, Any]]:
+        """Queued and running requests with their ages (forensics: any thread may call it)."""
+        now = time.time()
+        return [
+            {
+                "model": self.name,
+                "seq_id": r.seq_id,
+                "state": "queued" if r.seq_id is None else "running",
+                "age_s": round(now - r.enqueued_wall, 3),
+                "prompt_tokens": len(r.prompt_ids),
+                "generated_tokens": r.tokens,
+            }
+            for r in [*list(self._active.values()), *list(self._queue)]
+        ]
+
+    def info(self) -> dict[str, Any]:
+        """This model's entry in `/v1/node`."""
+        ex = self.executor
+        stats = self.statistics()
+        ranks = [{k: _jsonable(v) for k, v in r.items()} for r in (ex.ranks if ex else [])]
+        watchdog = getattr(self.watchdog, "statistics", None)
+        return {
+            "name": self.name,
+            "state": stats.state,
+            "source": self.spec.source,
+            "path": self.source_path,
+            "dtype": str(ex.dtype).removeprefix("torch.") if ex else self.spec.dtype,
+            "tp": ex.tp if ex else self.spec.tp,
+            "max_batch": self.spec.max_batch,
+            "context": self.spec.context,
+            "slots_in_use": stats.slots_in_use,
+            "slots_total": stats.slots_total,
+            "running": stats.running,
+            "queued": stats.queued,
+            "max_queue": self.max_queue,
+            "ranks": ranks,
+            "devices": [str(r.get("device")) for r in ranks],
+            "memory": self.memory,
+            "loaded_at": self.loaded_at,
+            "steps": stats.steps,
+            "step_failures": stats.failures,
+            "last_error": self._last_error,
+            "watchdog": watchdog().as_dict() if callable(watchdog) else None,
+        }
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.outcome(outcome)
+
+    def _refuse_unless_accepting(self) -> None:
+        if self.accepting:
+            return
+        self._count("rejected_unavailable")
+        state = "unloading" if self._stopping else self.state
+        if state == "recovering":
+            raise UnavailableError(
+                f"model {self.name!r} is recovering from a failed step",
+                code="model_recovering",
+                retry_after_s=5,
+            )
+        if state == "wedged":
+            raise UnavailableError(
+                f"model {self.name!r} is wedged; the node is restarting",
+                code="model_wedged",
+                retry_after_s=30,
+            )
+        raise UnavailableError(
+            f"model {self.name!r} is {state}", code=f"model_{state}", retry_after_s=5
+        )
+
+    def _encode(self, job: GenerationJob) -> tuple[list[int], bool]:
+        assert self.executor is not None
+        engine: EngineLike = self.executor.engine
+        try:
+            if job.messages is not None:
+                messages = [{"role": m.role, "content": m.content} for m in job.messages]
+                ids, chat = engine.encode_prompt(engine.render_chat(messages), chat=True), True
+            else:
+                ids, chat = engine.encode_prompt(job.prompt or "", chat=False), False
+            engine.validate(ids, job.params)
+        except RequestError:
+            self._count("rejected_invalid")
+            raise
+        return ids, chat
+
+    def _queue_capacity(self) -> int:
+        # Requests take the free slots first, then wait in a queue of max_queue.
+        return self.max_queue + max(0, self.spec.max_batch - len(self._active))
+
+    @asynccontextmanager
+    async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
+        """Queue `job`; the context's value iterates its events. See NodeService.generate.
+
+        Tokenizes and validates on the trio thread (fast) so that a bad request is refused
+        before it waits. Leaving the context before the last event cancels the sequence at
+        the next step boundary (or drops it from the queue at once).
+        """
+        self._refuse_unless_accepting()
+        ids, chat = self._encode(job)
+        if len(self._queue) >= self._queue_capacity():
+            self._count("rejected_queue_full")
+            raise QueueFullError(
+                f"model {self.name!r}: {self.max_queue} requests already wait for a slot",
+                retry_after_s=max(1, len(self._queue) // max(1, self.spec.max_batch)),
+            )
+        request = _Request(
+            job,
+            ids,
+            chat,
+            EventStream(self._stream_capacity),
+            enqueued_at=trio.current_time(),
+            enqueued_wall=time.time(),
+        )
+        self._queue.append(request)
+        self._wake()
+        try:
+            yield request.stream
+        finally:
+            self._abandon(request)
+
+    def _abandon(self, request: _Request) -> None:
+        """The consumer left (client gone, or done): cancel at the next step boundary."""
+        request.stream.close()
+        if request.done:
+            return
+        if request.seq_id is None:
+            try:
+                self._queue.remove(request)
+            except ValueError:
+                pass
+        else:
+            self._cancels.append(request.seq_id)
+        self._finish(request, "cancelled")
+        self._wake()
+
+    def _finish(self, request: _Request, outcome: str) -> None:
+        if request.done:
+            return
+        request.done = True
+        request.outcome = outcome
+        if request.seq_id is not None and outcome != "cancelled":
+            self._active.pop(request.seq_id, None)
+        self._count(outcome)
+        m = self._metrics
+        if m is not None and request.tokens > 1:
+            assert request.first_token_at is not None and request.last_token_at is not None
+            span = request.last_token_at - request.first_token_at
+            m.per_output_token(span / (request.tokens - 1))
+        self._idle_lot.unpark_all()
+
+    def _fail_all(self, error: UnavailableError) -> None:
+        for request in [*self._queue, *self._active.values()]:
+            request.stream.fail(error)
+            self._finish(request, "unavailable")
+        self._queue.clear()
+        self._active.clear()
+        self._idle_lot.unpark_all()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is queued or running."""
+        while not self.idle:
+            await self._idle_lot.park()
+
+    # ---- loading and unloading -------------------------------------------------------------
+
+    async def _load(self) -> ExecutorLike:
+        """Build the executor on a worker thread.
+
+        Cancellation handling: the thread is abandoned; whatever it builds afterwards is
+        closed on its own thread, so an interrupted load leaks nothing for long.
+        """
+        lock = threading.Lock()
+        abandoned = False
+        built: list[ExecutorLike] = []
+
+        def build() -> ExecutorLike:
+            executor = self._loader()
+            with lock:
+                if abandoned:
+                    executor.close()
+                else:
+                    built.append(executor)
+            return executor
+
+        try:
+            return await trio.to_thread.run_sync(
+                build, abandon_on_cancel=True, thread_name=f"neuron-load-{self.name}"
+            )
+        except trio.Cancelled:
+            with lock:
+                abandoned = True
+                leftovers = list(built)
+            for executor in leftovers:
+                threading.Thread(target=executor.close, daemon=True).start()
+            raise
+
+    async def _warm_up(self, executor: ExecutorLike) -> None:
+        if self.watchdog is not None:
+            await self.watchdog.run_or_die(executor.probe, what="warm-up")
+        else:
+            await self._plain_thread(executor.probe, "warm-up")
+
+    async def _close(self, executor: ExecutorLike) -> None:
+        await trio.to_thread.run_sync(
+            executor.close, abandon_on_cancel=True, thread_name=f"neuron-close-{self.name}"
+        )
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[ModelActor] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Load, warm up, report started, then serve until `unload()` (or cancellation)."""
+        started = time.monotonic()
+        try:
+            self.executor = await self._load()
+            await self._warm_up(self.executor)
+            self._engine_stats = self.executor.engine.statistics()
+        except BaseException as exc:
+            self._state = "unloaded"
+            self._finished.set()
+            if self.executor is not None and isinstance(exc, Exception):
+                await self._close(self.executor)
+            if isinstance(exc, ModelLoadError) or not isinstance(exc, Exception):
+                raise
+            raise ModelLoadError(f"model {self.name!r}: {type(exc).__name__}: {exc}") from exc
+        self.loaded_at = time.time()
+        self._state = "serving"
+        log.info("model %s: serving (ready in %.1f s)", self.name, time.monotonic() - started)
+        task_status.started(self)
+        try:
+            await self._serve(self.executor)
+            self._state = "unloading"
+            executor, self.executor = self.executor, None
+            await self._close(executor)
+            log.info("model %s: unloaded", self.name)
+        finally:
+            self._fail_all(
+                UnavailableError(f"model {self.name!r} was stopped", code="model_unloaded")
+            )
+            self._state = "unloaded"
+            self._finished.set()
+
+    async def unload(self) -> None:
+        """Stop taking requests, wait for the queued and running ones, close the executor.
+
+        Returns once `run` has finished. Cancellation handling: cancelling the caller stops
+        the wait only; the unload goes on in the actor.
+        """
+        self._stopping = True
+        self._wake()
+        await self._finished.wait()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def _plain_thread(self, fn: Callable[[], T], what: str) -> T:
+        return await trio.to_thread.run_sync(
+            fn,
+            abandon_on_cancel=True,
+            limiter=self._limiter,
+            thread_name=f"neuron-{what}-{self.name}",
+        )
+
+    async def _on_worker(self, fn: Callable[[], T], what: str) -> T:
+        """Run blocking `fn` (a step or a probe) off the trio thread, under the watchdog.
+
+        Raises StepTimeoutError past the step deadline (then `recover` must follow).
+        Cancellation handling: the thread is abandoned and keeps the step limiter's slot.
+        """
+        if self.watchdog is not None:
+            return await self.watchdog.run_step(fn, what=what)
+        return await self._plain_thread(fn, what)
+
+    def _apply_cancels(self, engine: EngineLike) -> None:
+        for seq_id in self._cancels:
+            engine.cancel(seq_id)
+            self._active.pop(seq_id, None)
+        self._cancels.clear()
+
+    def _admit(self, engine: EngineLike) -> None:
+        while self._queue and engine.free_slots > 0:
+            request = self._queue.popleft()
+            try:
+                seq_id = engine.add(request.prompt_ids, request.job.params, chat=request.chat)
+            except NeuronError as exc:  # validated on arrival: should not happen
+                request.stream.fail(exc)
+                self._finish(request, "error")
+                continue
+            request.seq_id = seq_id
+            self._active[seq_id] = request
+            if self._metrics is not None:
+                self._metrics.admitted(len(request.prompt_ids))
+
+    async def _serve(self, executor: ExecutorLike) -> None:
+        engine: EngineLike = executor.engine
+        while True:
+            self._wakeup = trio.Event()  # before looking: a wake from now on is not lost
+            self._apply_cancels(engine)
+            if self._stopping and self.idle:
+                return
+            self._admit(engine)
+            if not engine.has_work:
+                for request in list(self._active.values()):  # the engine dropped it silently
+                    request.stream.fail(UnavailableError("the engine dropped the sequence"))
+                    self._finish(request, "error")
+                with trio.move_on_after(self.probe_interval_s) as idle:
+                    await self._wakeup.wait()
+                if idle.cancelled_caught:
+                    await self._guarded(executor, executor.probe, "probe")
+                continue
+            events = await self._guarded(executor, executor.step, "step")
+            if events:
+                self._route(events)
+            self._engine_stats = engine.statistics()
+
+    async def _guarded(self, executor: ExecutorLike, fn: Callable[[], T], what: str) -> T | None:
+        """Run a step or probe; on a wedge or a failure, fail in-flight requests and recover."""
+        try:
+            result = await self._on_worker(fn, what)
+        except (StepTimeoutError, UnavailableError) as exc:
+            # UnavailableError: the watchdog is already recovering (an idle probe of its own).
+            await self._recover(executor, exc, wedged=True)
+            return None
+        except Exception as exc:
+            log.error("model %s: %s failed", self.name, what, exc_info=True)
+            await self._recover(executor, exc, wedged=False)
+            return None
+        if what == "step":
+            self._steps += 1
+        return result
+
+    async def _recover(self, executor: ExecutorLike, exc: BaseException, *, wedged: bool) -> None:
+        self._failures += 1
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        self._state = "recovering"
+        self._fail_all(
+            UnavailableError(
+                f"model {self.name!r} {'wedged' if wedged else 'failed a step'}; "
+                "it is recovering: retry",
+                code="model_recovering",
+                retry_after_s=5,
+            )
+        )
+        if wedged and self.watchdog is not None:
+            await self.watchdog.recover(executor)  # returns once serving again, or exit 70
+            if self.watchdog.state == "wedged":
+                await trio.sleep_forever()  # the deadman is firing: the process is ending
+        # A failed or aborted step left no sequence half-advanced; drop them all (their
+        # requests were failed above) so that the slots are free again.
+        executor.engine.cancel_all()
+        self._cancels.clear()
+        self._engine_stats = executor.engine.statistics()
+        self._state = "serving"
+        log.warning("model %s: serving again after %s", self.name, self._last_error)
+
+    def _route(self, events: list[SequenceEvent]) -> None:
+        now = trio.current_time()
+        for event in events:
+            request = self._active.get(event.seq_id)
+            if request is None or request.done:
+                continue  # cancelled since the step started
+            n = len(event.token_ids)
+            if n:
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                    if self._metrics is not None:
+                        self._metrics.first_token(now - request.enqueued_at)
+                request.last_token_at = now
+                request.tokens += n
+                if self._metrics is not None:
+                    self._metrics.generated(n)
+            request.stream.push(event)
+            if event.finish_reason is not None:
+                request.stream.close()
+                self._finish(request, event.finish_reason)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)

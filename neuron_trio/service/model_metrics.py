@@ -1,0 +1,157 @@
+"""Per-model Prometheus metrics: request outcomes, latency histograms, token counters, gauges.
+
+Counters and histograms are updated by the model actors as requests finish. Gauges (queue
+depth, running sequences, KV slots, state) are read from the actors' `statistics()` at scrape
+time by a custom collector, so they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+MODEL_STATES = ("loading", "serving", "recovering", "wedged", "unloading", "unloaded")
+
+# Outcomes of a request (label `outcome` of neuron_model_requests_total).
+OUTCOMES = (
+    "stop",  # finished: EOS, end-of-turn or a stop string
+    "length",  # finished: max_tokens
+    "cancelled",  # the client left before the end
+    "error",  # the engine reported an error for the sequence
+    "unavailable",  # failed in flight: the model wedged, recovered or was stopped
+    "rejected_invalid",  # 400 before queueing (prompt too long, bad parameters)
+    "rejected_queue_full",  # 429
+    "rejected_unavailable",  # 503 before queueing: draining, recovering, unloading
+)
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5, float("inf"))
+
+
+@dataclass(frozen=True)
+class ModelActorStatistics:
+    """A model actor's state for /metrics and /v1/node (cheap: no engine call)."""
+
+    name: str
+    state: str
+    queued: int
+    running: int
+    slots_in_use: int
+    slots_total: int
+    steps: int
+    failures: int  # steps or probes that failed or wedged (the watchdog counts wedges)
+
+
+class NodeMetrics:
+    """The model metrics of one node, registered in its CollectorRegistry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        statistics: Callable[[], Iterable[ModelActorStatistics]],
+    ) -> None:
+        self.requests = Counter(
+            "neuron_model_requests",
+            "Generation requests by outcome",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "neuron_model_time_to_first_token_seconds",
+            "From queueing a request to its first generated token",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.time_per_output_token = Histogram(
+            "neuron_model_time_per_output_token_seconds",
+            "Mean time per generated token after the first, per request",
+            ["model"],
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "neuron_model_prompt_tokens", "Prompt tokens admitted", ["model"], registry=registry
+        )
+        self.generated_tokens = Counter(
+            "neuron_model_generated_tokens", "Tokens generated", ["model"], registry=registry
+        )
+        registry.register(_ActorCollector(statistics))
+
+    def for_model(self, name: str) -> ModelMetrics:
+        return ModelMetrics(self, name)
+
+
+class ModelMetrics:
+    """The metrics of one model, labels bound."""
+
+    def __init__(self, node: NodeMetrics, name: str) -> None:
+        self.name = name
+        self._requests = {o: node.requests.labels(name, o) for o in OUTCOMES}
+        self._ttft = node.time_to_first_token.labels(name)
+        self._tpot = node.time_per_output_token.labels(name)
+        self._prompt = node.prompt_tokens.labels(name)
+        self._generated = node.generated_tokens.labels(name)
+
+    def outcome(self, outcome: str) -> None:
+        counter = self._requests.get(outcome) or self._requests["error"]
+        counter.inc()
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self._prompt.inc(prompt_tokens)
+
+    def generated(self, tokens: int) -> None:
+        if tokens:
+            self._generated.inc(tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(max(seconds, 0.0))
+
+    def per_output_token(self, seconds: float) -> None:
+        self._tpot.observe(max(seconds, 0.0))
+
+
+class _ActorCollector(Collector):
+    def __init__(self, statistics: Callable[[], Iterable[ModelActorStatistics]]) -> None:
+        self._statistics = statistics
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic: no duplicate-name check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        stats = list(self._statistics())
+        queued = GaugeMetricFamily(
+            "neuron_model_queue_depth", "Requests waiting for a slot", labels=["model"]
+        )
+        running = GaugeMetricFamily(
+            "neuron_model_running_sequences", "Sequences in engine slots", labels=["model"]
+        )
+        in_use = GaugeMetricFamily(
+            "neuron_model_kv_slots_in_use", "KV cache slots in use", labels=["model"]
+        )
+        total = GaugeMetricFamily(
+            "neuron_model_kv_slots", "KV cache slots (max_batch)", labels=["model"]
+        )
+        state = GaugeMetricFamily(
+            "neuron_model_state", "1 for the model's current state", labels=["model", "state"]
+        )
+        steps = CounterMetricFamily("neuron_model_steps", "Engine steps run", labels=["model"])
+        failures = CounterMetricFamily(
+            "neuron_model_step_failures",
+            "Steps or probes that failed or wedged (their requests got 503)",
+            labels=["model"],
+        )
+        for s in stats:
+            queued.add_metric([s.name], s.queued)
+            running.add_metric([s.name], s.running)
+            in_use.add_metric([s.name], s.slots_in_use)
+            total.add_metric([s.name], s.slots_total)
+            for st in MODEL_STATES:
+                state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
+            steps.add_metric([s.name], s.steps)
+            failures.add_metric([s.name], s.failures)
+        yield from (queued, running, in_use, total, state, steps, failures)

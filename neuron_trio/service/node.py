@@ -1,0 +1,455 @@
+"""The node: the registry of model actors, health, identity, drain, and the metrics registry.
+
+`Node` implements `service.api.NodeService` for the HTTP layer and gives the daemon its
+life cycle:
+
+    node = Node(config, gpus=gpu_actor, identity=identity, notifier=notifier)
+    await nursery.start(node.run)   # loads default_models in order, then returns;
+                                    # a default that cannot load: ModelLoadError (exit 69)
+    node.mark_serving()             # /health 200 from now on (failpoints armed here)
+    ...                             # first SIGTERM:
+    node.begin_drain()              # new requests 503 "draining"; queued ones still run
+    await node.wait_idle(timeout)   # True once no request is queued or running
+    await node.unload_all()         # close every executor; `run` then returns
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, is_dataclass
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import trio
+from prometheus_client import CollectorRegistry
+
+from neuron_trio import failpoints as fp
+from neuron_trio.config import ModelConfig, NeuronConfig
+from neuron_trio.errors import (
+    ModelLoadError,
+    ModelNotFoundError,
+    RequestError,
+    UnavailableError,
+)
+from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
+from neuron_trio.service.deadman import Deadman
+from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
+from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
+from neuron_trio.service.placement import (
+    GpuSnapshotLike,
+    ModelEstimate,
+    estimate_model_bytes,
+    place,
+)
+from neuron_trio.service.sources import resolve_source
+from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.watchdog_metrics import WatchdogMetrics
+
+log = logging.getLogger(__name__)
+
+ExecutorFactory = Callable[..., ExecutorLike]  # (spec, path, devices, *, failpoints)
+Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
+
+
+class ModelExistsError(RequestError):
+    """Raised by `load_model` if a model of that name is loaded or loading (409)."""
+
+    status = 409
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"a model named {name!r} is already loaded (or loading); unload it first",
+            param="name",
+            code="model_exists",
+        )
+
+
+class GpuSource(Protocol):
+    """What the node needs of `gpu.actor.GpuActor`: a live NVML read."""
+
+    async def live(self) -> Any: ...
+
+
+class StatusSink(Protocol):
+    """What the node needs of `service.notifier.Notifier`: STATUS= lines."""
+
+    def status(self, text: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class _Identity:
+    boot_id: str
+    started_at: str
+    starts: int
+
+
+def _ephemeral_identity() -> _Identity:
+    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return _Identity(boot_id=uuid.uuid4().hex, started_at=now, starts=1)
+
+
+def _default_factory(
+    spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
+) -> ExecutorLike:
+    from neuron_trio.parallel.executor import build_executor
+
+    return build_executor(spec, path, devices, failpoints=failpoints)
+
+
+def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
+    return estimate_model_bytes(spec, path, on_gpu=on_gpu)
+
+
+def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
+    """The newest forensics report under `state_dir/forensics/`, with its path, or None."""
+    folder = state_dir / "forensics"
+    try:
+        reports = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))
+    except OSError:
+        return None
+    if not reports:
+        return None
+    newest = reports[-1]
+    try:
+        report: Any = json.loads(newest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        report = {"unreadable": f"{type(exc).__name__}: {exc}"}
+    return {"path": str(newest), "report": report}
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+class Node:
+    """The node's model registry and state; see the module docstring for the life cycle.
+
+    `gpus` (a `GpuActor`), `identity` (an `Identity`), `notifier` (a `Notifier`) and
+    `deadman` are optional for tests; the daemon passes the real ones. Without a deadman
+    the node makes one (state_dir, with in-flight requests as context).
+    """
+
+    def __init__(
+        self,
+        config: NeuronConfig,
+        *,
+        gpus: GpuSource | None = None,
+        identity: Any = None,
+        notifier: StatusSink | None = None,
+        deadman: Deadman | None = None,
+        failpoints: fp.Failpoints | None = None,
+        executor_factory: ExecutorFactory | None = None,
+        estimator: Estimator | None = None,
+        watchdog_factory: Callable[[ModelConfig], Watchdog | None] | None = None,
+        hostname: str | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity if identity is not None else _ephemeral_identity()
+        self.hostname = hostname or socket.gethostname()
+        self.failpoints = fp.REGISTRY if failpoints is None else failpoints
+        self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
+        self._gpus = gpus
+        self._notifier = notifier
+        self._factory = executor_factory or _default_factory
+        self._estimator = estimator or _default_estimator
+        self._watchdog_factory = watchdog_factory or self._make_watchdog
+        self._registry = CollectorRegistry()
+        self._metrics = NodeMetrics(self._registry, self._model_statistics)
+        self._actors: dict[str, ModelActor] = {}
+        self._reserved: set[str] = set()  # names being loaded
+        self._nursery: trio.Nursery | None = None
+        self._serving = False
+        self._draining = False
+        self._closed = trio.Event()
+        self._last_forensics: dict[str, Any] | None = None
+
+    # ---- NodeService ----------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self._registry
+
+    @property
+    def models(self) -> dict[str, ModelActor]:
+        return dict(self._actors)
+
+    def health(self) -> HealthSnapshot:
+        states = {name: actor.state for name, actor in self._actors.items()}
+        status: HealthStatus
+        if self.deadman.firing or "wedged" in states.values():
+            status = "wedged"
+        elif self._draining:
+            status = "draining"
+        elif not self._serving:
+            status = "starting"
+        elif "recovering" in states.values():
+            status = "recovering"
+        else:
+            status = "ok"
+        return HealthSnapshot(
+            status=status,
+            boot_id=str(self.identity.boot_id),
+            started_at=str(self.identity.started_at),
+            starts=int(self.identity.starts),
+            detail={"models": states},
+        )
+
+    def list_models(self) -> list[ModelSummary]:
+        return [
+            ModelSummary(name=a.name, created=int(a.loaded_at or 0), context=a.spec.context)
+            for a in self._actors.values()
+            if a.state in ("serving", "recovering")
+        ]
+
+    async def node_info(self) -> dict[str, Any]:
+        """The `/v1/node` document (a live GPU read: may take up to the NVML timeout)."""
+        gpus: Any = None
+        if self._gpus is not None:
+            try:
+                gpus = _jsonable(await self._gpus.live())
+            except Exception as exc:
+                gpus = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+        health = self.health()
+        return {
+            "hostname": self.hostname,
+            "boot_id": health.boot_id,
+            "started_at": health.started_at,
+            "starts": health.starts,
+            "status": health.status,
+            "draining": self._draining,
+            "config": self.config.source_path,
+            "gpus": gpus,
+            "models": [actor.info() for actor in self._actors.values()],
+            "watchdog": {
+                "step_timeout_s": self.config.tp.step_timeout_s,
+                "abort_deadline_s": self.config.tp.abort_deadline_s,
+                "probe_interval_s": self.config.tp.probe_interval_s,
+                "deadman_firing": self.deadman.firing,
+                "deadman_reason": self.deadman.reason,
+                "models": {
+                    name: actor.watchdog.statistics().as_dict()
+                    for name, actor in self._actors.items()
+                    if isinstance(actor.watchdog, Watchdog)
+                },
+            },
+            "last_forensics": self._last_forensics,
+            "failpoints": {
+                "configured": {k: str(v) for k, v in self.failpoints.configured.items()},
+                "fired": list(self.failpoints.fired),
+            },
+        }
+
+    @asynccontextmanager
+    async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
+        """See NodeService.generate."""
+        actor = self._actors.get(job.model)
+        if actor is None or actor.state in ("loading", "unloaded"):
+            raise ModelNotFoundError(job.model)
+        if self._draining:
+            raise UnavailableError("the node is draining", code="draining", retry_after_s=5)
+        async with actor.generate(job) as events:
+            yield events
+
+    async def load_model(self, spec: ModelConfig) -> dict[str, Any]:
+        """Load `spec` at run time; its `/v1/node` entry once serving.
+
+        Raises ModelExistsError (409) if the name is taken, UnavailableError (503) while
+        draining or before `run`, ModelLoadError (SourceError, PlacementError, ...) if it
+        cannot be loaded. Cancellation handling: cancelling the caller abandons the load.
+        """
+        if self._draining or self._nursery is None:
+            raise UnavailableError("the node is not taking new models now", code="draining")
+        actor = await self._start_model(spec)
+        return actor.info()
+
+    async def unload_model(self, name: str) -> None:
+        """Wait for `name`'s in-flight requests, then free it. Raises ModelNotFoundError."""
+        actor = self._actors.get(name)
+        if actor is None:
+            raise ModelNotFoundError(name)
+        await self._unload(actor)
+
+    # ---- life cycle (daemon) --------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load every default model (in order), report started, then host the model actors.
+
+        Progress goes to the notifier's STATUS= and the log. A default model that cannot be
+        loaded raises ModelLoadError (the daemon exits 69) before `started`. Returns after
+        `unload_all()`; cancelling it stops every actor without draining.
+        """
+        self._last_forensics = await trio.to_thread.run_sync(
+            find_last_forensics, self.config.state_path
+        )
+        if self._last_forensics is not None:
+            log.warning("last forensics report: %s", self._last_forensics["path"])
+        failure: ModelLoadError | None = None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                await self._load_defaults()
+            except ModelLoadError as exc:
+                failure = exc
+                nursery.cancel_scope.cancel()
+            else:
+                task_status.started(self)
+                await self._closed.wait()
+                nursery.cancel_scope.cancel()
+        self._nursery = None
+        if failure is not None:
+            raise failure
+
+    async def _load_defaults(self) -> None:
+        models = self.config.default_models
+        for i, spec in enumerate(models, 1):
+            self._status(f"loading {spec.name} ({i}/{len(models)}) from {spec.source}…")
+            started = time.monotonic()
+            await self._start_model(spec)
+            self._status(f"loaded {spec.name} in {time.monotonic() - started:.1f} s")
+
+    def mark_serving(self) -> None:
+        """`/health` answers 200 from now on. Arms the failpoints (never before serving)."""
+        self.failpoints.arm()
+        self._serving = True
+
+    def begin_drain(self) -> None:
+        """New requests get 503 `draining`; queued and running ones go on."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) until no request is queued or running; True if so."""
+        with trio.move_on_after(float("inf") if timeout is None else timeout):
+            while True:
+                busy = [a for a in self._actors.values() if not a.idle]
+                if not busy:
+                    return True
+                await busy[0].wait_idle()
+        return False
+
+    async def unload_all(self) -> None:
+        """Unload every model (each waits for its own in-flight requests); `run` then returns."""
+        self._draining = True
+        async with trio.open_nursery() as nursery:
+            for actor in list(self._actors.values()):
+                nursery.start_soon(self._unload, actor)
+        self._closed.set()
+
+    # ---- inside ---------------------------------------------------------------------------
+
+    def _status(self, text: str) -> None:
+        log.info("%s", text)
+        if self._notifier is not None:
+            with contextlib.suppress(Exception):
+                self._notifier.status(text)
+
+    def _make_watchdog(self, spec: ModelConfig) -> Watchdog:
+        return Watchdog(
+            model_name=spec.name,
+            tp=self.config.tp,
+            deadman=self.deadman,
+            metrics=WatchdogMetrics.for_registry(self._registry),
+        )
+
+    def _model_statistics(self) -> list[ModelActorStatistics]:
+        return [actor.statistics() for actor in list(self._actors.values())]
+
+    def forensics_context(self) -> dict[str, Any]:
+        """For the deadman's report (called on its thread): in-flight requests, model states."""
+        actors = list(self._actors.values())
+        return {
+            "inflight": [r for actor in actors for r in actor.inflight()],
+            "models": {actor.name: actor.state for actor in actors},
+            "draining": self._draining,
+        }
+
+    async def _live_gpus(self, spec: ModelConfig) -> GpuSnapshotLike | None:
+        if self._gpus is None or spec.devices == "cpu":
+            return None
+        snapshot: GpuSnapshotLike = await self._gpus.live()
+        return snapshot
+
+    async def _start_model(self, spec: ModelConfig) -> ModelActor:
+        if spec.name in self._actors or spec.name in self._reserved:
+            raise ModelExistsError(spec.name)
+        assert self._nursery is not None
+        self._reserved.add(spec.name)
+        try:
+            path = await trio.to_thread.run_sync(
+                partial(resolve_source, spec.source, self.config, progress=self._status),
+                abandon_on_cancel=True,
+            )
+            snapshot = await self._live_gpus(spec)
+            on_gpu = spec.devices != "cpu" and bool(snapshot and snapshot.gpus)
+            estimate = await trio.to_thread.run_sync(
+                self._estimator, spec, path, on_gpu, abandon_on_cancel=True
+            )
+            devices = place(spec, estimate.total_bytes, snapshot)
+            log.info(
+                "model %s: %s on %s (estimate %.2f GiB)",
+                spec.name,
+                path,
+                ", ".join(map(str, devices)),
+                estimate.total_bytes / (1 << 30),
+            )
+            actor = ModelActor(
+                spec,
+                partial(self._factory, spec, path, devices, failpoints=self.failpoints),
+                max_queue=self.config.server.max_queue,
+                probe_interval_s=self.config.tp.probe_interval_s,
+                watchdog=self._watchdog_factory(spec),
+                metrics=self._metrics.for_model(spec.name),
+                source_path=str(path),
+                memory={**estimate.to_dict(), "devices": [str(d) for d in devices]},
+            )
+            self._actors[spec.name] = actor
+            try:
+                await self._nursery.start(actor.run)
+            except BaseException:
+                self._actors.pop(spec.name, None)
+                raise
+        except (ModelLoadError, RequestError):
+            raise
+        except Exception as exc:  # a GPU read, a torch error: still a failed load
+            raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._reserved.discard(spec.name)
+        return actor
+
+    async def _unload(self, actor: ModelActor) -> None:
+        on_cuda = any("cuda" in str(r.get("device")) for r in actor.info()["ranks"])
+        await actor.unload()
+        if self._actors.get(actor.name) is actor:
+            del self._actors[actor.name]
+        await trio.to_thread.run_sync(_free_memory, on_cuda)
+
+
+def _free_memory(on_cuda: bool) -> None:
+    gc.collect()
+    if on_cuda and torch.cuda.is_available():
+        torch.cuda.empty_cache()
