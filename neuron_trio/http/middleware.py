@@ -112,29 +112,48 @@ class NeuronMiddleware:
             return
         route = self.route_of(scope)
         status: int | None = None
+        http2 = scope.get("http_version") == "2"
+
+        limit = self.max_body_bytes
+        received = 0
+        body_done = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, body_done
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if received > limit:
+                    raise BodyTooLargeError(limit)
+            elif message["type"] == "http.disconnect":
+                body_done = True
+            return message
+
+        async def discard_rest_of_body() -> None:
+            # hypercorn 0.18 (h2.py, DataReceived) raises KeyError, and takes the whole server
+            # down, if a DATA frame arrives for a stream whose response has already ended. So
+            # an HTTP/2 response that did not read its request body (401, 404, 413, 503, …)
+            # reads and drops the rest of it before its last frame goes out.
+            nonlocal body_done
+            while not body_done:
+                message = await receive()
+                body_done = message["type"] == "http.disconnect" or not message.get(
+                    "more_body", False
+                )
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                if http2:
+                    await discard_rest_of_body()
                 with trio.move_on_after(FINAL_SEND_TIMEOUT_S) as scope_:
                     scope_.shield = True
                     await send(message)
                 return
             await send(message)
-
-        limit = self.max_body_bytes
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLargeError(limit)
-            return message
 
         self.metrics.in_flight.inc()
         started = time.perf_counter()
