@@ -51,9 +51,9 @@ class DaemonNode(Protocol):
     """What the daemon asks of `service.node.Node` (beyond the HTTP layer's NodeService)."""
 
     async def run(self, *, task_status: Any = ...) -> None:
-        """Load `config.default_models` (progress through the `status` callback), report
-        started once they are loaded, then keep the model actors running until cancelled.
-        Raises ModelLoadError if a default model cannot be loaded."""
+        """Load `config.default_models` (progress as STATUS= lines through the notifier),
+        report started once they are loaded, then host the model actors until `unload_all`
+        (or cancellation). Raises ModelLoadError if a default model cannot be loaded."""
 
     def mark_serving(self) -> None:
         """Health `starting` → `ok`."""
@@ -61,8 +61,8 @@ class DaemonNode(Protocol):
     def begin_drain(self) -> None:
         """Health → `draining`; new inference requests get 503 with Retry-After."""
 
-    async def wait_idle(self) -> None:
-        """Return once no request is in flight (the daemon bounds the wait)."""
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait at most `timeout` s until no request is queued or running; True if so."""
 
     async def unload_all(self) -> None:
         """Unload every model (free the GPUs) before exit."""
@@ -73,11 +73,11 @@ ServeHttp = Callable[..., Awaitable[None]]
 
 
 def _default_node_factory(
-    config: NeuronConfig, *, identity: Identity, gpus: GpuActor, status: Callable[[str], object]
+    config: NeuronConfig, *, identity: Identity, gpus: GpuActor, notifier: Notifier
 ) -> DaemonNode:
     from neuron_trio.service.node import Node
 
-    node: DaemonNode = Node(config, identity=identity, gpus=gpus, status=status)
+    node: DaemonNode = Node(config, identity=identity, gpus=gpus, notifier=notifier)
     return node
 
 
@@ -166,7 +166,7 @@ class Daemon:
             + (", ".join(m.name for m in config.default_models) or "none")
         )
         self.node = node = self.wiring.make_node(
-            config, identity=identity, gpus=gpus, status=status
+            config, identity=identity, gpus=gpus, notifier=self.notifier
         )
         registry = getattr(node, "metrics_registry", None)
         if registry is not None:
@@ -181,7 +181,6 @@ class Daemon:
         failpoints.REGISTRY.arm()
         node.mark_serving()
         self.notifier.ready(f"serving on {listening}")
-        log.info("listening on %s", listening)
 
     async def _serve_http(
         self, serve: ServeHttp, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
@@ -198,9 +197,7 @@ class Daemon:
         node = self.node
         if node is not None:
             node.begin_drain()
-            with trio.move_on_after(timeout) as scope:
-                await node.wait_idle()
-            if scope.cancelled_caught:
+            if not await node.wait_idle(timeout):
                 log.warning("drain: requests still in flight after %gs; closing anyway", timeout)
         self.http_shutdown.set()  # the listener closes; hypercorn finishes open responses
         if self._http_running:

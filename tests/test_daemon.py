@@ -39,12 +39,11 @@ class FakeNode:
         self.hang_load = hang_load
         self.in_flight = 0
         self.idle = trio.Event()
-        self.status: Callable[[str], object] | None = None
+        self.notifier: Any = None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.events.append("node.load")
-        assert self.status is not None
-        self.status("loading tiny 1/1")
+        self.notifier.status("loading tiny 1/1")
         if self.fail_load:
             raise ModelLoadError("tiny: file is not GGUF")
         if self.hang_load:
@@ -58,10 +57,13 @@ class FakeNode:
     def begin_drain(self) -> None:
         self.events.append("node.drain")
 
-    async def wait_idle(self) -> None:
-        if self.in_flight:
-            await self.idle.wait()
-        self.events.append("node.idle")
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        with trio.move_on_after(float("inf") if timeout is None else timeout):
+            if self.in_flight:
+                await self.idle.wait()
+            self.events.append("node.idle")
+            return True
+        return False
 
     async def unload_all(self) -> None:
         self.events.append("node.unload")
@@ -70,9 +72,9 @@ class FakeNode:
 def _wiring(events: list[str], environ: dict[str, str], **node_kw: Any) -> daemon.Wiring:
     nodes: list[FakeNode] = []
 
-    def make_node(config: NeuronConfig, *, identity: Any, gpus: Any, status: Any) -> FakeNode:
+    def make_node(config: NeuronConfig, *, identity: Any, gpus: Any, notifier: Any) -> FakeNode:
         node = FakeNode(events, **node_kw)
-        node.status = status
+        node.notifier = notifier
         nodes.append(node)
         events.append(f"identity.starts={identity.starts}")
         return node
