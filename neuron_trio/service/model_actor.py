@@ -609,8 +609,10 @@ class ModelActor:
                 retry_after_s=5,
             )
         )
-        if wedged and self.watchdog is not None:
-            await self.watchdog.recover(executor)  # returns once serving again, or exit 70
+        if self.watchdog is not None:
+            # Abort (tp > 1), wait for the step thread, re-create, probe: returns once the
+            # model can serve again; otherwise the deadman ends the process (exit 70).
+            await self.watchdog.recover(executor)
             if self.watchdog.state == "wedged":
                 await trio.sleep_forever()  # the deadman is firing: the process is ending
         # A failed or aborted step left no sequence half-advanced; drop them all (their

@@ -1,0 +1,562 @@
+"""The model actor with a fake executor: queueing, admission, disconnects, unload, wedges.
+
+No real threads and no sleeps: steps run through the real Watchdog with a trio-native thread
+runner (`FakeThreads`) that the test can hold, and time is a MockClock moved by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+import pytest
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry, generate_latest
+
+from neuron_trio.config import ModelConfig, TpConfig
+from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.errors import (
+    ContextLengthError,
+    ModelLoadError,
+    QueueFullError,
+    RequestError,
+    UnavailableError,
+)
+from neuron_trio.service.api import ChatMessage, GenerationJob
+from neuron_trio.service.model_actor import EventStream, ModelActor, merge_events
+from neuron_trio.service.model_metrics import NodeMetrics
+from neuron_trio.service.watchdog import Watchdog
+
+STEP_TIMEOUT = 30.0
+ABORT_DEADLINE = 60.0
+PROBE_INTERVAL = 300.0
+
+
+# ---- fakes ------------------------------------------------------------------------------------
+
+
+class FakeEngine:
+    """One token ("x") per running sequence per step; finishes at max_tokens ("length")."""
+
+    def __init__(self, max_batch: int, context: int = 64) -> None:
+        self.max_batch = max_batch
+        self.context = context
+        self.seqs: dict[int, list[Any]] = {}  # seq_id -> [params, produced, prompt_len]
+        self.next_id = 1
+        self.added: list[list[int]] = []
+        self.cancelled: list[int] = []
+        self.steps = 0
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(prompt_ids) + params.max_tokens > self.context:
+            raise ContextLengthError("too long")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
+        assert self.free_slots > 0
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        self.seqs[seq_id] = [params, 0, len(prompt_ids)]
+        self.added.append(list(prompt_ids))
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        self.cancelled.append(seq_id)
+        self.seqs.pop(seq_id, None)
+
+    def cancel_all(self) -> list[int]:
+        ids = list(self.seqs)
+        self.seqs.clear()
+        return ids
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def statistics(self) -> EngineStatistics:
+        n = len(self.seqs)
+        return EngineStatistics(self.max_batch, n, 0, n, self.steps, 0, 0)
+
+    def step(self) -> list[SequenceEvent]:
+        self.steps += 1
+        events = []
+        for seq_id, state in list(self.seqs.items()):
+            params, produced, prompt_len = state
+            state[1] = produced = produced + 1
+            event = SequenceEvent(
+                seq_id,
+                text="x",
+                token_ids=[120],
+                prompt_tokens=prompt_len,
+                completion_tokens=produced,
+            )
+            if produced >= params.max_tokens:
+                event.finish_reason = "length"
+                del self.seqs[seq_id]
+            events.append(event)
+        return events
+
+
+class FakeExecutor:
+    def __init__(self, max_batch: int = 2, context: int = 64) -> None:
+        self.engine = FakeEngine(max_batch, context)
+        self.tp = 1
+        self.comm = None
+        self.dtype = "float32"
+        self.ranks = [{"device": "cpu", "heads": 9, "kv_heads": 3}]
+        self.closed = False
+        self.probes = 0
+        self.fail_next_step: Exception | None = None
+
+    def step(self) -> list[SequenceEvent]:
+        if self.fail_next_step is not None:
+            exc, self.fail_next_step = self.fail_next_step, None
+            raise exc
+        return self.engine.step()
+
+    def probe(self) -> None:
+        self.probes += 1
+
+    def abort_comm(self) -> None:
+        pass
+
+    def recreate_comm(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeThreads:
+    """A trio-native stand-in for the watchdog's thread runner, with abandon semantics.
+
+    The "thread" is a task in the test's nursery: cancelling the caller abandons it (it still
+    reports through `on_return` when it finishes). `hold()` makes new calls wait for
+    `release()`, as a wedged step would.
+    """
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.released = trio.Event()
+        self.released.set()
+        self.calls: list[str] = []
+
+    def hold(self) -> None:
+        self.released = trio.Event()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def __call__(
+        self,
+        fn: Callable[[], Any],
+        *,
+        thread_name: str,
+        limiter: trio.CapacityLimiter,
+        on_return: Callable[[BaseException | None], None],
+    ) -> Any:
+        self.calls.append(thread_name)
+        done = trio.Event()
+        box: dict[str, Any] = {}
+        gate = self.released
+
+        async def thread() -> None:
+            await gate.wait()
+            try:
+                box["result"] = fn()
+            except Exception as exc:
+                box["error"] = exc
+            on_return(box.get("error"))
+            done.set()
+
+        self.nursery.start_soon(thread)
+        await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+
+class FakeDeadman:
+    firing = False
+    reason = None
+
+    async def fire(self, reason: str, **kw: Any) -> NoReturn:
+        self.firing = True
+        raise AssertionError(f"the deadman fired: {reason}")
+
+
+def spec(max_batch: int = 2, **kw: Any) -> ModelConfig:
+    return ModelConfig(name="m", source="builtin:smollm2-135m", max_batch=max_batch, **kw)
+
+
+def job(prompt: str = "hi", max_tokens: int = 3, **kw: Any) -> GenerationJob:
+    return GenerationJob(
+        model="m", params=SamplingParams(max_tokens=max_tokens), prompt=prompt, **kw
+    )
+
+
+class Harness:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        actor: ModelActor,
+        executor: FakeExecutor,
+        threads: FakeThreads,
+        clock: trio.testing.MockClock,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.nursery = nursery
+        self.actor = actor
+        self.executor = executor
+        self.engine = executor.engine
+        self.threads = threads
+        self.clock = clock
+        self.registry = registry
+
+    def consume(self, j: GenerationJob, *, leave_after: int | None = None) -> dict[str, Any]:
+        """Start a consumer task; its record fills in as events arrive."""
+        record: dict[str, Any] = {"events": [], "error": None, "done": False}
+
+        async def consumer() -> None:
+            try:
+                async with self.actor.generate(j) as events:
+                    record["entered"] = True
+                    async for event in events:
+                        record["events"].append(event)
+                        if leave_after is not None and len(record["events"]) >= leave_after:
+                            break
+            except Exception as exc:
+                record["error"] = exc
+            record["done"] = True
+
+        self.nursery.start_soon(consumer)
+        return record
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, {"model": "m", **labels})
+
+
+def run_actor(
+    test: Callable[[Harness], Awaitable[None]], *, max_batch: int = 2, max_queue: int = 2
+) -> None:
+    clock = trio.testing.MockClock()  # no autojump: time moves only when a test jumps it
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            threads = FakeThreads(nursery)
+            executor = FakeExecutor(max_batch)
+            watchdog = Watchdog(
+                model_name="m",
+                tp=TpConfig(step_timeout_s=STEP_TIMEOUT, abort_deadline_s=ABORT_DEADLINE),
+                deadman=FakeDeadman(),  # type: ignore[arg-type]
+                run_thread=threads,
+            )
+            registry = CollectorRegistry()
+            actors: list[ModelActor] = []
+            metrics = NodeMetrics(registry, lambda: [a.statistics() for a in actors])
+            actor = ModelActor(
+                spec(max_batch),
+                lambda: executor,
+                max_queue=max_queue,
+                probe_interval_s=PROBE_INTERVAL,
+                watchdog=watchdog,
+                metrics=metrics.for_model("m"),
+            )
+            actors.append(actor)
+            await nursery.start(actor.run)
+            await test(Harness(nursery, actor, executor, threads, clock, registry))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+
+
+async def settle() -> None:
+    await trio.testing.wait_all_tasks_blocked()
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+
+def test_a_request_streams_its_events_to_the_end() -> None:
+    async def test(h: Harness) -> None:
+        assert h.actor.state == "serving" and h.executor.probes == 1  # warmed up
+        r = h.consume(job(max_tokens=3))
+        await settle()
+        assert r["done"] and r["error"] is None
+        assert [e.text for e in r["events"]] == ["x", "x", "x"]
+        assert r["events"][-1].finish_reason == "length"
+        assert h.engine.added == [[ord("h"), ord("i")]]
+        assert h.actor.idle and h.engine.free_slots == 2
+        assert h.metric("neuron_model_requests_total", outcome="length") == 1
+        assert h.metric("neuron_model_generated_tokens_total") == 3
+        assert h.metric("neuron_model_prompt_tokens_total") == 2
+        assert h.metric("neuron_model_time_to_first_token_seconds_count") == 1
+        assert h.metric("neuron_model_time_per_output_token_seconds_count") == 1
+        text = generate_latest(h.registry).decode()
+        assert 'neuron_model_queue_depth{model="m"} 0.0' in text
+        assert 'neuron_model_state{model="m",state="serving"} 1.0' in text
+
+    run_actor(test)
+
+
+def test_chat_messages_go_through_the_template() -> None:
+    async def test(h: Harness) -> None:
+        messages = (ChatMessage("system", "s"), ChatMessage("user", "u"))
+        r = h.consume(
+            GenerationJob(model="m", params=SamplingParams(max_tokens=1), messages=messages)
+        )
+        await settle()
+        assert r["error"] is None
+        assert "".join(map(chr, h.engine.added[0])) == "<system>s<user>u<assistant>"
+
+    run_actor(test)
+
+
+def test_bad_requests_are_refused_before_queueing() -> None:
+    async def test(h: Harness) -> None:
+        with pytest.raises(ContextLengthError):
+            async with h.actor.generate(job(max_tokens=100)):
+                pass
+        with pytest.raises(RequestError, match="empty"):
+            async with h.actor.generate(job(prompt="")):
+                pass
+        assert h.engine.added == [] and h.actor.queued == 0
+        assert h.metric("neuron_model_requests_total", outcome="rejected_invalid") == 2
+
+    run_actor(test)
+
+
+def test_queue_full_beyond_busy_slots_and_max_queue() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()  # the first step blocks: slots stay busy
+        running = [h.consume(job(prompt=f"r{i}")) for i in range(2)]
+        await settle()
+        assert h.actor.running == 2 and h.actor.queued == 0
+        queued = [h.consume(job(prompt=f"q{i}")) for i in range(2)]
+        await settle()
+        assert h.actor.queued == 2
+        with pytest.raises(QueueFullError) as info:
+            async with h.actor.generate(job(prompt="late")):
+                pass
+        assert info.value.status == 429 and info.value.retry_after_s >= 1
+        assert h.metric("neuron_model_requests_total", outcome="rejected_queue_full") == 1
+        h.threads.release()
+        await settle()
+        assert all(r["done"] and r["error"] is None for r in running + queued)
+        assert h.actor.idle
+
+    run_actor(test, max_batch=2, max_queue=2)
+
+
+def test_waiting_requests_fill_free_slots_before_the_queue() -> None:
+    async def test(h: Harness) -> None:
+        # Before the loop admits anything, two requests take the two free slots' places and
+        # one waits in a queue of one; the fourth is refused.
+        h.threads.hold()
+        async with h.actor.generate(job()), h.actor.generate(job()), h.actor.generate(job()):
+            assert h.actor.queued == 3
+            with pytest.raises(QueueFullError):
+                async with h.actor.generate(job()):
+                    pass
+        h.threads.release()
+
+    run_actor(test, max_batch=2, max_queue=1)
+
+
+def test_admission_is_first_come_first_served() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()
+        first = h.consume(job(prompt="a", max_tokens=1))
+        await settle()
+        later = []
+        for p in "bcd":
+            later.append(h.consume(job(prompt=p, max_tokens=1)))
+            await settle()
+        assert h.actor.queued == 3
+        h.threads.release()
+        await settle()
+        assert [chr(ids[0]) for ids in h.engine.added] == ["a", "b", "c", "d"]
+        assert all(r["done"] for r in [first, *later])
+
+    run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_a_consumer_that_leaves_frees_its_slot_at_the_next_step() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()
+        leaver = h.consume(job(prompt="a", max_tokens=50), leave_after=1)
+        await settle()
+        waiter = h.consume(job(prompt="b", max_tokens=2))
+        await settle()
+        assert h.actor.running == 1 and h.actor.queued == 1
+        h.threads.release()
+        await settle()
+        assert leaver["done"] and len(leaver["events"]) == 1
+        assert h.engine.cancelled == [1]
+        assert waiter["done"] and waiter["error"] is None and len(waiter["events"]) == 2
+        assert h.actor.idle and h.engine.free_slots == 1
+        assert h.metric("neuron_model_requests_total", outcome="cancelled") == 1
+
+    run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_a_queued_consumer_that_leaves_is_never_admitted() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()
+        h.consume(job(prompt="a", max_tokens=1))
+        await settle()
+        with trio.CancelScope() as scope:  # the client goes away while queued
+            async with h.actor.generate(job(prompt="b")):
+                assert h.actor.queued == 1
+                scope.cancel()
+                await trio.sleep_forever()
+        assert h.actor.queued == 0
+        h.threads.release()
+        await settle()
+        assert [chr(ids[0]) for ids in h.engine.added] == ["a"]
+
+    run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_unload_waits_for_in_flight_requests_then_closes() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()
+        running = h.consume(job(max_tokens=2))
+        queued = h.consume(job(max_tokens=2))
+        await settle()
+        unloaded = trio.Event()
+
+        async def unload() -> None:
+            await h.actor.unload()
+            unloaded.set()
+
+        h.nursery.start_soon(unload)
+        await settle()
+        assert not unloaded.is_set() and not h.executor.closed
+        with pytest.raises(UnavailableError, match="unloading"):
+            async with h.actor.generate(job()):
+                pass
+        h.threads.release()
+        await unloaded.wait()
+        assert running["error"] is None and len(running["events"]) == 2
+        assert queued["error"] is None and len(queued["events"]) == 2
+        assert h.executor.closed and h.actor.state == "unloaded"
+
+    run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_a_wedged_step_fails_in_flight_requests_then_recovers() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()
+        running = h.consume(job(max_tokens=5))
+        queued = h.consume(job(max_tokens=5))
+        await settle()
+        h.clock.jump(STEP_TIMEOUT)  # the step runs past its deadline
+        await settle()
+        assert h.actor.state == "recovering"
+        for r in (running, queued):
+            assert isinstance(r["error"], UnavailableError) and r["error"].status == 503
+        with pytest.raises(UnavailableError, match="recovering") as info:
+            async with h.actor.generate(job()):
+                pass
+        assert info.value.retry_after_s > 0
+        h.threads.release()  # the wedged step comes back within the abort deadline
+        await settle()
+        assert h.actor.state == "serving"
+        assert h.engine.free_slots == 1
+        again = h.consume(job(max_tokens=2))
+        await settle()
+        assert again["error"] is None and len(again["events"]) == 2
+        assert h.metric("neuron_model_requests_total", outcome="unavailable") == 2
+
+    run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_a_failed_step_fails_in_flight_requests_and_serves_again() -> None:
+    async def test(h: Harness) -> None:
+        h.executor.fail_next_step = RuntimeError("CUDA error: an illegal memory access")
+        r = h.consume(job(max_tokens=2))
+        await settle()
+        assert isinstance(r["error"], UnavailableError)
+        assert h.actor.state == "serving" and h.engine.free_slots == 2
+        assert h.actor.info()["last_error"].startswith("RuntimeError")
+        assert h.executor.probes == 2  # warm-up, then the recovery's probe
+        again = h.consume(job(max_tokens=2))
+        await settle()
+        assert again["error"] is None and len(again["events"]) == 2
+
+    run_actor(test)
+
+
+def test_an_idle_model_is_probed() -> None:
+    async def test(h: Harness) -> None:
+        await settle()
+        assert h.executor.probes == 1
+        h.clock.jump(PROBE_INTERVAL)
+        await settle()
+        assert h.executor.probes == 2
+
+    run_actor(test)
+
+
+def test_info_lists_ranks_and_counts() -> None:
+    async def test(h: Harness) -> None:
+        h.threads.hold()
+        h.consume(job())
+        await settle()
+        info = h.actor.info()
+        assert info["state"] == "serving" and info["tp"] == 1 and info["dtype"] == "float32"
+        assert info["ranks"] == [{"device": "cpu", "heads": 9, "kv_heads": 3}]
+        assert info["devices"] == ["cpu"] and info["running"] == 1
+        assert info["watchdog"]["state"] == "stepping"
+        inflight = h.actor.inflight()
+        assert inflight[0]["state"] == "running" and inflight[0]["age_s"] >= 0
+        h.threads.release()
+
+    run_actor(test)
+
+
+def test_a_failing_load_is_a_model_load_error() -> None:
+    def broken() -> FakeExecutor:
+        raise ValueError("bad tensor")
+
+    async def main() -> None:
+        actor = ModelActor(spec(), broken, max_queue=1)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ModelLoadError, match="bad tensor"):
+                await nursery.start(actor.run)
+        assert actor.state == "unloaded"
+
+    trio.run(main)
+
+
+def test_event_stream_merges_past_its_capacity() -> None:
+    async def main() -> None:
+        stream = EventStream(capacity=2)
+        for i in range(5):
+            stream.push(SequenceEvent(1, text=str(i), token_ids=[i], completion_tokens=i + 1))
+        stream.close()
+        got = [e async for e in stream]
+        assert [e.text for e in got] == ["0", "1234"]
+        assert got[1].token_ids == [1, 2, 3, 4] and got[1].completion_tokens == 5
+
+    trio.run(main)
+
+
+def test_merge_events_keeps_the_finish() -> None:
+    a = SequenceEvent(1, text="a", token_ids=[1], logprobs=None)
+    b = SequenceEvent(1, text="b", token_ids=[2], finish_reason="stop", prompt_tokens=3)
+    merged = merge_events(a, b)
+    assert (merged.text, merged.token_ids, merged.finish_reason) == ("ab", [1, 2], "stop")
+    assert merged.prompt_tokens == 3 and merged.logprobs is None
