@@ -1,0 +1,356 @@
+"""The OpenAI wire format: jobs built from requests, response and SSE shapes, bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from neuron_trio.http.openai import parse_chat_request, parse_completion_request
+from neuron_trio.service.api import ChatMessage
+from tests.http.fake_node import FakeNode
+from tests.http.http_harness import chat_body, h2_client, run, serving, sse_events
+from tests.http.test_http_basics import assert_error
+
+
+def test_chat_request_becomes_a_job() -> None:
+    body = chat_body(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": "ok"},
+        ],
+        temperature=0,
+        top_p=0.5,
+        top_k=40,
+        min_p=0.1,
+        presence_penalty=-1,
+        frequency_penalty=2,
+        repetition_penalty=1.1,
+        seed=-3,
+        stop="END",
+        max_completion_tokens=9,
+        max_tokens=99,
+        logprobs=True,
+        top_logprobs=3,
+        user="someone",
+        n=1,
+    )
+    import msgspec
+
+    parsed = parse_chat_request(msgspec.json.encode(body))
+    job = parsed.job
+    assert job.model == "fake-model" and job.prompt is None
+    assert job.messages == (
+        ChatMessage("system", "be brief"),
+        ChatMessage("user", "a\nb"),
+        ChatMessage("assistant", "ok"),
+    )
+    p = job.params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.5, 40, 0.1)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.0, 2.0, 1.1)
+    assert (p.seed, p.stop, p.max_tokens) == (-3, ("END",), 9)
+    assert (p.logprobs, p.top_logprobs) == (True, 3)
+    assert not parsed.stream and not parsed.include_usage
+
+
+def test_defaults_are_openai_defaults() -> None:
+    chat = parse_chat_request(
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
+    ).job.params
+    assert (chat.temperature, chat.top_p, chat.top_k, chat.presence_penalty) == (1.0, 1.0, 0, 0.0)
+    assert chat.stop == () and chat.seed is None and not chat.logprobs
+    completion = parse_completion_request(b'{"model": "m", "prompt": ["x"], "top_k": -1}')
+    assert completion.job.prompt == "x"
+    assert completion.job.params.max_tokens == 16
+    assert completion.job.params.top_k == 0
+    streamed = parse_completion_request(
+        b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": true}, "logprobs": 2}'
+    )
+    assert streamed.stream and streamed.include_usage
+    assert streamed.job.params.logprobs and streamed.job.params.top_logprobs == 2
+
+
+def test_chat_and_completion_bodies() -> None:
+    async def body() -> None:
+        node = FakeNode()
+        async with serving(node) as srv, h2_client(srv.url) as client:
+            r = await client.post(
+                "/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=2)
+            )
+            doc = r.json()
+            assert doc["object"] == "chat.completion" and doc["id"].startswith("chatcmpl-")
+            assert doc["model"] == "fake-model" and isinstance(doc["created"], int)
+            (choice,) = doc["choices"]
+            assert choice["message"] == {"role": "assistant", "content": "Hello, world!"}
+            assert choice["finish_reason"] == "stop"
+            content = choice["logprobs"]["content"]
+            assert [c["token"] for c in content] == ["Hello", ",", " world", "!"]
+            assert content[0]["bytes"] == list(b"Hello")
+            assert [t["token"] for t in content[0]["top_logprobs"]] == ["alt0", "alt1"]
+            assert doc["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+            r = await client.post(
+                "/v1/completions", json={"model": "fake-model", "prompt": "hey", "max_tokens": 2}
+            )
+            doc = r.json()
+            assert doc["object"] == "text_completion" and doc["id"].startswith("cmpl-")
+            (choice,) = doc["choices"]
+            assert (choice["text"], choice["finish_reason"], choice["logprobs"]) == (
+                "Hello,",
+                "length",
+                None,
+            )
+            assert doc["usage"]["completion_tokens"] == 2
+
+            r = await client.post(
+                "/v1/completions", json={"model": "fake-model", "prompt": "hey", "logprobs": 1}
+            )
+            lp = r.json()["choices"][0]["logprobs"]
+            assert lp["tokens"] == ["Hello", ",", " world", "!"]
+            assert lp["text_offset"] == [3, 8, 9, 15]
+            assert lp["top_logprobs"][0] == {"alt0": -1.0}
+
+    run(body)
+
+
+def test_chat_stream_shape_with_usage() -> None:
+    async def body() -> None:
+        async with serving(FakeNode()) as srv, h2_client(srv.url) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json=chat_body(stream=True, stream_options={"include_usage": True}),
+            )
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            chunks = events[:-1]
+            assert len({c["id"] for c in chunks}) == 1
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            text = "".join(
+                c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]
+            )
+            assert text == "Hello, world!"
+            assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+            assert all(c["usage"] is None for c in chunks[:-1])
+            assert chunks[-1]["choices"] == []
+            assert chunks[-1]["usage"] == {
+                "prompt_tokens": 7,
+                "completion_tokens": 4,
+                "total_tokens": 11,
+            }
+
+    run(body)
+
+
+def test_completion_stream_shape_without_usage() -> None:
+    async def body() -> None:
+        async with serving(FakeNode()) as srv, h2_client(srv.url) as client:
+            r = await client.post(
+                "/v1/completions",
+                json={"model": "fake-model", "prompt": "x", "stream": True, "max_tokens": 3},
+            )
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            chunks = events[:-1]
+            assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+            assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello, world"
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    run(body)
+
+
+def test_a_model_that_wedges_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def body() -> None:
+        node = FakeNode()
+        node.fail_at = 2
+        async with serving(node) as srv, h2_client(srv.url) as client:
+            r = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert "[DONE]" not in events
+            assert events[-1]["error"]["type"] == "service_unavailable"
+            assert events[-1]["error"]["code"] == "wedged"
+            # without streaming, the same failure is a 503
+            r = await client.post("/v1/chat/completions", json=chat_body())
+            assert_error(r, 503)
+            assert (await client.get("/health")).status_code == 200
+
+    run(body)
+
+
+@pytest.mark.parametrize("reason", ["error", "cancelled"])
+def test_abnormal_finish_reasons(reason: str) -> None:
+    async def body() -> None:
+        node = FakeNode()
+        node.finish_reason = reason
+        async with serving(node) as srv, h2_client(srv.url) as client:
+            r = await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})
+            assert_error(r, 500 if reason == "error" else 503)
+            r = await client.post(
+                "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True}
+            )
+            events = sse_events(r.text)
+            assert "error" in events[-1] and "[DONE]" not in events
+
+    run(body)
+
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+# (path, body, status, param the error must name; None: no field to name)
+BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
+    (CHAT, {"messages": MSGS}, 400, "model"),
+    (CHAT, {"model": "fake-model"}, 400, "messages"),
+    (CHAT, {"model": "nope", "messages": MSGS}, 404, "model"),
+    (CHAT, {"model": "", "messages": MSGS}, 400, "model"),
+    (CHAT, {"model": 3, "messages": MSGS}, 400, "model"),
+    (CHAT, {"model": "fake-model", "messages": []}, 400, "messages"),
+    (CHAT, {"model": "fake-model", "messages": "hi"}, 400, "messages"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    (CHAT, {"model": "fake-model", "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        {
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        },
+        400,
+        "messages[0].content[0].type",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+        400,
+        "messages[0].name",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "temperature": 2.5}, 400, "temperature"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "temperature": -0.1}, 400, "temperature"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "temperature": "hot"}, 400, "temperature"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "top_p": 0}, 400, "top_p"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "top_k": -2}, 400, "top_k"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "top_k": 1.5}, 400, "top_k"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "min_p": 1.5}, 400, "min_p"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "frequency_penalty": -2.5},
+        400,
+        "frequency_penalty",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "seed": "x"}, 400, "seed"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "seed": 2**64}, 400, "seed"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "stop": ["a", "b", "c", "d", "e"]},
+        400,
+        "stop",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "stop": [1]}, 400, "stop[0]"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "stop": ""}, 400, "stop"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "max_tokens": 0}, 400, "max_tokens"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "n": 2}, 400, "n"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "logprobs": 1}, 400, "logprobs"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "stream": "yes"}, 400, "stream"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "stream_options": {"x": 1}},
+        400,
+        "stream_options.x",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "tools": []}, 400, "tools"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "logit_bias": {}}, 400, "logit_bias"),
+    (CHAT, [1, 2], 400, None),
+    (CHAT, "just a string", 400, None),
+    (COMP, {"prompt": "x"}, 400, "model"),
+    (COMP, {"model": "fake-model"}, 400, "prompt"),
+    (COMP, {"model": "fake-model", "prompt": [1, 2, 3]}, 400, "prompt[0]"),
+    (COMP, {"model": "fake-model", "prompt": ["a", "b"]}, 400, "prompt"),
+    (COMP, {"model": "fake-model", "prompt": "x", "echo": True}, 400, "echo"),
+    (COMP, {"model": "fake-model", "prompt": "x", "suffix": "tail"}, 400, "suffix"),
+    (COMP, {"model": "fake-model", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    (COMP, {"model": "fake-model", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (COMP, {"model": "fake-model", "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    (COMP, {"model": "fake-model", "prompt": "x", "n": 0}, 400, "n"),
+    (COMP, {"model": "fake-model", "prompt": "x", "messages": MSGS}, 400, "messages"),
+    (COMP, {"model": "nope", "prompt": "x", "stream": True}, 404, "model"),
+]
+
+
+def test_bad_input_table() -> None:
+    """Every malformed request is a 4xx JSON error naming its field, and the node stays healthy."""
+
+    async def body() -> None:
+        node = FakeNode()
+        async with serving(node) as srv, h2_client(srv.url) as client:
+            for path, doc, status, param in BAD_INPUT:
+                r = await client.post(path, json=doc)
+                err = assert_error(r, status)
+                assert err["param"] == param, (doc, err)
+                if param is not None:
+                    assert param.split("[")[0].split(".")[0] in err["message"], err
+            assert not node.jobs
+            assert (await client.get("/health")).status_code == 200
+
+    run(body)
+
+
+def test_unsupported_fields_are_all_named() -> None:
+    async def body() -> None:
+        async with serving(FakeNode()) as srv, h2_client(srv.url) as client:
+            r = await client.post(
+                "/v1/chat/completions", json=chat_body(tools=[], tool_choice="auto", audio={})
+            )
+            err = assert_error(r, 400)
+            assert err["message"] == "unsupported field(s): audio, tool_choice, tools"
+
+    run(body)
