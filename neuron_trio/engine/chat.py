@@ -123,12 +123,15 @@ class ChatTemplate:
             {**m, "role": "system"} if m.get("role") == "developer" else dict(m) for m in messages
         ]
         try:
-            return self._template.render(
-                messages=plain,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+            context: dict[str, Any] = {
+                "tools": None,  # as transformers passes them, so `tools is none` holds
+                "documents": None,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
                 **self._extra,
+            }
+            return self._template.render(
+                messages=plain, add_generation_prompt=add_generation_prompt, **context
             )
         except jinja2.TemplateError as e:
             raise RequestError(

@@ -63,6 +63,16 @@ def test_special_tokens_helpers_and_trim_blocks() -> None:
     assert err.value.param == "messages"
 
 
+def test_tools_and_documents_are_none_as_in_transformers() -> None:
+    t = ChatTemplate(
+        "{{ tools is none }} {{ documents is none }} {{ extra }}",
+        bos_token="",
+        eos_token="",
+        extra_context={"extra": "x"},
+    )
+    assert t.render([]) == "True True x"
+
+
 def test_sandbox_blocks_attribute_escapes() -> None:
     t = ChatTemplate("{{ messages.__class__.__mro__ }}", bos_token="", eos_token="")
     with pytest.raises(RequestError):
