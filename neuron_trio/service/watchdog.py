@@ -551,15 +551,18 @@ class Watchdog:
         self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None
     ) -> T:
         """Run a blocking call that must not hang (communicator init or destroy, a model's
-        first steps) on a thread of its own, under `timeout_s` (default step_timeout_s).
+        first steps) on a thread of its own, under `timeout_s`.
 
-        Past it the deadman fires (forensics, exit 70): a model that wedges on load must end
-        the process, not leave a start that never ends. Exceptions of `fn` propagate.
-        Cancellation handling: the thread is abandoned.
+        The default bound is step_timeout_s + abort_deadline_s: the same time a wedged step
+        gets before the deadman fires (a first step may be slower than the rest: lazy
+        initialisation). Past it the deadman fires (forensics, exit 70): a model that wedges
+        on load must end the process, not leave a start that never ends. Exceptions of `fn`
+        propagate. Cancellation handling: the thread is abandoned.
         """
+        bound = timeout_s if timeout_s is not None else self.step_timeout_s + self.abort_deadline_s
         now = self._clock()
         watch = _Watch(what=what, started=now, started_wall=self._wall())
-        with trio.move_on_at(now + (timeout_s or self.step_timeout_s)):
+        with trio.move_on_at(now + bound):
             return await self._run_thread(
                 fn,
                 thread_name=f"neuron-{what.replace(' ', '-')}-{self.model_name}",
@@ -567,10 +570,8 @@ class Watchdog:
                 on_return=_ignore,
             )
         watch.detected = self._clock()
-        self._log.critical(
-            "watchdog: model %s: %s ran past %g s", self.model_name, what, timeout_s or 0
-        )
-        await self._fire(f"{what}-timeout", watch, [], f"{what} ran past its deadline")
+        self._log.critical("watchdog: model %s: %s ran past %g s", self.model_name, what, bound)
+        await self._fire(f"{what}-timeout", watch, [], f"{what} ran past {bound:g} s")
 
     # --- idle probe -------------------------------------------------------------------------
 

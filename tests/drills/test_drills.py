@@ -263,3 +263,10 @@ def test_tp1_step_hang_exit_70(start_daemon: Callable[..., Daemon]) -> None:
     report = assert_exit_70_with_forensics(daemon, sent_at, "step-deadline")
     steps = [t for t in report["threads"] if t["name"] == f"neuron-step-{MODEL}"]
     assert steps and any("failpoints.py" in frame for frame in steps[0]["stack"])
+
+
+def test_abort_error_came_back_recovers(start_daemon: Callable[..., Daemon]) -> None:
+    daemon = start_daemon(tp=3, failpoints="tp.allreduce=hang;tp.abort=error")
+    assert_recovers(daemon)
+    metrics = httpx.get(f"{daemon.base}/metrics", timeout=5).text
+    assert f'neuron_watchdog_aborts_total{{model="{MODEL}",outcome="error"}} 1.0' in metrics

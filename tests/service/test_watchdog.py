@@ -432,6 +432,19 @@ def test_run_or_die_fires_when_a_load_step_hangs() -> None:
     run_with(test)
 
 
+def test_run_or_die_default_bound_is_step_timeout_plus_abort_deadline() -> None:
+    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
+        executor = FakeExecutor(step=("sleep", STEP_S + ABORT_S - 0.01), probe="hang")
+        await watchdog.run_or_die(executor.step, what="warm-up")  # slow first step: fine
+        start = trio.current_time()
+        with pytest.raises(DeadmanExit):
+            await watchdog.run_or_die(executor.probe, what="comm init")
+        assert deadman.fired[0]["at"] == start + STEP_S + ABORT_S
+        assert runner.threads[-1] == "neuron-comm-init-m"
+
+    run_with(test)
+
+
 def test_statistics_as_dict_for_v1_node() -> None:
     async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
         doc = watchdog.statistics().as_dict()
