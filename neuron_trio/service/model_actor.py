@@ -216,9 +216,11 @@ class ModelActor:
         self._queue: deque[_Request] = deque()
         self._active: dict[int, _Request] = {}
         self._cancels: list[int] = []
+        self._open = 0  # generate() contexts not yet left
         self._wakeup = trio.Event()
         self._idle_lot = trio.lowlevel.ParkingLot()
         self._stopping = False
+        self._force = False
         self._finished = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # a hung step keeps only this slot
         self._engine_stats: EngineStatistics | None = None
@@ -244,6 +246,11 @@ class ModelActor:
 
     @property
     def idle(self) -> bool:
+        """No request queued, running, or still being read by its consumer."""
+        return not self._queue and not self._active and not self._open
+
+    @property
+    def _engine_idle(self) -> bool:
         return not self._queue and not self._active
 
     @property
@@ -379,11 +386,14 @@ class ModelActor:
             enqueued_wall=time.time(),
         )
         self._queue.append(request)
+        self._open += 1
         self._wake()
         try:
             yield request.stream
         finally:
+            self._open -= 1
             self._abandon(request)
+            self._idle_lot.unpark_all()
 
     def _abandon(self, request: _Request) -> None:
         """The consumer left (client gone, or done): cancel at the next step boundary."""
@@ -509,13 +519,20 @@ class ModelActor:
             self._state = "unloaded"
             self._finished.set()
 
-    async def unload(self) -> None:
+    async def unload(self, *, force: bool = False) -> None:
         """Stop taking requests, wait for the queued and running ones, close the executor.
 
+        With `force`, queued and running requests are failed at once (503) instead, and the
+        sequences dropped at the next step boundary (shutdown after a drain that timed out).
         Returns once `run` has finished. Cancellation handling: cancelling the caller stops
         the wait only; the unload goes on in the actor.
         """
         self._stopping = True
+        if force:
+            self._force = True
+            self._fail_all(
+                UnavailableError(f"model {self.name!r} is being unloaded", code="model_unloading")
+            )
         self._wake()
         await self._finished.wait()
 
@@ -564,8 +581,11 @@ class ModelActor:
         while True:
             self._wakeup = trio.Event()  # before looking: a wake from now on is not lost
             self._apply_cancels(engine)
-            if self._stopping and self.idle:
+            if self._force:
+                engine.cancel_all()
                 return
+            if self._stopping and self._engine_idle:
+                return  # consumers may still read their last events: they need no engine
             self._admit(engine)
             if not engine.has_work:
                 for request in list(self._active.values()):  # the engine dropped it silently

@@ -353,12 +353,18 @@ class Node:
         return False
 
     async def unload_all(self) -> None:
-        """Unload every model (each waits for its own in-flight requests); `run` then returns."""
+        """Unload every model now (free the GPUs before exit); `run` then returns.
+
+        Meant for after `wait_idle`: requests still queued or running get 503 at once rather
+        than being waited for. Each executor closes once its current step has come back.
+        """
         self._draining = True
-        async with trio.open_nursery() as nursery:
-            for actor in list(self._actors.values()):
-                nursery.start_soon(self._unload, actor)
-        self._closed.set()
+        try:
+            async with trio.open_nursery() as nursery:
+                for actor in list(self._actors.values()):
+                    nursery.start_soon(partial(self._unload, actor, force=True))
+        finally:
+            self._closed.set()
 
     # ---- inside ---------------------------------------------------------------------------
 
@@ -441,9 +447,9 @@ class Node:
             self._reserved.discard(spec.name)
         return actor
 
-    async def _unload(self, actor: ModelActor) -> None:
+    async def _unload(self, actor: ModelActor, *, force: bool = False) -> None:
         on_cuda = any("cuda" in str(r.get("device")) for r in actor.info()["ranks"])
-        await actor.unload()
+        await actor.unload(force=force)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
         await trio.to_thread.run_sync(_free_memory, on_cuda)

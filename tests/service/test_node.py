@@ -1,0 +1,477 @@
+"""The node: default models, health, run-time load/unload, drain, /v1/node, metrics.
+
+Fake executors (tests/service/test_model_actor.py) and the real Watchdog with trio-native
+threads; the slow test at the end serves the built-in model for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from prometheus_client import generate_latest
+
+from neuron_trio.config import ModelConfig, NeuronConfig, TpConfig, config_from_mapping
+from neuron_trio.engine.types import SamplingParams
+from neuron_trio.errors import (
+    ModelLoadError,
+    ModelNotFoundError,
+    PlacementError,
+    SourceError,
+    UnavailableError,
+)
+from neuron_trio.failpoints import Failpoints, parse
+from neuron_trio.service.api import ChatMessage, GenerationJob
+from neuron_trio.service.node import ModelExistsError, Node, find_last_forensics
+from neuron_trio.service.placement import ModelEstimate
+from neuron_trio.service.watchdog import Watchdog
+
+from .test_model_actor import FakeDeadman, FakeExecutor, FakeThreads
+
+GIB = 1 << 30
+
+
+@dataclass
+class Reading:
+    index: int
+    memory_free_bytes: int
+    memory_total_bytes: int = 80 * GIB
+    error: str | None = None
+
+
+@dataclass
+class Snapshot:
+    available: bool
+    gpus: tuple[Reading, ...] = ()
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"available": self.available, "gpus": [r.__dict__ for r in self.gpus]}
+
+
+class FakeGpus:
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.reads = 0
+
+    async def live(self) -> Snapshot:
+        self.reads += 1
+        return self.snapshot
+
+
+@dataclass
+class FakeNotifier:
+    lines: list[str] = field(default_factory=list)
+
+    def status(self, text: str) -> bool:
+        self.lines.append(text)
+        return True
+
+
+@dataclass
+class Identity:
+    boot_id: str = "b00t"
+    started_at: str = "2026-01-01T00:00:00Z"
+    starts: int = 3
+
+
+def make_config(
+    tmp_path: Path, models: list[dict[str, Any]] | None = None, **server: Any
+) -> NeuronConfig:
+    models_dir = tmp_path / "models"
+    models_dir.mkdir(exist_ok=True)
+    for name in ("a.gguf", "b.gguf"):
+        (models_dir / name).write_bytes(b"GGUF")
+    data: dict[str, Any] = {
+        "node": {"state_dir": str(tmp_path / "state"), "model_dirs": [str(models_dir)]},
+        "server": {"max_queue": 2, **server},
+        "default_models": models
+        if models is not None
+        else [{"name": "a", "source": "a.gguf", "max_batch": 2, "devices": "cpu"}],
+    }
+    return config_from_mapping(data, origin="test", environ={})
+
+
+class World:
+    def __init__(self, nursery: trio.Nursery, tmp_path: Path) -> None:
+        self.nursery = nursery
+        self.tmp_path = tmp_path
+        self.threads = FakeThreads(nursery)
+        self.executors: dict[str, FakeExecutor] = {}
+        self.built: list[tuple[str, str, list[str]]] = []
+        self.notifier = FakeNotifier()
+        self.gpus = FakeGpus(Snapshot(available=False, reason="no NVML"))
+        self.failpoints = Failpoints(parse("engine.step=hang"))
+        self.fail_build: dict[str, Exception] = {}
+
+    def factory(
+        self, spec: ModelConfig, path: Path, devices: list[Any], *, failpoints: Any
+    ) -> FakeExecutor:
+        if spec.name in self.fail_build:
+            raise self.fail_build[spec.name]
+        assert failpoints is self.failpoints
+        self.built.append((spec.name, Path(path).name, [str(d) for d in devices]))
+        executor = self.executors[spec.name] = FakeExecutor(spec.max_batch)
+        return executor
+
+    def estimator(self, spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
+        return ModelEstimate(weights_bytes=6 * GIB, kv_cache_bytes=2 * GIB)
+
+    def watchdog(self, spec: ModelConfig) -> Watchdog:
+        return Watchdog(
+            model_name=spec.name,
+            tp=TpConfig(step_timeout_s=30, abort_deadline_s=60),
+            deadman=FakeDeadman(),  # type: ignore[arg-type]
+            run_thread=self.threads,
+        )
+
+    def node(self, config: NeuronConfig) -> Node:
+        return Node(
+            config,
+            gpus=self.gpus,
+            identity=Identity(),
+            notifier=self.notifier,
+            failpoints=self.failpoints,
+            executor_factory=self.factory,
+            estimator=self.estimator,
+            watchdog_factory=self.watchdog,
+            hostname="node-1",
+        )
+
+
+def run_world(tmp_path: Path, test: Callable[[World], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await test(World(nursery, tmp_path))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock())
+
+
+def job(model: str = "a", max_tokens: int = 2) -> GenerationJob:
+    return GenerationJob(model=model, params=SamplingParams(max_tokens=max_tokens), prompt="hi")
+
+
+async def collect(node: Node, j: GenerationJob) -> list[str]:
+    async with node.generate(j) as events:
+        return [e.text async for e in events]
+
+
+def test_defaults_load_in_order_with_progress_then_health_goes_ok(tmp_path: Path) -> None:
+    config = make_config(
+        tmp_path,
+        [
+            {"name": "a", "source": "a.gguf", "devices": "cpu"},
+            {"name": "b", "source": str(tmp_path / "models" / "b.gguf"), "tp": 2},
+        ],
+    )
+
+    async def test(w: World) -> None:
+        node = w.node(config)
+        assert node.health().status == "starting"
+        started = await w.nursery.start(node.run)
+        assert started is node
+        assert [b[:2] for b in w.built] == [("a", "a.gguf"), ("b", "b.gguf")]
+        assert w.built[1][2] == ["cpu", "cpu"]  # auto without GPUs: CPU ranks
+        assert w.notifier.lines[0].startswith("loading a (1/2) from a.gguf")
+        assert w.notifier.lines[2].startswith("loading b (2/2)")
+        assert w.notifier.lines[1].startswith("loaded a in ") and w.notifier.lines[1].endswith(" s")
+        health = node.health()
+        assert health.status == "starting" and health.starts == 3 and health.boot_id == "b00t"
+        assert not w.failpoints.take("engine.step")  # not armed before serving
+        node.mark_serving()
+        assert node.health().status == "ok"
+        assert "engine.step" in w.failpoints.configured  # armed now
+        assert [m.name for m in node.list_models()] == ["a", "b"]
+        assert await collect(node, job()) == ["x", "x"]
+
+    run_world(tmp_path, test)
+
+
+def test_a_default_model_that_cannot_load_raises_model_load_error(tmp_path: Path) -> None:
+    config = make_config(
+        tmp_path,
+        [
+            {"name": "a", "source": "a.gguf", "devices": "cpu"},
+            {"name": "b", "source": "b.gguf", "devices": "cpu"},
+        ],
+    )
+
+    async def test(w: World) -> None:
+        w.fail_build["b"] = RuntimeError("out of memory")
+        node = w.node(config)
+        with pytest.raises(ModelLoadError, match="'b'.*out of memory"):  # not a group
+            await w.nursery.start(node.run)
+        assert w.executors["a"].closed is False  # cancelled, not unloaded: the process exits
+
+    run_world(tmp_path, test)
+
+
+def test_a_source_outside_model_dirs_fails_the_start(tmp_path: Path) -> None:
+    config = make_config(tmp_path, [{"name": "a", "source": "/etc/passwd", "devices": "cpu"}])
+
+    async def test(w: World) -> None:
+        with pytest.raises(SourceError, match="outside the model directories"):
+            await w.nursery.start(w.node(config).run)
+
+    run_world(tmp_path, test)
+
+
+def test_run_time_load_conflicts_and_unload(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        info = await node.load_model(ModelConfig(name="b", source="b.gguf", devices="cpu"))
+        assert info["name"] == "b" and info["state"] == "serving"
+        with pytest.raises(ModelExistsError) as conflict:
+            await node.load_model(ModelConfig(name="b", source="a.gguf"))
+        assert conflict.value.status == 409
+        w.fail_build["c"] = ValueError("tp = 2 does not split 9 heads")
+        with pytest.raises(ModelLoadError, match="does not split"):
+            await node.load_model(ModelConfig(name="c", source="a.gguf", devices="cpu"))
+        assert "c" not in node.models
+        await node.unload_model("b")
+        assert w.executors["b"].closed and "b" not in node.models
+        with pytest.raises(ModelNotFoundError):
+            await node.unload_model("b")
+        with pytest.raises(ModelNotFoundError):
+            async with node.generate(job("b")):
+                pass
+
+    run_world(tmp_path, test)
+
+
+def test_placement_uses_a_live_gpu_read(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        w.gpus.snapshot = Snapshot(True, (Reading(0, 4 * GIB), Reading(1, 40 * GIB)))
+        node = w.node(make_config(tmp_path, []))
+        await w.nursery.start(node.run)
+        await node.load_model(ModelConfig(name="g", source="a.gguf"))
+        assert w.built[-1] == ("g", "a.gguf", ["cuda:1"])
+        assert w.gpus.reads == 1
+        with pytest.raises(PlacementError, match="needs 2 GPU"):
+            await node.load_model(ModelConfig(name="h", source="a.gguf", tp=2))
+
+    run_world(tmp_path, test)
+
+
+def test_unload_waits_for_in_flight_requests(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        w.threads.hold()
+        results: list[list[str]] = []
+
+        async def request() -> None:
+            results.append(await collect(node, job(max_tokens=3)))
+
+        w.nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        unloaded = trio.Event()
+
+        async def unload() -> None:
+            await node.unload_model("a")
+            unloaded.set()
+
+        w.nursery.start_soon(unload)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not unloaded.is_set() and node.models["a"].state == "serving"
+        w.threads.release()
+        await unloaded.wait()
+        assert results == [["x", "x", "x"]] and w.executors["a"].closed
+
+    run_world(tmp_path, test)
+
+
+def test_drain_refuses_new_requests_and_waits_for_idle(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        run_done = trio.Event()
+
+        async def run_node(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            await node.run(task_status=task_status)
+            run_done.set()
+
+        await w.nursery.start(run_node)
+        node.mark_serving()
+        w.threads.hold()
+        results: list[list[str]] = []
+
+        async def request() -> None:
+            results.append(await collect(node, job(max_tokens=2)))
+
+        w.nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        node.begin_drain()
+        assert node.draining and node.health().status == "draining"
+        with pytest.raises(UnavailableError, match="draining"):
+            async with node.generate(job()):
+                pass
+        assert await node.wait_idle(0) is False
+        w.threads.release()
+        assert await node.wait_idle(5) is True
+        assert results == [["x", "x"]]
+        await node.unload_all()
+        await run_done.wait()
+        assert w.executors["a"].closed and node.models == {}
+
+    run_world(tmp_path, test)
+
+
+def test_unload_all_fails_what_is_still_in_flight(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        w.threads.hold()
+        errors: list[Exception] = []
+
+        async def request() -> None:
+            try:
+                await collect(node, job(max_tokens=5))
+            except UnavailableError as exc:
+                errors.append(exc)
+
+        w.nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        node.begin_drain()
+        async with trio.open_nursery() as inner:
+            inner.start_soon(node.unload_all)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(errors) == 1  # failed at once, not waited for
+            w.threads.release()  # the step in progress comes back; then the executor closes
+        assert w.executors["a"].closed
+
+    run_world(tmp_path, test)
+
+
+def test_health_reports_a_recovering_model(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        w.threads.hold()
+        w.nursery.start_soon(lambda: _swallow(collect(node, job())))
+        await trio.testing.wait_all_tasks_blocked()
+        trio.lowlevel.current_clock().jump(30)  # type: ignore[attr-defined]
+        await trio.testing.wait_all_tasks_blocked()
+        health = node.health()
+        assert health.status == "recovering" and health.detail["models"] == {"a": "recovering"}
+        w.threads.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert node.health().status == "ok"
+
+    run_world(tmp_path, test)
+
+
+async def _swallow(awaitable: Awaitable[Any]) -> None:
+    try:
+        await awaitable
+    except UnavailableError:
+        pass
+
+
+def test_node_info_document(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        forensics = Path(w.tmp_path / "state" / "forensics")
+        forensics.mkdir(parents=True)
+        (forensics / "20260101T000000Z.json").write_text(json.dumps({"reason": "old"}))
+        newest = forensics / "20260102T000000Z.json"
+        newest.write_text(json.dumps({"reason": "abort-deadline"}))
+        os.utime(forensics / "20260101T000000Z.json", (1, 1))
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        info = await node.node_info()
+        json.dumps(info)  # serialisable as it is
+        assert info["hostname"] == "node-1" and info["boot_id"] == "b00t" and info["starts"] == 3
+        assert info["gpus"] == {"available": False, "gpus": []}
+        (model,) = info["models"]
+        assert model["name"] == "a" and model["state"] == "serving" and model["tp"] == 1
+        assert model["ranks"] == [{"device": "cpu", "heads": 9, "kv_heads": 3}]
+        assert model["slots_in_use"] == 0 and model["queued"] == 0 and model["dtype"] == "float32"
+        assert model["memory"]["total_bytes"] == 8 * GIB and model["memory"]["devices"] == ["cpu"]
+        assert info["watchdog"]["models"]["a"]["state"] == "idle"
+        assert info["watchdog"]["step_timeout_s"] == 30
+        assert info["last_forensics"] == {
+            "path": str(newest),
+            "report": {"reason": "abort-deadline"},
+        }
+        assert info["failpoints"]["configured"] == {"engine.step": "hang"}
+
+    run_world(tmp_path, test)
+
+
+def test_find_last_forensics_without_reports(tmp_path: Path) -> None:
+    assert find_last_forensics(tmp_path) is None
+    (tmp_path / "forensics").mkdir()
+    (tmp_path / "forensics" / "x.json").write_text("{not json")
+    found = find_last_forensics(tmp_path)
+    assert found is not None and "unreadable" in found["report"]
+
+
+def test_metrics_registry_has_model_metrics(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        await collect(node, job())
+        text = generate_latest(node.metrics_registry).decode()
+        assert 'neuron_model_requests_total{model="a",outcome="length"} 1.0' in text
+        assert 'neuron_model_kv_slots{model="a"} 2.0' in text
+        assert 'neuron_model_state{model="a",state="serving"} 1.0' in text
+
+    run_world(tmp_path, test)
+
+
+@pytest.mark.slow
+def test_serves_the_builtin_model(tmp_path: Path) -> None:
+    """The real thing on the CPU: default config, built-in model, a greedy chat answer."""
+    config = config_from_mapping(
+        {
+            "node": {"state_dir": str(tmp_path)},
+            "default_models": [
+                {
+                    "name": "smollm2-135m",
+                    "source": "builtin:smollm2-135m",
+                    "max_batch": 2,
+                    "context": 512,
+                    "dtype": "float32",
+                }
+            ],
+        },
+        origin="test",
+        environ={},
+    )
+
+    async def main() -> None:
+        node = Node(config, failpoints=Failpoints())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            node.mark_serving()
+            j = GenerationJob(
+                model="smollm2-135m",
+                params=SamplingParams(max_tokens=12, temperature=0.0),
+                messages=(ChatMessage("user", "What is the capital of France?"),),
+            )
+            async with node.generate(j) as events:
+                got = [e async for e in events]
+            text = "".join(e.text for e in got)
+            assert "Paris" in text, text
+            assert got[-1].finish_reason in ("stop", "length")
+            info = await node.node_info()
+            assert info["models"][0]["ranks"][0]["heads"] == 9
+            assert info["models"][0]["slots_in_use"] == 0
+            text = generate_latest(node.metrics_registry).decode()
+            assert 'neuron_watchdog_recovering{model="smollm2-135m"} 0.0' in text
+            await node.unload_all()
+
+    trio.run(main)
