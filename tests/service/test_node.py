@@ -207,7 +207,7 @@ def test_a_default_model_that_cannot_load_raises_model_load_error(tmp_path: Path
     async def test(w: World) -> None:
         w.fail_build["b"] = RuntimeError("out of memory")
         node = w.node(config)
-        with pytest.raises(ModelLoadError, match="'b'.*out of memory"):  # not a group
+        with pytest.raises(ModelLoadError, match=r"'b'.*out of memory"):  # not a group
             await w.nursery.start(node.run)
         assert w.executors["a"].closed is False  # cancelled, not unloaded: the process exits
 
@@ -297,7 +297,7 @@ def test_drain_refuses_new_requests_and_waits_for_idle(tmp_path: Path) -> None:
         node = w.node(make_config(tmp_path))
         run_done = trio.Event()
 
-        async def run_node(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def run_node(task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
             await node.run(task_status=task_status)
             run_done.set()
 
