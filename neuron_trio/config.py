@@ -241,5 +241,8 @@ def load_config(path: str | Path | None, *, environ: dict[str, str] | None = Non
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        detail = str(exc)
+        if "line" not in detail:  # "(at end of document)": name the line all the same
+            detail += f" (the document ends at line {max(1, len(text.splitlines()))})"
+        raise ConfigError(f"{path}: invalid TOML: {detail}") from None
     return config_from_mapping(data, origin=str(path), environ=environ)

@@ -163,3 +163,16 @@ def test_parse_listen() -> None:
     assert parse_listen("[::1]:80") == ("::1", 80)
     with pytest.raises(ValueError, match=re.escape("'x:0'")):
         parse_listen("x:0")
+
+
+def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neuron_trio import cli
+
+    good = _write(tmp_path, "[tp]\nstep_timeout_s = 5\n")
+    assert cli.main(["check-config", "--config", str(good)]) == 0
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[server]\nlisten = [\n")
+    assert cli.main(["check-config", "--config", str(broken)]) == 78
+    err = capsys.readouterr().err
+    assert f"{broken}: invalid TOML" in err and "line " in err
+    assert cli.main(["check-config", "--config", str(tmp_path / "missing.toml")]) == 78

@@ -159,6 +159,8 @@ def _wait_busy(base: str) -> None:
 def test_ready_then_drain_with_a_stream_in_flight(neuron: Running) -> None:
     health = httpx.get(f"{neuron.base}/health", timeout=10)
     assert health.status_code == 200 and health.json()["starts"] == 1
+    metrics = httpx.get(f"{neuron.base}/metrics", timeout=10).text
+    assert "neuron_gpu_available 0.0" in metrics  # the GPU collector (no GPU here)
     thread, lines = _stream_in_background(neuron.base)
     _wait_busy(neuron.base)
 
