@@ -82,3 +82,67 @@ def chat_body(**extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     body.update(extra)
     return body
+
+
+class RawH2:
+    """A bare HTTP/2 client (the `h2` library over a trio socket) that can reset one stream.
+
+    httpx never sends RST_STREAM when a response is closed early; routers do.
+    """
+
+    def __init__(self, stream: trio.SocketStream, authority: str) -> None:
+        import h2.config
+        import h2.connection
+
+        self.stream = stream
+        self.authority = authority
+        self.conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+        self.data: dict[int, bytearray] = {}
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, bound: BoundAddress) -> AsyncIterator[RawH2]:
+        stream = await trio.open_tcp_stream(bound.host, bound.port)
+        async with stream:
+            client = cls(stream, f"{bound.host}:{bound.port}")
+            client.conn.initiate_connection()
+            await client.flush()
+            yield client
+
+    async def flush(self) -> None:
+        await self.stream.send_all(self.conn.data_to_send())
+
+    async def post(self, path: str, doc: Any) -> int:
+        sid: int = self.conn.get_next_available_stream_id()
+        headers = [
+            (":method", "POST"),
+            (":path", path),
+            (":scheme", "http"),
+            (":authority", self.authority),
+            ("content-type", "application/json"),
+        ]
+        self.conn.send_headers(sid, headers)
+        self.conn.send_data(sid, msgspec.json.encode(doc), end_stream=True)
+        self.data[sid] = bytearray()
+        await self.flush()
+        return sid
+
+    async def read_until_data(self, sid: int) -> bytes:
+        """Receive until stream `sid` has some response body."""
+        import h2.events
+
+        while not self.data[sid]:
+            raw = await self.stream.receive_some(65536)
+            assert raw, "connection closed"
+            for event in self.conn.receive_data(raw):
+                if isinstance(event, h2.events.DataReceived):
+                    self.data.setdefault(event.stream_id, bytearray()).extend(event.data)
+                    self.conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+            await self.flush()
+        return bytes(self.data[sid])
+
+    async def reset(self, sid: int) -> None:
+        self.conn.reset_stream(sid)
+        await self.flush()
