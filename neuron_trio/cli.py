@@ -185,7 +185,9 @@ def gpus_document(timeout_s: float = NVML_TIMEOUT_S) -> dict[str, Any]:
 
 def _human_gpus(doc: dict[str, Any]) -> str:
     lines = []
-    if doc["available"]:
+    if not doc["available"]:
+        lines.append(f"no GPU/driver: {doc.get('reason')}")
+    else:
         lines.append(f"driver {doc['driver_version']}, CUDA {doc['cuda_version']}")
     for g in doc["gpus"]:
         if g.get("error"):
@@ -213,7 +215,7 @@ def _human_gpus(doc: dict[str, Any]) -> str:
 
 def cmd_gpus(args: argparse.Namespace) -> int:
     doc = gpus_document(args.timeout)
-    if not doc["available"]:
+    if args.json and not doc["available"]:
         # A message, not data: stderr, so stdout stays one JSON document.
         print(f"neuron: no GPU/driver: {doc.get('reason')}", file=sys.stderr)
     if args.json:
