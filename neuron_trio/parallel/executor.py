@@ -196,24 +196,24 @@ def build_executor(
 
     failpoints = fp.REGISTRY if failpoints is None else failpoints
     tp = spec.tp
-    with GGUFFile(model_path) as gguf:
-        config = gguf.config
-    try:
-        check_tp(config, tp)
-    except ConfigError as exc:
-        raise ConfigError(f"model {spec.name!r}: {exc}") from None
     rank_devices = _rank_devices(devices, tp)
     slots = spec.max_batch + 1  # one scratch row for probes
-    models = [
-        load_transformer(
-            model_path,
-            dtype=spec.dtype,
-            device=rank_devices[rank],
-            shard=shard_fn(config, rank, tp) if tp > 1 else None,
-            tp=tp,
-        )
-        for rank in range(tp)
-    ]
+    with GGUFFile(model_path) as gguf:  # one mapping shared by every rank's load
+        config = gguf.config
+        try:
+            check_tp(config, tp)
+        except ConfigError as exc:
+            raise ConfigError(f"model {spec.name!r}: {exc}") from None
+        models = [
+            load_transformer(
+                gguf,
+                dtype=spec.dtype,
+                device=rank_devices[rank],
+                shard=shard_fn(config, rank, tp) if tp > 1 else None,
+                tp=tp,
+            )
+            for rank in range(tp)
+        ]
     comm: Communicator | None = None
     factory: CommFactory | None = None
     runner: Any
@@ -254,7 +254,7 @@ def _destroy_quietly(comm: Communicator) -> None:
 
 def _dtype_name(model: Any, requested: str) -> str:
     """What the weights really are (e.g. "auto" resolved), for /v1/node."""
-    for attr in ("dtype_name", "dtype"):
+    for attr in ("scheme", "dtype_name", "dtype"):
         value = getattr(model, attr, None)
         if isinstance(value, str):
             return value

@@ -59,6 +59,10 @@ class TPRunner:
             KVCache.allocate(m.config, slots, context, _dtype_of(m), d)
             for m, d in zip(models, self.devices, strict=True)
         ]
+        for model in models:
+            init_rope = getattr(model, "init_rope", None)
+            if init_rope is not None:
+                init_rope(context)  # RoPE tables for the whole context, once
         self.steps = 0
 
     def rebind(self, comm: Communicator) -> None:
@@ -74,6 +78,17 @@ class TPRunner:
         slots: torch.Tensor,
         *,
         all_logits: bool = False,
+    ) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._forward(input_ids, start_pos, slots, all_logits=all_logits)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        all_logits: bool,
     ) -> torch.Tensor:
         gens: list[Generator[torch.Tensor, torch.Tensor, torch.Tensor]] = [
             model.forward_steps(
