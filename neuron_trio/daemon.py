@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -235,7 +235,7 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def exit_code_for(exc: BaseException) -> int:
+def exit_code_for(exc: BaseException, listen: Sequence[str] = ()) -> int:
     """Map what ended the root nursery to an exit code (sysexits), logging it once."""
     leaves = _leaves(exc)
     for kind, code in ((ConfigError, EX_CONFIG), (ModelLoadError, EX_UNAVAILABLE)):
@@ -245,7 +245,7 @@ def exit_code_for(exc: BaseException) -> int:
             return code
     bind = [leaf for leaf in leaves if isinstance(leaf, OSError)]
     if bind and all(isinstance(leaf, OSError | trio.Cancelled) for leaf in leaves):
-        log.error("cannot listen on %s: %s", "the configured address", bind[0])
+        log.error("cannot listen on %s: %s", ", ".join(listen) or "server.listen", bind[0])
         return EX_OSERR
     log.critical("neuron crashed", exc_info=exc)
     return EX_CRASH
@@ -266,7 +266,7 @@ def run(config: NeuronConfig, wiring: Wiring | None = None) -> int:
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        return exit_code_for(exc)
+        return exit_code_for(exc, config.server.listen)
     finally:
         flush_logs()
 
