@@ -17,7 +17,7 @@ def _client(url: str, key: str = "test-key") -> openai.AsyncOpenAI:
         base_url=url + "/v1",
         api_key=key,
         max_retries=0,
-        http_client=httpx.AsyncClient(http2=True, timeout=10),
+        http_client=httpx.AsyncClient(http2=True, timeout=10),  # type: ignore[arg-type]
     )
 
 
