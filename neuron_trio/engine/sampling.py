@@ -141,9 +141,16 @@ class Sampler:
         sampled = [i for i, s in enumerate(rows) if not s.greedy]
         if sampled:
             probs = self._filtered_probs(work[sampled], [rows[i].params for i in sampled])
+            # One draw per row from the row's own generator (the same seed gives the same
+            # tokens whatever shares the batch): argmax(p / E), E ~ Exp(1), picks token i with
+            # probability p_i, and is cheaper than torch.multinomial.
+            noise = torch.empty_like(probs)
             for j, i in enumerate(sampled):
-                gen = rows[i].generator(probs.device)
-                chosen[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+                noise[j].exponential_(generator=rows[i].generator(probs.device))
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # an exact 0 would give 0/0 = nan
+            picks = (probs / noise).argmax(dim=-1).tolist()
+            for i, token in zip(sampled, picks, strict=True):
+                chosen[i] = token
 
         results: list[SampleResult] = []
         for i, state in enumerate(rows):
@@ -162,23 +169,24 @@ class Sampler:
         x = x / temps[:, None]
         neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=device)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        use_top_p = any(p.top_p < 1.0 for p in params)
         top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]  # 2: never cuts
-        if use_top_p or any(k < vocab for k in top_k):
-            sorted_x, order = x.sort(dim=-1, descending=True)
-            positions = torch.arange(vocab, device=device).expand(b, vocab)
-            ks = torch.tensor(top_k, device=device)
-            remove_sorted = positions >= ks[:, None]
-            sorted_x = sorted_x.masked_fill(remove_sorted, neg_inf)
-            if use_top_p:
-                probs_sorted = sorted_x.softmax(dim=-1)
-                better = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass of the tokens before
-                ps = torch.tensor(top_p, dtype=x.dtype, device=device)
-                cut = better >= ps[:, None]
-                cut[:, 0] = False  # the best token always stays
-                remove_sorted |= cut
-            remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
-            x = x.masked_fill(remove, neg_inf)
+        use_top_k = any(k < vocab for k in top_k)
+        use_top_p = any(p < 1.0 for p in top_p)
+        if use_top_k and not use_top_p:
+            # no sort needed: the k-th best value of each row is the cut (ties stay in)
+            kth = x.topk(max(top_k), dim=-1).values
+            ks = torch.tensor(top_k, device=device).clamp(max=kth.shape[-1])
+            x = x.masked_fill(x < kth.gather(1, ks[:, None] - 1), neg_inf)
+        elif use_top_p:
+            need = [i for i in range(b) if top_k[i] < vocab or top_p[i] < 1.0]
+            sub_k = [top_k[i] for i in need]
+            sub_p = [top_p[i] for i in need]
+            sub = x[need]
+            remove = _top_k_top_p_candidates(sub, sub_k, sub_p)
+            if remove is None:
+                remove = _top_k_top_p_sorted(sub, sub_k, sub_p)
+            x = x.clone()
+            x[need] = sub.masked_fill(remove, neg_inf)
         probs = x.softmax(dim=-1)
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
@@ -198,3 +206,57 @@ class Sampler:
             values, ids = logprobs.topk(n)
             top = tuple((t, text(t), v) for t, v in zip(ids.tolist(), values.tolist(), strict=True))
         return TokenLogprob(token, text(token), float(logprobs[token].item()), top)
+
+
+# Top-p looks at this many best tokens first; a full sort only if they are not enough.
+TOP_P_CANDIDATES = 512
+
+
+def _top_k_top_p_sorted(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Which tokens top-k then top-p remove from logits `x` [b, V] (True: removed)."""
+    b, vocab = x.shape
+    device = x.device
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=device).expand(b, vocab)
+    ks = torch.tensor(top_k, device=device)
+    remove_sorted = positions >= ks[:, None]
+    probs_sorted = sorted_x.masked_fill(remove_sorted, float("-inf")).softmax(dim=-1)
+    better = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass of the tokens before each
+    ps = torch.tensor(top_p, dtype=x.dtype, device=device)
+    cut = better >= ps[:, None]
+    cut[:, 0] = False  # the best token always stays
+    remove_sorted |= cut
+    return torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
+
+
+def _top_k_top_p_candidates(
+    x: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> torch.Tensor | None:
+    """The same as `_top_k_top_p_sorted`, from the best TOP_P_CANDIDATES tokens of each row
+    only (a partial top-k instead of a sort of the whole vocabulary). None when that is not
+    enough: a row keeps all of its top_k > TOP_P_CANDIDATES, or its best candidates do not
+    reach its top_p mass."""
+    b, vocab = x.shape
+    n = min(vocab, TOP_P_CANDIDATES)
+    if n == vocab or any(n < k < vocab for k in top_k):
+        return None
+    device = x.device
+    vals, idx = x.topk(n, dim=-1)  # best first
+    ks = torch.tensor(top_k, device=device)
+    k_on = ks < vocab
+    in_k = torch.arange(n, device=device).expand(b, n) < ks[:, None]
+    vals = vals.masked_fill(~in_k, float("-inf"))
+    # each row's normaliser: over its top-k when on (all inside the candidates), else the row
+    norm = torch.where(k_on, vals.logsumexp(dim=-1), x.logsumexp(dim=-1))
+    probs = (vals - norm[:, None]).exp()
+    ps = torch.tensor(top_p, dtype=x.dtype, device=device)
+    # where top-k is off, the candidates must hold top_p's mass, so every other token is cut
+    enough = k_on | (probs.sum(dim=-1) >= ps)
+    if not bool(enough.all()):
+        return None
+    better = probs.cumsum(dim=-1) - probs
+    cut = better >= ps[:, None]
+    cut[:, 0] = False
+    keep = in_k & ~cut
+    remove = torch.ones_like(x, dtype=torch.bool)
+    return remove.scatter(1, idx, ~keep)

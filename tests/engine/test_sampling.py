@@ -188,3 +188,28 @@ def test_mixed_batch_and_shape_check() -> None:
     assert [r.logprob is not None for r in res] == [False, False, True]
     with pytest.raises(ValueError, match="rows"):
         Sampler().sample(logits, rows[:2])
+
+
+def test_top_p_from_candidates_equals_the_full_sort() -> None:
+    from neuron_trio.engine import sampling
+
+    gen = torch.Generator().manual_seed(7)
+    peaked = torch.randn(4, 5000, generator=gen) * 6  # most mass in a few hundred tokens
+    flat = torch.randn(2, 5000, generator=gen) * 0.1
+    ks, ps = [5000, 40, 5000, 300], [0.9, 0.8, 0.5, 2.0]
+    fast = sampling._top_k_top_p_candidates(peaked, ks, ps)
+    assert fast is not None
+    assert torch.equal(fast, sampling._top_k_top_p_sorted(peaked, ks, ps))
+    assert int((~fast[1]).sum()) <= 40 and int((~fast[3]).sum()) == 300
+    # a flat row's best 512 tokens hold far less than 0.9 of the mass: the full sort it is
+    assert sampling._top_k_top_p_candidates(flat, [5000, 5000], [0.9, 0.9]) is None
+    # top_k above the candidates: the full sort too
+    assert sampling._top_k_top_p_candidates(peaked[:1], [600], [0.9]) is None
+    # and through the public path, both ways give the same distribution
+    mixed = torch.cat([peaked, flat])
+    rows = [params(top_p=0.9), params(top_k=40, top_p=0.8), params(), params(top_k=300)]
+    rows += [params(top_p=0.9), params()]
+    out = Sampler._filtered_probs(mixed, rows)
+    assert torch.equal(out[2], peaked[2].softmax(dim=-1))
+    assert torch.equal(out[5], flat[1].softmax(dim=-1))
+    assert 512 < int((out[4] > 0).sum()) < 5000
