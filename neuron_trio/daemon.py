@@ -135,12 +135,11 @@ class Daemon:
             await root.start(self.notifier.run)
             with trio.CancelScope() as self._startup_scope:
                 await self._start(root)
-            if self._startup_scope.cancelled_caught or self.drain_requested.is_set():
-                self.phase = "draining"
-            else:
+            if not (self._startup_scope.cancelled_caught or self.drain_requested.is_set()):
                 self.phase = "serving"
                 log.info("serving (start-up took %.1fs)", time.monotonic() - started)
                 await self.drain_requested.wait()
+            self.phase = "draining"
             await self._drain()
             root.cancel_scope.cancel()
         self.phase = "stopped"

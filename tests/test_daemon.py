@@ -198,7 +198,7 @@ def test_drain_waits_for_in_flight_up_to_the_timeout(config: NeuronConfig) -> No
         node.in_flight = 1
         d.begin_drain(signal.SIGTERM)
         await trio.testing.wait_all_tasks_blocked()
-        assert events[-1] == "node.drain" and d.phase == "serving"
+        assert events[-1] == "node.drain" and d.phase == "draining"
         clock.jump(29.9)
         await trio.testing.wait_all_tasks_blocked()
         assert "http.closed" not in events  # still waiting for the request
