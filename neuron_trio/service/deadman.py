@@ -169,9 +169,10 @@ class Deadman:
         ctx = self._context()
         inflight = ctx.pop("inflight", [])
         extra = dict(details or {})
+        at_wedge = extra.pop("inflight_at_wedge", None)
         if ctx:
             extra["context"] = ctx
-        return forensics.gather_forensics(
+        report = forensics.gather_forensics(
             what=what,
             since=since,
             deadline_s=deadlines_s,
@@ -182,6 +183,10 @@ class Deadman:
             reason=reason,
             extra=extra,
         )
+        if at_wedge is not None:
+            # The requests in flight when the step wedged (failed with 503 since then).
+            report["inflight_at_wedge"] = at_wedge
+        return report
 
     def _minimal(
         self,

@@ -251,8 +251,13 @@ class Watchdog:
         wall_clock: Callable[[], float] = time.time,
         run_thread: ThreadRunner = run_in_thread,
         logger: logging.Logger | None = None,
+        inflight_fn: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.model_name = model_name
+        # The model's in-flight requests (dicts with id and age_s), read the instant a step
+        # wedges: the actor fails them with 503 right after, so the deadman, later, would
+        # find none. The actor may set it after construction.
+        self.inflight_fn = inflight_fn
         self.step_timeout_s = tp.step_timeout_s
         self.abort_deadline_s = tp.abort_deadline_s
         self.probe_interval_s = tp.probe_interval_s
@@ -363,6 +368,7 @@ class Watchdog:
             "at": _iso(watch.started_wall),
             "detected_after_s": round(watch.detected - watch.started, 3),
             "outcome": "recovering",
+            "inflight": self._inflight_snapshot(),
         }
         self._set_state("recovering")
         if self._metrics is not None:
@@ -541,6 +547,7 @@ class Watchdog:
             details={
                 "model": self.model_name,
                 "detail": detail,
+                "inflight_at_wedge": (self._last_wedge or {}).get("inflight"),
                 "watchdog": self.statistics().as_dict(),
             },
         )
@@ -616,6 +623,14 @@ class Watchdog:
             await self.recover(executor)
         else:
             self._count_probe("ok")
+
+    def _inflight_snapshot(self) -> list[dict[str, Any]] | None:
+        if self.inflight_fn is None:
+            return None
+        try:
+            return list(self.inflight_fn())
+        except Exception as exc:  # never let bookkeeping break the wedge path
+            return [{"error": f"{type(exc).__name__}: {exc}"}]
 
     def _count_probe(self, result: str) -> None:
         if self._metrics is not None:

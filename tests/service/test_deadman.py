@@ -78,12 +78,13 @@ def test_fire_sync_writes_logs_and_exits_70(tmp_path: Path, no_nvidia_smi: None)
                 what="model m: step",
                 since=time.time() - 5,
                 deadlines_s={"step_timeout_s": 2.0, "abort_deadline_s": 3.0},
-                details={"model": "m"},
+                details={"model": "m", "inflight_at_wedge": [{"id": "r0", "age_s": 9.0}]},
             )
         assert exits.codes == [70]
         assert deadman.firing and deadman.reason == "abort-deadline"
         report = check_report(tmp_path, stderr_path, caught.value)
         assert report["inflight"] == [{"id": "r1", "age_s": 5.0}]
+        assert report["inflight_at_wedge"] == [{"id": "r0", "age_s": 9.0}]
         assert report["extra"] == {"model": "m", "context": {"models": ["m"]}}
         assert report["nvidia_smi"] == {"error": "nvidia-smi not found on PATH"}
         assert report["exit_code"] == 70

@@ -254,7 +254,10 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
 
     async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
         executor = FakeExecutor(step="until-abort", abort="hang")
+        requests = [{"id": "cmpl-1", "age_s": 1.0}]
+        watchdog.inflight_fn = lambda: list(requests)
         start = await wedge(watchdog, executor)
+        requests.clear()  # the actor fails them with 503 right after the wedge
         with pytest.raises(DeadmanExit):
             await watchdog.recover(executor)
         [fired] = deadman.fired
@@ -263,6 +266,7 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
         assert fired["since"] == start  # wall clock is the virtual clock here
         assert fired["deadlines_s"] == {"step_timeout_s": STEP_S, "abort_deadline_s": ABORT_S}
         assert fired["comms"] == [executor.comm]
+        assert fired["details"]["inflight_at_wedge"] == [{"id": "cmpl-1", "age_s": 1.0}]
         assert watchdog.state == "wedged"
         assert "recreate" not in executor.names()
 
