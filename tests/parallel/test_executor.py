@@ -1,0 +1,127 @@
+"""The executor on a tiny random GGUF model (6 heads / 3 KV heads): tp = 1 and tp = 3 on CPU,
+a wedged collective aborted and the communicator re-created, the failpoints it honours."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_trio.config import ModelConfig
+from neuron_trio.engine.types import SamplingParams
+from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
+from neuron_trio.parallel.executor import Executor, build_executor
+from neuron_trio.parallel.inprocess import InProcessCommunicator
+from tests.engine.tiny_gguf import write_tiny_llama
+from tests.parallel.test_communicators import TIMEOUT, SignallingFailpoints, Worker
+
+CPU = [torch.device("cpu")]
+PROMPTS = [[5, 70, 80, 90, 100], [7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    return write_tiny_llama(path, n_layers=2, dim=96, n_heads=6, n_kv_heads=3, ffn_dim=192)
+
+
+def _spec(tp: int, dtype: str = "float32") -> ModelConfig:
+    return ModelConfig(name="tiny", source="tiny.gguf", tp=tp, dtype=dtype, max_batch=2, context=64)  # type: ignore[arg-type]
+
+
+def _generate(executor: Executor, prompts: list[list[int]], n: int = 6) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    ids = [executor.engine.add(p, params, chat=False) for p in prompts]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while executor.engine.has_work:
+        for event in executor.step():
+            out[event.seq_id].extend(event.token_ids)
+    return [out[i] for i in ids]
+
+
+def _build(tiny: Path, tp: int, spec: str = "") -> tuple[Executor, SignallingFailpoints]:
+    failpoints = SignallingFailpoints(spec)
+    failpoints.configure(failpoints.configured)  # disarmed while loading, as in the daemon
+    executor = build_executor(_spec(tp), tiny, CPU, failpoints=failpoints)
+    failpoints.arm()
+    return executor, failpoints
+
+
+def test_tp1(tiny: Path) -> None:
+    executor, _ = _build(tiny, 1)
+    assert executor.tp == 1 and executor.comm is None
+    assert executor.ranks == [{"device": "cpu", "heads": 6, "kv_heads": 3}]
+    assert executor.dtype == "float32"
+    executor.abort_comm()  # nothing to abort
+    executor.recreate_comm()
+    assert all(len(t) == 6 for t in _generate(executor, PROMPTS))
+    executor.probe()
+    executor.close()
+    executor.close()
+
+
+def test_tp3_matches_tp1_and_reports_its_ranks(tiny: Path) -> None:
+    one, _ = _build(tiny, 1)
+    three, _ = _build(tiny, 3)
+    assert three.tp == 3
+    assert isinstance(three.comm, InProcessCommunicator)
+    assert three.ranks == [{"device": "cpu", "heads": 2, "kv_heads": 1}] * 3
+    assert three.describe()["comm"]["kind"] == "in-process"  # type: ignore[index]
+    assert _generate(three, PROMPTS) == _generate(one, PROMPTS)
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_config_error(tiny: Path) -> None:
+    with pytest.raises(ConfigError, match="tp = 2 does not divide 6 attention heads / 3 KV heads"):
+        build_executor(_spec(2), tiny, CPU)
+
+
+def test_wedged_collective_abort_recreate_probe_serve(tiny: Path) -> None:
+    executor, failpoints = _build(tiny, 3, "tp.allreduce=hang")
+    expected = _generate(_build(tiny, 3)[0], PROMPTS[:1])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    executor.engine.add(PROMPTS[0], params, chat=False)
+    step = Worker(executor.step, "step")
+    assert failpoints.reached["tp.allreduce"].wait(TIMEOUT)
+    assert not step.done.wait(0.05)
+    abort = Worker(executor.abort_comm, "nccl-abort")
+    abort.join()
+    step.join()
+    assert abort.error is None
+    assert isinstance(step.error, CommAbortedError)
+    executor.engine.cancel_all()
+    old = executor.comm
+    executor.recreate_comm()
+    assert executor.comm is not old and executor.comm_generation == 1
+    assert executor.runner.comm is executor.comm
+    executor.probe()
+    assert _generate(executor, PROMPTS[:1]) == expected  # serves again, same tokens
+
+
+def test_abort_error_comes_back_and_the_communicator_is_recreated(tiny: Path) -> None:
+    executor, failpoints = _build(tiny, 3, "tp.allreduce=hang;tp.abort=error")
+    executor.engine.add(PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0), chat=False)
+    step = Worker(executor.step, "step")
+    assert failpoints.reached["tp.allreduce"].wait(TIMEOUT)
+    with pytest.raises(FailpointError):
+        executor.abort_comm()
+    step.join()
+    assert isinstance(step.error, CommAbortedError)
+    executor.engine.cancel_all()
+    executor.recreate_comm()
+    executor.probe()
+
+
+def test_engine_step_hang_blocks_the_step_for_ever_with_tp1(tiny: Path) -> None:
+    executor, failpoints = _build(tiny, 1, "engine.step=hang")
+    step = Worker(executor.step, "step")  # a daemon thread, left blocked
+    assert failpoints.reached["engine.step"].wait(TIMEOUT)
+    executor.abort_comm()  # returns at once: nothing to abort
+    assert not step.done.wait(0.1)
+
+
+def test_engine_step_error(tiny: Path) -> None:
+    executor, _ = _build(tiny, 1, "engine.step=error")
+    with pytest.raises(FailpointError):
+        executor.step()
+    assert executor.step() == []  # fired once; nothing to do
