@@ -1,6 +1,6 @@
 """Continuous batching on the built-in model: aggregate decode tokens/s at 1, 4 and 8 sequences.
 
-    python bench/bench_batching.py [--dtype auto] [--tokens 64] [--device cpu]
+    python bench/bench_batching.py [--dtype auto] [--tokens 64] [--rounds 3] [--threads N]
 
 Prints the load time, the time to first token of a short chat prompt right after load, the
 decode throughput for each batch size (decode-only steps: every sequence already has its
@@ -62,7 +62,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}")
     start = time.perf_counter()
@@ -78,10 +82,14 @@ def main() -> None:
     print(f"load: {load_s:.2f} s; first token after load: {ttft * 1000:.0f} ms")
 
     decode_throughput(engine, 2, 8)  # warm-up
-    rates = {}
-    for n in (1, 4, 8):
-        rates[n] = decode_throughput(engine, n, args.tokens)
-        print(f"{n} sequence(s): {rates[n]:.1f} decode tokens/s aggregate")
+    # Round-robin rounds, best of each: on a shared machine, load comes and goes during a run.
+    rates = {1: 0.0, 4: 0.0, 8: 0.0}
+    for r in range(args.rounds):
+        got = {n: decode_throughput(engine, n, args.tokens) for n in rates}
+        print(f"round {r + 1}: " + ", ".join(f"{n}: {v:.1f}" for n, v in got.items()) + " tok/s")
+        rates = {n: max(rates[n], got[n]) for n in rates}
+    for n, rate in rates.items():
+        print(f"{n} sequence(s): {rate:.1f} decode tokens/s aggregate (best of {args.rounds})")
     for n in (4, 8):
         print(f"ratio {n}/1: {rates[n] / rates[1]:.2f}x")
     verdict = "meets" if rates[8] >= 4 * rates[1] else "misses"
