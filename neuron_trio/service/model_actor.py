@@ -41,6 +41,7 @@ from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+WARM_UP_MIN_S = 120.0  # the least time a model's first (warm-up) forward gets
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
 
 
@@ -475,8 +476,18 @@ class ModelActor:
             raise
 
     async def _warm_up(self, executor: ExecutorLike) -> None:
+        """The model's first forward, bounded: a hang here ends in exit 70 (the deadman).
+
+        The bound is generous (first forwards pay one-time costs: CUDA context, kernel
+        selection, NCCL connection set-up, or a busy CPU), never less than WARM_UP_MIN_S.
+        """
         if self.watchdog is not None:
-            await self.watchdog.run_or_die(executor.probe, what="warm-up")
+            bound = getattr(self.watchdog, "step_timeout_s", 0.0) + getattr(
+                self.watchdog, "abort_deadline_s", 0.0
+            )
+            await self.watchdog.run_or_die(
+                executor.probe, what="warm-up", timeout_s=max(WARM_UP_MIN_S, bound)
+            )
         else:
             await self._plain_thread(executor.probe, "warm-up")
 
