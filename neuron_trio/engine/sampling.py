@@ -141,14 +141,21 @@ class Sampler:
         sampled = [i for i, s in enumerate(rows) if not s.greedy]
         if sampled:
             probs = self._filtered_probs(work[sampled], [rows[i].params for i in sampled])
-            # One draw per row from the row's own generator (the same seed gives the same
-            # tokens whatever shares the batch): argmax(p / E), E ~ Exp(1), picks token i with
-            # probability p_i, and is cheaper than torch.multinomial.
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(sampled):
-                noise[j].exponential_(generator=rows[i].generator(probs.device))
-            noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # an exact 0 would give 0/0 = nan
-            picks = (probs / noise).argmax(dim=-1).tolist()
+            # One uniform draw per row from the row's own generator (the same seed gives the
+            # same tokens whatever shares the batch), then the inverse of the cumulative
+            # distribution: token i is picked with probability p_i. One random number per row
+            # is far cheaper than a vocabulary of them (torch.multinomial, exponential races).
+            device = probs.device
+            u = torch.cat(
+                [torch.rand(1, generator=rows[i].generator(device), device=device) for i in sampled]
+            )
+            cdf = probs.cumsum(dim=-1)
+            # right=True: the first token whose cdf exceeds u * total, never one of probability 0
+            picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].tolist()
+            vocab = probs.shape[-1]
+            for j, token in enumerate(picks):
+                if token >= vocab:  # u * total rounded up to total: the last likely token
+                    picks[j] = int(cdf[j].argmax().item())
             for i, token in zip(sampled, picks, strict=True):
                 chosen[i] = token
 
