@@ -150,3 +150,19 @@ def test_sysusers() -> None:
     kind, name, _id, *_rest = line.split()
     assert (kind, name) == ("u", "neuron")
     assert "/var/lib/neuron" in line
+
+
+def test_sysusers_creates_the_user(tmp_path: Path) -> None:
+    sysusers = shutil.which("systemd-sysusers")
+    if sysusers is None:
+        pytest.skip("systemd-sysusers is not installed")
+    (tmp_path / "etc").mkdir()
+    proc = subprocess.run(
+        [sysusers, f"--root={tmp_path}", str(DEPLOY / "neuron.sysusers.conf")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    entry = (tmp_path / "etc" / "passwd").read_text().split(":")
+    assert entry[0] == "neuron" and entry[5] == "/var/lib/neuron"
