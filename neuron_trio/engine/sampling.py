@@ -159,13 +159,10 @@ class Sampler:
             for i, token in zip(sampled, picks, strict=True):
                 chosen[i] = token
 
-        results: list[SampleResult] = []
-        for i, state in enumerate(rows):
-            token = chosen[i]
+        logprobs = self._logprobs(raw, chosen, rows)
+        for state, token in zip(rows, chosen, strict=True):
             state.append(token)
-            lp = self._logprob(raw[i], token, state.params) if state.params.logprobs else None
-            results.append(SampleResult(token, lp))
-        return results
+        return [SampleResult(t, lp) for t, lp in zip(chosen, logprobs, strict=True)]
 
     @staticmethod
     def _filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -204,15 +201,33 @@ class Sampler:
             probs = torch.where(mp[:, None] > 0, renorm, probs)  # rows without min_p: as they were
         return probs
 
-    def _logprob(self, row: torch.Tensor, token: int, params: SamplingParams) -> TokenLogprob:
-        logprobs = torch.log_softmax(row, dim=-1)
-        text = self.token_text or (lambda _i: "")
-        top: tuple[tuple[int, str, float], ...] = ()
-        n = min(max(params.top_logprobs, 0), row.shape[-1])
+    def _logprobs(
+        self, raw: torch.Tensor, chosen: list[int], rows: Sequence[SamplingState]
+    ) -> list[TokenLogprob | None]:
+        """Logprobs of the raw distribution, for the rows that ask, in one batched pass."""
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        want = [i for i, s in enumerate(rows) if s.params.logprobs]
+        if not want:
+            return out
+        logprobs = torch.log_softmax(raw[want], dim=-1)
+        ids = torch.tensor([chosen[i] for i in want], device=raw.device)
+        picked = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+        vocab = raw.shape[-1]
+        counts = [min(max(rows[i].params.top_logprobs, 0), vocab) for i in want]
+        n = max(counts)
+        top_values: list[list[float]] = [[] for _ in want]
+        top_ids: list[list[int]] = [[] for _ in want]
         if n:
-            values, ids = logprobs.topk(n)
-            top = tuple((t, text(t), v) for t, v in zip(ids.tolist(), values.tolist(), strict=True))
-        return TokenLogprob(token, text(token), float(logprobs[token].item()), top)
+            values, indices = logprobs.topk(n, dim=-1)
+            top_values, top_ids = values.tolist(), indices.tolist()
+        text = self.token_text or (lambda _i: "")
+        for j, i in enumerate(want):
+            k = counts[j]
+            top = tuple(
+                (t, text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k], strict=True)
+            )
+            out[i] = TokenLogprob(chosen[i], text(chosen[i]), picked[j], top)
+        return out
 
 
 # Top-p looks at this many best tokens first; a full sort only if they are not enough.

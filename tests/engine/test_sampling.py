@@ -213,3 +213,18 @@ def test_top_p_from_candidates_equals_the_full_sort() -> None:
     assert torch.equal(out[2], peaked[2].softmax(dim=-1))
     assert torch.equal(out[5], flat[1].softmax(dim=-1))
     assert 512 < int((out[4] > 0).sum()) < 5000
+
+
+def test_logprobs_per_row_counts_in_one_batch() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0], [0.0, 0.0, 0.0, 9.0]])
+    rows = [
+        SamplingState(params(temperature=0.0, logprobs=True, top_logprobs=3)),
+        SamplingState(params(temperature=0.0, logprobs=True)),
+        SamplingState(params(temperature=0.0)),
+    ]
+    res = Sampler(str).sample(logits, rows)
+    first, second = res[0].logprob, res[1].logprob
+    assert first is not None and second is not None and res[2].logprob is None
+    assert [t for t, _, _ in first.top] == [3, 2, 1] and first.text == "3"
+    assert second.top == () and second.token_id == 0
+    assert second.logprob == pytest.approx(torch.log_softmax(logits[1], -1)[0].item())
