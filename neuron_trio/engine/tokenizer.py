@@ -108,13 +108,12 @@ def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
 
     try:
         reader = gguf.GGUFReader(str(path), "r")
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if not (name.startswith("tokenizer.") or name == "general.architecture"):
-            continue
-        out[name] = _field_value(field)
+        out: dict[str, Any] = {}
+        for name, field in reader.fields.items():
+            if name.startswith("tokenizer.") or name == "general.architecture":
+                out[name] = _field_value(field)
+    except Exception as e:  # a truncated or foreign file fails in many ways inside the reader
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
     return out
 
 

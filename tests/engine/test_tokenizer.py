@@ -345,3 +345,53 @@ def test_builtin_incremental_detokenizer(smol: Tokenizer) -> None:
         pieces = [detok.push(i) for i in ids] + [detok.flush()]
         assert "".join(pieces) == smol.decode(ids), text
         assert not any("\N{REPLACEMENT CHARACTER}" in p for p in pieces), text
+
+
+def _write_tokenizer_gguf(path: Path, md: dict[str, Any]) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(md["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(md["tokenizer.ggml.pre"])
+    writer.add_token_list(md["tokenizer.ggml.tokens"])
+    writer.add_token_types(md["tokenizer.ggml.token_type"])
+    writer.add_token_merges(md["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(md["tokenizer.chat_template"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_from_gguf_reads_the_file_and_overrides_pre(tmp_path: Path) -> None:
+    path = tmp_path / "tok.gguf"
+    _write_tokenizer_gguf(path, tiny_metadata(pre="smollm"))
+    tok = Tokenizer.from_gguf(path)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos) == (267, 1, 2, True)
+    assert tok.chat_template == "{{ messages }}"
+    assert tok.encode("a 12", add_special_tokens=True) == [1, *(3 + b for b in b"a 12")]
+    assert tok.encode("<|im_end|>hello", add_special_tokens=False) == [2, tok.token_to_id("hello")]
+    # smollm: " " and "1" apart; gpt2: " 1" is one piece (no merge for it here, so same ids)
+    assert tok.backend.pre_tokenizer is not None
+    pieces = tok.backend.pre_tokenizer.pre_tokenize_str("a 12")
+    assert [p for p, _ in pieces] == ["a", SPACE, "1", "2"]
+    gpt2 = Tokenizer.from_gguf(path, pre="gpt2")
+    assert gpt2.backend.pre_tokenizer is not None
+    assert [p for p, _ in gpt2.backend.pre_tokenizer.pre_tokenize_str("a 12")] == [
+        "a",
+        f"{SPACE}12",
+    ]
+
+
+def test_from_gguf_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    _write_tokenizer_gguf(path, tiny_metadata(pre="nonesuch"))
+    with pytest.raises(UnsupportedModelError, match=r"bad\.gguf.*nonesuch"):
+        Tokenizer.from_gguf(path)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="junk"):
+        Tokenizer.from_gguf(junk)
