@@ -147,13 +147,17 @@ def write_tiny_llama(
     seed: int = 0,
     chat_template: str | None = CHATML_TEMPLATE,
     extra_metadata: dict[str, Any] | None = None,
+    overrides: dict[str, str] | None = None,
+    arch: str = "llama",
 ) -> Path:
     """Write a tiny random llama GGUF file at `path` and return the path.
 
     `qtype` is the format of the 2-D weights: "F32", "F16", "BF16", "Q8_0", "Q4_0" or "Q4_1"
     (block formats need `dim` and `ffn_dim` to be multiples of 32); norms stay F32 and the
     embedding is Q8_0 when `qtype` is a block format (as in the built-in model). The
-    vocabulary has `len(tiny_vocab()[0])` tokens. `extra_metadata` adds string/int/float keys.
+    vocabulary has `len(tiny_vocab()[0])` tokens. `extra_metadata` adds string/int/float keys;
+    `overrides` maps tensor names to another format (any that `gguf.quants.quantize` writes);
+    `arch` other than "llama" writes an unsupported architecture (for error tests).
     """
     path = Path(path)
     tokens, token_types, merges = tiny_vocab()
@@ -168,7 +172,7 @@ def write_tiny_llama(
         seed=seed,
     )
     qt = gguf.GGMLQuantizationType[qtype]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")
     writer.add_block_count(n_layers)
     writer.add_context_length(context_length)
@@ -214,6 +218,8 @@ def write_tiny_llama(
         t = qt
         if name == "token_embd.weight" and qtype in block_formats:
             t = gguf.GGMLQuantizationType.Q8_0
+        if overrides and name in overrides:
+            t = gguf.GGMLQuantizationType[overrides[name]]
         if t == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, w)
         elif t == gguf.GGMLQuantizationType.F16:

@@ -1,0 +1,188 @@
+"""Decode speed and load time of the engine vs Hugging Face transformers, same GGUF file.
+
+    python bench/bench_decode.py [--tokens 64] [--dtype auto] [--batch 8] [--no-hf]
+
+Decode tokens/s is measured as (n - 1) / (time for n tokens - time for 1 token), which
+leaves out prompt processing, for our greedy decode at batch 1 (dtype `--dtype`, default
+auto) and transformers' `generate` in float32. It prints the ratio (target >= 3x), the load
+times, our batch-`--batch` decode rate, and the agreement of `--dtype` with float32: the share
+of positions where the top-1 next token is the same, teacher-forced along float32's greedy
+continuations (`top1_agreement`). Speed is a ratio measured in one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.model import Transformer
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Once upon a time, in a small village by the sea,",
+    "The three laws of thermodynamics are",
+    "List five fruits that are red:",
+    "Explain in one paragraph why the sky is blue.",
+    "def quicksort(arr):",
+    "Translate to French: The weather is nice today.",
+]
+
+
+def greedy(runner: SingleRunner, prompt: Sequence[int], n: int, slot: int = 0) -> list[int]:
+    """Greedy continuation of `prompt` by `n` tokens on `slot` (prefill, then decode steps)."""
+    ids = torch.tensor([list(prompt)])
+    logits = runner.forward(ids, torch.tensor([0]), torch.tensor([slot]))
+    out = [int(logits[0].argmax())]
+    pos = len(prompt)
+    while len(out) < n:
+        logits = runner.forward(
+            torch.tensor([[out[-1]]]), torch.tensor([pos]), torch.tensor([slot])
+        )
+        out.append(int(logits[0].argmax()))
+        pos += 1
+    return out
+
+
+def top1_agreement(
+    reference: Transformer,
+    candidate: Transformer,
+    prompts: Sequence[Sequence[int]],
+    n_tokens: int,
+) -> tuple[float, int]:
+    """Share of positions where `candidate`'s top-1 token equals `reference`'s greedy token.
+
+    For each prompt, `reference` continues greedily by `n_tokens`; `candidate` is then run
+    teacher-forced over prompt + continuation, and its argmax at each continuation position
+    is compared. Returns (share, positions compared).
+    """
+    context = max(len(p) for p in prompts) + n_tokens + 1
+    ref_runner = SingleRunner(reference, slots=1, context=context)
+    cand_runner = SingleRunner(candidate, slots=1, context=context)
+    same = total = 0
+    for prompt in prompts:
+        cont = greedy(ref_runner, prompt, n_tokens)
+        seq = torch.tensor([list(prompt) + cont[:-1]])
+        logits = cand_runner.forward(seq, torch.tensor([0]), torch.tensor([0]), all_logits=True)
+        picks = logits[0, len(prompt) - 1 :].argmax(-1).tolist()  # predicts cont[0..n-1]
+        same += sum(int(a == b) for a, b in zip(picks, cont, strict=True))
+        total += len(cont)
+    return same / total, total
+
+
+def decode_rate(fn_n: float, fn_1: float, n: int) -> float:
+    return (n - 1) / max(fn_n - fn_1, 1e-9)
+
+
+def time_ours(runner: SingleRunner, prompt: Sequence[int], n: int, repeats: int = 2) -> float:
+    def run(k: int) -> float:
+        t = time.perf_counter()
+        greedy(runner, prompt, k)
+        return time.perf_counter() - t
+
+    run(4)  # warm up
+    t_n = min(run(n) for _ in range(repeats))
+    t_1 = min(run(1) for _ in range(repeats))
+    return decode_rate(t_n, t_1, n)
+
+
+def time_ours_batch(runner: SingleRunner, prompt: Sequence[int], n: int, batch: int) -> float:
+    """Aggregate tokens/s of `batch` rows decoding together (prompts prefilled first)."""
+    for s in range(batch):
+        runner.forward(torch.tensor([list(prompt)]), torch.tensor([0]), torch.tensor([s]))
+    slots = torch.arange(batch)
+    tok = torch.zeros(batch, 1, dtype=torch.int64)
+    pos = torch.full((batch,), len(prompt))
+    runner.forward(tok, pos, slots)
+    t = time.perf_counter()
+    for i in range(1, n):
+        logits = runner.forward(tok, pos + i, slots)
+        tok = logits.argmax(-1, keepdim=True)
+    return batch * (n - 1) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--agreement-tokens", type=int, default=48)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers (speed only)")
+    args = ap.parse_args()
+    path = builtin_model_path()
+    n = args.tokens
+    print(f"model {path.name}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    t = time.perf_counter()
+    model = load_transformer(path, dtype=args.dtype, device="cpu")
+    load_ours = time.perf_counter() - t
+    print(f"load ours ({args.dtype}): {load_ours:.2f} s")
+
+    prompts: list[list[int]]
+    hf = None
+    if not args.no_hf:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t = time.perf_counter()
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        load_hf = time.perf_counter() - t
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        prompts = [tok(p).input_ids for p in PROMPTS]
+        print(f"load transformers (float32): {load_hf:.2f} s  (ratio {load_hf / load_ours:.1f}x)")
+    else:
+        with GGUFFile(path) as gf:  # no tokenizer: a fixed pseudo-prompt per text
+            vocab = gf.config.vocab_size
+        prompts = [[(7 * i + 13 * j) % vocab for j in range(12)] for i in range(len(PROMPTS))]
+
+    runner = SingleRunner(model, slots=args.batch + 1, context=512)
+    ours = time_ours(runner, prompts[0], n)
+    print(f"decode ours ({args.dtype}, batch 1): {ours:.1f} tok/s")
+    batch_rate = time_ours_batch(runner, prompts[0], n, args.batch)
+    print(f"decode ours ({args.dtype}, batch {args.batch}): {batch_rate:.1f} tok/s aggregate")
+
+    if hf is not None:
+        ids = torch.tensor([prompts[0]])
+
+        def run_hf(k: int) -> float:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=k,
+                    min_new_tokens=k,
+                    do_sample=False,
+                    pad_token_id=2,
+                )
+            return time.perf_counter() - t
+
+        run_hf(4)
+        hf_rate = decode_rate(min(run_hf(n) for _ in range(2)), min(run_hf(1) for _ in range(2)), n)
+        print(f"decode transformers (float32 generate, batch 1): {hf_rate:.1f} tok/s")
+        print(f"ratio ours/transformers: {ours / hf_rate:.2f}x (target >= 3x)")
+
+    if args.dtype != "float32" and args.agreement_tokens > 0:
+        reference = load_transformer(path, dtype="float32", device="cpu")
+        share, count = top1_agreement(reference, model, prompts, args.agreement_tokens)
+        print(
+            f"top-1 agreement {args.dtype} vs float32: {share:.4f} "
+            f"({count} positions, teacher-forced along float32 greedy)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The Llama model on tiny random GGUF files: reference maths, KV cache, batching, TP, dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.kv_cache import KVCache
+from neuron_trio.engine.loader import ShardFn, SingleRunner, estimate_model_bytes, load_transformer
+from neuron_trio.engine.runner import Runner
+from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
+
+SHAPE: dict[str, Any] = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+ROPE_BASE = 500.0  # small base: positions rotate visibly within a short test sequence
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("tiny")
+    return {
+        q: write_tiny_llama(d / f"{q}.gguf", **SHAPE, qtype=q, rope_base=ROPE_BASE)
+        for q in ("F32", "Q4_1")
+    }
+
+
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+def reference_logits(ids: list[int]) -> torch.Tensor:
+    """A plain float64 Llama forward over one sequence, written from the maths: [T, V]."""
+    tokens, _, _ = tiny_vocab()
+    w = {
+        k: torch.from_numpy(v).double()
+        for k, v in tiny_weights(**SHAPE, vocab_size=len(tokens), tied=True, seed=0).items()
+    }
+    h_n, kv_n, dim = SHAPE["n_heads"], SHAPE["n_kv_heads"], SHAPE["dim"]
+    d = dim // h_n
+    t = len(ids)
+    pos = torch.arange(t, dtype=torch.float64)[:, None]
+    freq = ROPE_BASE ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    cos, sin = (pos * freq).cos()[:, None], (pos * freq).sin()[:, None]  # [T, 1, D/2]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # [T, heads, D], rotating the two halves
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    x = w["token_embd.weight"][ids]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    for i in range(SHAPE["n_layers"]):
+        p = f"blk.{i}."
+        h = rms(x, w[p + "attn_norm.weight"])
+        q = rope((h @ w[p + "attn_q.weight"].T).reshape(t, h_n, d))
+        k = rope((h @ w[p + "attn_k.weight"].T).reshape(t, kv_n, d))
+        v = (h @ w[p + "attn_v.weight"].T).reshape(t, kv_n, d)
+        k = k.repeat_interleave(h_n // kv_n, dim=1)  # query head j uses KV head j // group
+        v = v.repeat_interleave(h_n // kv_n, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(t, h_n * d)
+        x = x + o @ w[p + "attn_output.weight"].T
+        h = rms(x, w[p + "ffn_norm.weight"])
+        gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T
+    return rms(x, w["output_norm.weight"]) @ w["token_embd.weight"].T
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, len(tiny_vocab()[0]), size=n).tolist()
+
+
+def test_float32_matches_reference_maths(files: dict[str, Path]) -> None:
+    ids = prompt(11, 0)
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    runner = SingleRunner(model, slots=2, context=32)
+    got = runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([1]), all_logits=True)
+    assert got.dtype == torch.float32 and got.shape == (1, 11, model.config.vocab_size)
+    torch.testing.assert_close(got[0].double(), reference_logits(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_and_decode_match_full_prefill(files: dict[str, Path]) -> None:
+    ids = torch.tensor([prompt(10, 1)])
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    runner = SingleRunner(model, slots=3, context=16)
+    full = runner.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
+    last = runner.forward(ids, torch.tensor([0]), torch.tensor([2]))
+    torch.testing.assert_close(last[0], full[-1])
+    # Chunks of 4, 4, 2 continuing slot 1.
+    parts = [
+        runner.forward(ids[:, s : s + 4], torch.tensor([s]), torch.tensor([1]), all_logits=True)[0]
+        for s in (0, 4, 8)
+    ]
+    torch.testing.assert_close(torch.cat(parts), full, rtol=1e-5, atol=1e-5)
+    # One token at a time in slot 2 (overwriting its earlier prefill).
+    steps = [
+        runner.forward(ids[:, i : i + 1], torch.tensor([i]), torch.tensor([2]))[0]
+        for i in range(10)
+    ]
+    torch.testing.assert_close(torch.stack(steps), full, rtol=1e-5, atol=1e-5)
+
+
+def greedy_alone(runner: SingleRunner, ids: list[int], n: int, slot: int) -> list[int]:
+    logits = runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([slot]))
+    out = [int(logits.argmax())]
+    for i in range(n - 1):
+        pos = torch.tensor([len(ids) + i])
+        logits = runner.forward(torch.tensor([[out[-1]]]), pos, torch.tensor([slot]))
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("slot_order", ["contiguous", "scattered"])
+def test_batch_of_8_decodes_like_each_alone(files: dict[str, Path], slot_order: str) -> None:
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    runner = SingleRunner(model, slots=9, context=48)
+    prompts = [prompt(3 + 2 * i, 10 + i) for i in range(8)]  # different lengths
+    n = 10
+    alone = [greedy_alone(runner, p, n, slot=8) for p in prompts]
+    slots = list(range(8)) if slot_order == "contiguous" else [3, 0, 5, 1, 7, 2, 6, 4]
+    tokens = []
+    for p, s in zip(prompts, slots, strict=True):
+        logits = runner.forward(torch.tensor([p]), torch.tensor([0]), torch.tensor([s]))
+        tokens.append([int(logits.argmax())])
+    pos = torch.tensor([len(p) for p in prompts])
+    for i in range(n - 1):
+        last = torch.tensor([[t[-1]] for t in tokens])
+        logits = runner.forward(last, pos + i, torch.tensor(slots))
+        assert logits.shape == (8, model.config.vocab_size)
+        for row, t in zip(logits, tokens, strict=True):
+            t.append(int(row.argmax()))
+    assert tokens == alone
+
+
+def shard_for(rank: int, tp: int) -> ShardFn:
+    """A minimal TP slicing rule for tests: heads and FFN split, output rows/cols split."""
+    column = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
+    row = ("attn_output", "ffn_down")
+
+    def shard(name: str, w: torch.Tensor) -> torch.Tensor:
+        part = name.split(".")[-2]
+        if part in column:
+            return w.chunk(tp, dim=0)[rank].contiguous()
+        if part in row:
+            return w.chunk(tp, dim=1)[rank].contiguous()
+        return w
+
+    return shard
+
+
+def run_lockstep(gens: list[Generator[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Drive shard generators like TPRunner: sum each round of partials, send it back."""
+    try:
+        partials = [next(g) for g in gens]
+        while True:
+            total = torch.stack(partials).sum(0)
+            partials = [g.send(total) for g in gens]
+    except StopIteration as done:
+        results = [done.value]
+        for g in gens[1:]:
+            try:
+                g.send(total)
+            except StopIteration as d:
+                results.append(d.value)
+        for r in results[1:]:
+            torch.testing.assert_close(r, results[0])
+        return results[0]
+
+
+def test_tensor_parallel_shards_sum_to_the_whole(files: dict[str, Path]) -> None:
+    tp = 2
+    whole = load_transformer(files["F32"], dtype="float32", device="cpu")
+    shards = [
+        load_transformer(files["F32"], dtype="float32", device="cpu", shard=shard_for(r, tp), tp=tp)
+        for r in range(tp)
+    ]
+    assert shards[0].partial_sums and shards[0].config.n_heads == 2
+    assert shards[0].config.n_kv_heads == 1 and shards[0].config.ffn_dim == 64
+    caches = [KVCache.allocate(m.config, 2, 32, torch.float32, "cpu") for m in shards]
+    ref = SingleRunner(whole, slots=2, context=32)
+    ids = torch.tensor([prompt(7, 3)])
+    with torch.inference_mode():
+        got = run_lockstep(
+            [
+                m.forward_steps(ids, torch.tensor([0]), torch.tensor([1]), c, all_logits=True)
+                for m, c in zip(shards, caches, strict=True)
+            ]
+        )
+        # then a decode row on top of the cached prefix
+        nxt = run_lockstep(
+            [
+                m.forward_steps(torch.tensor([[5]]), torch.tensor([7]), torch.tensor([1]), c)
+                for m, c in zip(shards, caches, strict=True)
+            ]
+        )
+    want = ref.forward(ids, torch.tensor([0]), torch.tensor([1]), all_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    want_next = ref.forward(torch.tensor([[5]]), torch.tensor([7]), torch.tensor([1]))
+    torch.testing.assert_close(nxt, want_next, rtol=1e-4, atol=1e-4)
+
+
+def test_unsharded_model_never_yields(files: dict[str, Path]) -> None:
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    kv = KVCache.allocate(model.config, 1, 8, torch.float32, "cpu")
+    gen = model.forward_steps(torch.tensor([[4, 5]]), torch.tensor([0]), torch.tensor([0]), kv)
+    with pytest.raises(StopIteration) as done, torch.inference_mode():
+        next(gen)
+    assert done.value.value.shape == (1, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "auto"])
+def test_other_dtypes_track_float32(files: dict[str, Path], dtype: str) -> None:
+    ids = torch.tensor([prompt(12, 4)])
+    ref = SingleRunner(
+        load_transformer(files["Q4_1"], dtype="float32", device="cpu"), slots=1, context=16
+    )
+    model = load_transformer(files["Q4_1"], dtype=dtype, device="cpu")
+    runner = SingleRunner(model, slots=1, context=16)
+    want = ref.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
+    got = runner.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
+    assert got.dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() > 0.99, cos
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+def test_runner_protocol_and_kv_bytes(files: dict[str, Path]) -> None:
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    runner: Runner = SingleRunner(model, slots=9, context=40)
+    assert runner.slots == 9 and runner.context == 40 and runner.device == torch.device("cpu")
+    c = model.config
+    assert isinstance(runner, SingleRunner)
+    expected = 2 * c.n_layers * 9 * c.n_kv_heads * 40 * c.head_dim * 4
+    assert runner.kv.nbytes == expected == KVCache.bytes_needed(c, 9, 40, torch.float32)
+    bf = SingleRunner(model, slots=2, context=8, kv_dtype=torch.bfloat16)
+    assert bf.kv.nbytes == KVCache.bytes_needed(c, 2, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
+def test_estimate_model_bytes_is_close(files: dict[str, Path], dtype: str) -> None:
+    model = load_transformer(files["Q4_1"], dtype=dtype, device="cpu")
+    seen: set[int] = set()
+    weights = 0
+    for name, buf in model.named_buffers():
+        if name.startswith("rope_") or buf.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(buf.untyped_storage().data_ptr())
+        weights += buf.untyped_storage().nbytes()
+    kv = KVCache.bytes_needed(model.config, 3, 64, model.act_dtype)
+    est = estimate_model_bytes(files["Q4_1"], dtype, 64, 3, device="cpu")
+    assert 0.9 * (weights + kv) <= est <= 1.1 * (weights + kv)
+
+
+def test_rows_past_context_and_bad_batches_are_refused(files: dict[str, Path]) -> None:
+    runner = SingleRunner(
+        load_transformer(files["F32"], dtype="float32", device="cpu"), slots=2, context=8
+    )
+    with pytest.raises(ValueError, match="context"):
+        runner.forward(torch.tensor([[1] * 5]), torch.tensor([4]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="decode rows"):
+        runner.forward(torch.tensor([[1, 2], [3, 4]]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+
+
+def test_gguf_file_object_is_accepted(files: dict[str, Path]) -> None:
+    with GGUFFile(files["F32"]) as gf:
+        model = load_transformer(gf, dtype="float32", device="cpu")
+    assert model.config == gf.config and model.config.tied_output
