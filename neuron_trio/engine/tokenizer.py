@@ -192,8 +192,9 @@ class Tokenizer:
         The pre-tokenizer follows llama.cpp's meaning of `tokenizer.ggml.pre`, which is also the
         model's original `tokenizer.json`. transformers' GGUF loader knows fewer names and falls
         back to plain GPT-2 splitting: for "smollm" (digits split alone first, as StarCoder does)
-        the two differ only where whitespace or a sign meets a digit, e.g. "a  12" is
-        ["a", "ĠĠ", "1", "2"] here and ["a", "Ġ", "Ġ", "1", "2"] there.
+        the two differ only around digits, e.g. "a  12" is ["a", "ĠĠ", "1", "2"] here and
+        ["a", "Ġ", "Ġ", "1", "2"] there (on 1000 random texts: 923 identical, every difference
+        at a digit; with pre="gpt2", 1000 identical). Tests measure both.
         """
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
@@ -227,10 +228,12 @@ class Tokenizer:
         if added:
             backend.add_special_tokens([t for t in added if t.special])
             backend.add_tokens([t for t in added if not t.special])
-        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+        # Fewer entries is fine (a token spelled twice: encoding uses its first id). More would
+        # mean an added token got an id past the model's vocabulary.
+        if backend.get_vocab_size(with_added_tokens=True) > len(tokens):
             raise UnsupportedModelError(
                 f"tokenizer vocabulary of {len(tokens)} tokens rebuilt with "
-                f"{backend.get_vocab_size(with_added_tokens=True)} entries (duplicate tokens?)"
+                f"{backend.get_vocab_size(with_added_tokens=True)} entries"
             )
 
         def opt_id(key: str) -> int | None:

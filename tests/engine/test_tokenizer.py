@@ -458,3 +458,15 @@ def test_builtin_random_texts(builtin_path: Path, smol: Tokenizer, hf_tok) -> No
         if not any(c.isnumeric() for c in text):
             assert ours == theirs, text
         assert smol.decode(ours, skip_special_tokens=False) == text
+
+
+def test_a_token_spelled_twice_keeps_the_vocabulary_size() -> None:
+    md: dict[str, Any] = tiny_metadata()
+    tokens = [*md["tokenizer.ggml.tokens"], "hello"]  # a second "hello", as some files have
+    md["tokenizer.ggml.tokens"] = tokens
+    md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], TOKEN_NORMAL]
+    tok = Tokenizer.from_metadata(md)
+    assert tok.vocab_size == len(tokens)
+    first = tokens.index("hello")
+    assert tok.encode("hello", add_special_tokens=False) == [first]
+    assert tok.decode([len(tokens) - 1]) == "hello"
