@@ -41,6 +41,7 @@ from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread
 WARM_UP_MIN_S = 120.0  # the least time a model's first (warm-up) forward gets
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
 
@@ -343,15 +344,28 @@ class ModelActor:
             f"model {self.name!r} is {state}", code=f"model_{state}", retry_after_s=5
         )
 
-    def _encode(self, job: GenerationJob) -> tuple[list[int], bool]:
+    async def _encode(self, job: GenerationJob) -> tuple[list[int], bool]:
+        """Token ids and the chat flag of `job`; RequestError (400) if it cannot run.
+
+        Tokenizing touches only the tokenizer and template (never the engine's state), so it
+        may run beside a step. Small prompts run on the trio thread (microseconds); long
+        ones on a worker thread, so that /health never waits behind a 1 MB prompt.
+        """
         assert self.executor is not None
         engine: EngineLike = self.executor.engine
-        try:
+        size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
+
+        def encode() -> tuple[list[int], bool]:
             if job.messages is not None:
                 messages = [{"role": m.role, "content": m.content} for m in job.messages]
-                ids, chat = engine.encode_prompt(engine.render_chat(messages), chat=True), True
+                return engine.encode_prompt(engine.render_chat(messages), chat=True), True
+            return engine.encode_prompt(job.prompt or "", chat=False), False
+
+        try:
+            if size > INLINE_ENCODE_CHARS:
+                ids, chat = await trio.to_thread.run_sync(encode, abandon_on_cancel=True)
             else:
-                ids, chat = engine.encode_prompt(job.prompt or "", chat=False), False
+                ids, chat = encode()
             engine.validate(ids, job.params)
         except RequestError:
             self._count("rejected_invalid")
@@ -371,7 +385,8 @@ class ModelActor:
         the next step boundary (or drops it from the queue at once).
         """
         self._refuse_unless_accepting()
-        ids, chat = self._encode(job)
+        ids, chat = await self._encode(job)
+        self._refuse_unless_accepting()  # the state may have changed while encoding
         if len(self._queue) >= self._queue_capacity():
             self._count("rejected_queue_full")
             raise QueueFullError(
@@ -598,6 +613,7 @@ class ModelActor:
             if self._stopping and self._engine_idle:
                 return  # consumers may still read their last events: they need no engine
             self._admit(engine)
+            self._engine_stats = engine.statistics()  # slots freed by cancels show at once
             if not engine.has_work:
                 for request in list(self._active.values()):  # the engine dropped it silently
                     request.stream.fail(UnavailableError("the engine dropped the sequence"))

@@ -406,9 +406,21 @@ def test_a_consumer_that_leaves_frees_its_slot_at_the_next_step() -> None:
         assert h.engine.cancelled == [1]
         assert waiter["done"] and waiter["error"] is None and len(waiter["events"]) == 2
         assert h.actor.idle and h.engine.free_slots == 1
+        assert h.actor.info()["slots_in_use"] == 0
+        assert h.metric("neuron_model_kv_slots_in_use") == 0
         assert h.metric("neuron_model_requests_total", outcome="cancelled") == 1
 
     run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_a_lone_consumer_that_leaves_shows_its_slot_free() -> None:
+    async def test(h: Harness) -> None:
+        r = h.consume(job(max_tokens=50), leave_after=1)
+        await settle()
+        assert r["done"] and h.engine.cancelled == [1] and not h.engine.has_work
+        assert h.actor.info()["slots_in_use"] == 0 and h.actor.idle
+
+    run_actor(test)
 
 
 def test_a_queued_consumer_that_leaves_is_never_admitted() -> None:
