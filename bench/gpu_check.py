@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 RESULTS: dict[str, Any] = {}
+ARGS = argparse.Namespace(tokens=128)
 FAILED: list[str] = []
 
 
@@ -287,7 +288,7 @@ def _both_logits(a: Any, b: Any, prompt: list[int]) -> tuple[torch.Tensor, torch
     return _last_logits(a, prompt), _last_logits(b, prompt)
 
 
-def model_phase(devices: list[torch.device] | None, dtype: str) -> None:
+def model_phase(base: torch.device, devices: list[torch.device] | None, dtype: str) -> None:
     from neuron_trio.config import ModelConfig
     from neuron_trio.engine.builtin import builtin_model_path
     from neuron_trio.parallel.executor import build_executor
@@ -309,12 +310,12 @@ def model_phase(devices: list[torch.device] | None, dtype: str) -> None:
             context=1024,
         )
 
-    cuda0 = [torch.device("cuda", 0)]
+    cuda0 = [base]
     ex1 = bounded("model.tp1.load", lambda: build_executor(spec(1, dtype, 8), path, cuda0), 180)
     if ex1 is None:
         return
     prompts = [ex1.engine.encode_prompt(t, chat=False) for t in texts]
-    res = bounded("model.tp1.greedy", lambda: _greedy(ex1, prompts, 32), 60)
+    res = bounded("model.tp1.greedy", lambda: _greedy(ex1, prompts, min(32, ARGS.tokens)), 60)
     if res is None:
         return
     tokens1, _ = res
@@ -324,7 +325,9 @@ def model_phase(devices: list[torch.device] | None, dtype: str) -> None:
     for batch in (1, 8):
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         r = bounded(
-            f"model.tp1.decode_b{batch}", functools.partial(_greedy, ex1, batch_prompts, 128), 90
+            f"model.tp1.decode_b{batch}",
+            functools.partial(_greedy, ex1, batch_prompts, ARGS.tokens),
+            90,
         )
         if r is not None:
             speeds[f"tp1_b{batch}_tok_s"] = round(r[1], 1)
@@ -349,8 +352,12 @@ def model_phase(devices: list[torch.device] | None, dtype: str) -> None:
         if a is None:
             return
         diffs.append(float((a[0] - a[1]).abs().max()))
-    g1 = bounded("model.f32.tp1.greedy", lambda: _greedy(ref, prompts[:2], 16), 60)
-    g3 = bounded("model.f32.tp3.greedy", lambda: _greedy(ex3, prompts[:2], 16), 60)
+    g1 = bounded(
+        "model.f32.tp1.greedy", lambda: _greedy(ref, prompts[:2], min(16, ARGS.tokens)), 60
+    )
+    g3 = bounded(
+        "model.f32.tp3.greedy", lambda: _greedy(ex3, prompts[:2], min(16, ARGS.tokens)), 60
+    )
     if g1 is None or g3 is None:
         return
     same = g1[0] == g3[0]
@@ -367,7 +374,9 @@ def model_phase(devices: list[torch.device] | None, dtype: str) -> None:
     for batch in (1, 8):
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         r = bounded(
-            f"model.tp3.decode_b{batch}", functools.partial(_greedy, ex3d, batch_prompts, 128), 90
+            f"model.tp3.decode_b{batch}",
+            functools.partial(_greedy, ex3d, batch_prompts, ARGS.tokens),
+            90,
         )
         if r is not None:
             speeds[f"tp3_b{batch}_tok_s"] = round(r[1], 1)
@@ -382,10 +391,15 @@ def main() -> int:
         "--dtype", default="bfloat16", help="model dtype for speed (default bfloat16)"
     )
     parser.add_argument("--skip-model", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--cpu", action="store_true", help="dry-run the model phase on CPU")
+    parser.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence")
+    args = parser.parse_args(namespace=ARGS)
     started = time.monotonic()
     environment()
-    if not torch.cuda.is_available():
+    if args.cpu:  # a dry run of the model phase on this machine's CPU (in-process TP)
+        model_phase(torch.device("cpu"), [torch.device("cpu")] * 3, args.dtype)
+        code = 1 if FAILED else 0
+    elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check", flush=True)
         code = 2
     else:
@@ -393,7 +407,7 @@ def main() -> int:
         if devices is not None:
             abort_phase(devices)
         if not args.skip_model:
-            model_phase(devices, args.dtype)
+            model_phase(torch.device("cuda", 0), devices, args.dtype)
         code = 1 if FAILED else 0
     summary = {
         "ok": not FAILED,
