@@ -122,9 +122,11 @@ def builtin_path() -> Path:
 @pytest.mark.slow
 def test_builtin_template_matches_transformers(builtin_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
+    from neuron_trio.engine.gguf_file import GGUFFile
     from neuron_trio.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(builtin_path)
+    with GGUFFile(builtin_path) as gf:
+        tok = Tokenizer.from_metadata(gf.metadata)
     hf = transformers.AutoTokenizer.from_pretrained(
         str(builtin_path.parent), gguf_file=builtin_path.name
     )
