@@ -47,7 +47,9 @@ class SamplingState:
         self.prompt_ids = tuple(int(t) for t in prompt_ids)
         self.output_ids: list[int] = []
         self.output_counts: dict[int, int] = {}
-        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        # any integer is a seed (OpenAI puts no range on it); torch takes 64 bits
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.seed = seed & 0xFFFF_FFFF_FFFF_FFFF
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_unique: dict[torch.device, torch.Tensor] = {}
 

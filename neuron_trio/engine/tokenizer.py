@@ -304,7 +304,8 @@ class Tokenizer:
     def ids_to_bytes(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> bytes:
         special = self.special_ids if skip_special_tokens else frozenset()
         tb = self.token_bytes
-        return b"".join(tb[i] for i in ids if i not in special)
+        n = len(tb)
+        return b"".join(tb[i] for i in ids if i not in special and 0 <= i < n)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
@@ -318,6 +319,8 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text for logprobs; a token that is not valid UTF-8 on its own is shown as
         OpenAI does, e.g. "bytes:\\xe2\\x80"."""
+        if not 0 <= token_id < len(self.token_bytes):
+            return ""  # a padded row of the model's output, past the vocabulary
         raw = self.token_bytes[token_id]
         try:
             return raw.decode("utf-8")
@@ -461,9 +464,10 @@ class IncrementalDetokenizer:
         self._strip_pending = tokenizer.strip_leading_space and not prompt_ids
 
     def push(self, token_id: int) -> str:
-        if token_id in self._skip:
+        token_bytes = self._tokenizer.token_bytes
+        if token_id in self._skip or not 0 <= token_id < len(token_bytes):
             return ""
-        out = self._decoder.decode(self._tokenizer.token_bytes[token_id])
+        out = self._decoder.decode(token_bytes[token_id])
         return self._emit(out)
 
     def flush(self) -> str:

@@ -134,6 +134,9 @@ def test_seed_reproducible_whatever_the_batch() -> None:
     assert alone == in_batch
     other_seed = _run(SamplingState(params(seed=4321)), logits, 20)
     assert other_seed != alone
+    huge = _run(SamplingState(params(seed=2**70 + 1234)), logits, 20)  # any int is a seed
+    assert huge == _run(SamplingState(params(seed=2**70 + 1234)), logits, 20)
+    assert _run(SamplingState(params(seed=-1)), logits, 3)
     unseeded = [_run(SamplingState(params()), logits, 20) for _ in range(2)]
     assert unseeded[0] != unseeded[1]
 

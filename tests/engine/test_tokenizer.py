@@ -100,6 +100,8 @@ def test_token_text_shows_invalid_utf8_as_bytes(tiny: Tokenizer) -> None:
     assert tiny.token_text(tiny.token_to_id("hello") or -1) == "hello"
     assert tiny.token_text(3 + ord(" ")) == " "
     assert tiny.token_text(2) == "<|im_end|>"
+    assert tiny.token_text(tiny.vocab_size) == ""  # past the vocabulary (a padded logits row)
+    assert tiny.decode([tiny.vocab_size, 3 + ord("a")]) == "a"
 
 
 def test_incremental_detokenizer_never_splits_a_character(tiny: Tokenizer) -> None:
