@@ -179,10 +179,14 @@ class Sampler:
         use_top_k = any(k < vocab for k in top_k)
         use_top_p = any(p < 1.0 for p in top_p)
         if use_top_k and not use_top_p:
-            # no sort needed: the k-th best value of each row is the cut (ties stay in)
-            kth = x.topk(max(top_k), dim=-1).values
-            ks = torch.tensor(top_k, device=device).clamp(max=kth.shape[-1])
-            x = x.masked_fill(x < kth.gather(1, ks[:, None] - 1), neg_inf)
+            # no sort needed: the k-th best value of each row is the cut (ties stay in); rows
+            # without top-k get a cut of -inf (their neighbours' k never widens to the vocabulary)
+            on = [i for i in range(b) if top_k[i] < vocab]
+            ks = torch.tensor([top_k[i] for i in on], device=device)
+            kth = x[on].topk(int(ks.max()), dim=-1).values.gather(1, ks[:, None] - 1)
+            cut = torch.full((b, 1), float("-inf"), dtype=x.dtype, device=device)
+            cut[on] = kth
+            x = x.masked_fill(x < cut, neg_inf)
         elif use_top_p:
             need = [i for i in range(b) if top_k[i] < vocab or top_p[i] < 1.0]
             sub_k = [top_k[i] for i in need]

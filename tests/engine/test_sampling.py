@@ -113,6 +113,10 @@ def test_off_values_leave_the_distribution_unchanged() -> None:
     out = Sampler._filtered_probs(x, mixed)
     assert torch.equal(out[1], x[1].softmax(dim=-1))
     assert (out[0] > 0).sum() == 5
+    # top-k alone (no top-p in the batch): the same
+    out = Sampler._filtered_probs(x, [params(), params(top_k=3), params(top_k=7)])
+    assert torch.equal(out[0], x[0].softmax(dim=-1))
+    assert [int((r > 0).sum()) for r in out[1:]] == [3, 7]
 
 
 def _run(state: SamplingState, logits: torch.Tensor, steps: int, batch_with: int = 0) -> list[int]:
