@@ -306,18 +306,20 @@ def test_metrics_count_requests_by_route_template_and_status() -> None:
     run(body)
 
 
+@pytest.mark.parametrize("http2", [True, False])
 @pytest.mark.parametrize("path", ["/nope", "/v1/chat/completions", "/health"])
-def test_http2_early_response_with_unread_body_keeps_the_server_up(
-    tmp_path: Path, path: str
+def test_early_response_with_unread_body_keeps_the_server_up(
+    tmp_path: Path, path: str, http2: bool
 ) -> None:
-    """hypercorn dies on DATA for an ended stream; the middleware reads the body out first."""
+    """hypercorn dies on HTTP/2 DATA for an ended stream; the middleware reads the body out first."""
     key_file = tmp_path / "api-key"
     key_file.write_text("k\n")
 
     async def body() -> None:
         config = make_config(api_key_file=str(key_file), max_body_bytes=10_000_000)
         big = b"x" * 300_000
-        async with serving(FakeNode(), config) as srv, h2_client(srv.url) as client:
+        make = h2_client if http2 else h1_client
+        async with serving(FakeNode(), config) as srv, make(srv.url) as client:
             for _ in range(3):
                 r = await client.post(path, content=_chunks(big, 16_384))
                 assert r.status_code in (401, 404, 405)
