@@ -269,8 +269,12 @@ class Node:
     async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
         """See NodeService.generate."""
         actor = self._actors.get(job.model)
-        if actor is None or actor.state in ("loading", "unloaded"):
+        if actor is None or actor.state == "unloaded":
             raise ModelNotFoundError(job.model)
+        if actor.state == "loading":
+            raise UnavailableError(
+                f"model {job.model!r} is loading", code="model_loading", retry_after_s=10
+            )
         if self._draining:
             raise UnavailableError("the node is draining", code="draining", retry_after_s=5)
         async with actor.generate(job) as events:

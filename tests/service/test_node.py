@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,6 +246,48 @@ def test_run_time_load_conflicts_and_unload(tmp_path: Path) -> None:
         with pytest.raises(ModelNotFoundError):
             async with node.generate(job("b")):
                 pass
+
+    run_world(tmp_path, test)
+
+
+def test_a_model_being_loaded_answers_503_and_is_not_listed(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        node = w.node(make_config(tmp_path))
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        entered = trio.Event()
+        proceed = threading.Event()
+        factory = w.factory
+
+        def slow_factory(spec: ModelConfig, *args: Any, **kw: Any) -> FakeExecutor:
+            trio.from_thread.run_sync(entered.set)
+            proceed.wait()
+            return factory(spec, *args, **kw)
+
+        w.factory = slow_factory  # type: ignore[method-assign]
+        node._factory = slow_factory
+        loaded: list[dict[str, Any]] = []
+        done = trio.Event()
+
+        async def load() -> None:
+            loaded.append(await node.load_model(ModelConfig(name="slow", source="b.gguf")))
+            done.set()
+
+        w.nursery.start_soon(load)
+        await entered.wait()
+        assert node.models["slow"].state == "loading"
+        assert node.health().status == "ok"
+        assert [m.name for m in node.list_models()] == ["a"]
+        with pytest.raises(UnavailableError, match="loading") as info:
+            async with node.generate(job("slow")):
+                pass
+        assert info.value.code == "model_loading"
+        with pytest.raises(ModelExistsError):
+            await node.load_model(ModelConfig(name="slow", source="a.gguf"))
+        proceed.set()
+        await done.wait()
+        assert loaded[0]["state"] == "serving"
+        assert await collect(node, job("slow")) == ["x", "x"]
 
     run_world(tmp_path, test)
 
