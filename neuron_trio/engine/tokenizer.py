@@ -70,8 +70,12 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "pixtral": (_LLAMA3,),
     "dbrx": (_LLAMA3,),
     "smaug-bpe": (_LLAMA3,),
+    # "smollm" is split as transformers' GGUF loader splits it (plain GPT-2), because token
+    # counts must equal transformers' for the same file: a router's accounting and the
+    # parity references use it. llama.cpp's recipe (digits alone first) is "smollm-digits".
+    "smollm": (_GPT2,),
     # LLAMA_VOCAB_PRE_TYPE_STARCODER and friends: every digit alone, then the GPT-2 regex
-    "smollm": (r"\p{N}", _GPT2),
+    "smollm-digits": (r"\p{N}", _GPT2),
     "starcoder": (r"\p{N}", _GPT2),
     "refact": (r"\p{N}", _GPT2),
     "command-r": (r"\p{N}", _GPT2),
@@ -189,12 +193,12 @@ class Tokenizer:
     def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata as plain values (keys as in the file: `tokenizer.ggml.tokens`...).
 
-        The pre-tokenizer follows llama.cpp's meaning of `tokenizer.ggml.pre`, which is also the
-        model's original `tokenizer.json`. transformers' GGUF loader knows fewer names and falls
-        back to plain GPT-2 splitting: for "smollm" (digits split alone first, as StarCoder does)
-        the two differ only around digits, e.g. "a  12" is ["a", "ĠĠ", "1", "2"] here and
-        ["a", "Ġ", "Ġ", "1", "2"] there (on 1000 random texts: 923 identical, every difference
-        at a digit; with pre="gpt2", 1000 identical). Tests measure both.
+        The pre-tokenizer follows llama.cpp's meaning of `tokenizer.ggml.pre`, except "smollm",
+        which is split as transformers' GGUF loader splits it (plain GPT-2) so that token counts
+        equal transformers' for the same file; llama.cpp's digits-first recipe for it (also the
+        model's original `tokenizer.json`) is pre="smollm-digits". The two differ only around
+        digits: "a  12" is ["a", "Ġ", "Ġ", "1", "2"] by default, ["a", "ĠĠ", "1", "2"] with
+        smollm-digits (on 1000 random texts: 923 identical, every difference at a digit).
         """
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
