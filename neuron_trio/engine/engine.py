@@ -58,9 +58,9 @@ class Engine:
         self.vocab_size = runner.config.vocab_size
         self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.sampler = Sampler(token_text=tokenizer.token_text)
-        if chat_template is None:
+        if chat_template is None or isinstance(chat_template, str):
             chat_template = ChatTemplate(
-                getattr(tokenizer, "chat_template", None),
+                chat_template or getattr(tokenizer, "chat_template", None),
                 bos_token=_token_text(tokenizer, tokenizer.bos_id),
                 eos_token=_token_text(tokenizer, tokenizer.eos_id),
             )
@@ -68,6 +68,7 @@ class Engine:
         self._eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
         self._end_of_turn_ids = frozenset(end_of_turn_ids(tokenizer)) | self._eos_ids
         self._ids = itertools.count(1)
+        self._epoch = 0  # bumped by cancel_all: a step that was in flight then is void
         self._steps = 0
         self._prompt_tokens_total = 0
         self._generated_tokens_total = 0
@@ -166,6 +167,7 @@ class Engine:
 
     def cancel_all(self) -> list[int]:
         """Drop every sequence (after a wedge); the ids dropped."""
+        self._epoch += 1
         dropped = self.scheduler.release_all()
         for seq in dropped:
             seq.finish_reason = "cancelled"
@@ -198,6 +200,7 @@ class Engine:
         A sequence whose prompt is complete gets its first token in the same step. Finished
         sequences give their slot back before this returns.
         """
+        epoch = self._epoch
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -228,12 +231,20 @@ class Engine:
                 results = self.sampler.sample(batch, [s.sampling for s in rows])
         # The forwards returned: only now is any sequence's state advanced.
         self._steps += 1
+        if epoch != self._epoch:
+            # cancel_all ran while this step was in flight (a wedged step that came back late):
+            # its sequences are gone and their slots may already hold new ones.
+            return []
         if chunk is not None:
             chunk.seq.prefilled = chunk.end
             self._prompt_tokens_total += chunk.end - chunk.start
             if chunk.is_last:
                 chunk.seq.status = SequenceStatus.DECODING
-        return [self._accept(seq, result) for seq, result in zip(rows, results, strict=True)]
+        return [
+            self._accept(seq, result)
+            for seq, result in zip(rows, results, strict=True)
+            if not seq.is_finished  # cancelled while the step ran
+        ]
 
     def _accept(self, seq: Sequence, result: Any) -> SequenceEvent:
         token = int(result.token_id)

@@ -406,3 +406,21 @@ def test_probe_uses_the_scratch_row_only() -> None:
 def test_encode_prompt_adds_bos_once() -> None:
     engine, _ = _engine()
     assert engine.encode_prompt("the cat", chat=False) == [BOS, TOKEN[" the"], TOKEN[" cat"]]
+
+
+def test_a_step_in_flight_during_cancel_all_is_void() -> None:
+    engine, runner = _engine(max_batch=2, prefill_chunk=8)
+    engine.add(_prompt(3), GREEDY, chat=False)
+    engine.step()
+    inner = runner.forward
+
+    def wedged_then_back(*args, **kwargs):
+        engine.cancel_all()  # the watchdog gave up on this step meanwhile
+        return inner(*args, **kwargs)
+
+    runner.forward = wedged_then_back  # type: ignore[method-assign]
+    assert engine.step() == []
+    runner.forward = inner  # type: ignore[method-assign]
+    assert engine.free_slots == 2
+    seq_id = engine.add(_prompt(4, 1), GREEDY, chat=False)
+    assert [t for e in _run(engine)[seq_id] for t in e.token_ids] == _alone(_prompt(4, 1), GREEDY)
