@@ -59,6 +59,11 @@ class TPRunner:
             KVCache.allocate(m.config, slots, context, _dtype_of(m), d)
             for m, d in zip(models, self.devices, strict=True)
         ]
+        for model in models[1:]:
+            # Only rank 0's logits come back: the other ranks skip the (replicated) output
+            # head, a vocabulary-sized matrix-vector product each per token.
+            if isinstance(getattr(model, "output", None), torch.nn.Module):
+                model.output = _NoLogits()
         for model in models:
             init_rope = getattr(model, "init_rope", None)
             if init_rope is not None:
@@ -129,6 +134,13 @@ class TPRunner:
             raise CommAbortedError("communicator aborted during the step")
         self.steps += 1
         return results[0]
+
+
+class _NoLogits(torch.nn.Module):
+    """The output head of ranks whose logits are discarded: `[..., dim]` -> `[..., 0]`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], 0)
 
 
 def _device_of(model: Any) -> torch.device:
