@@ -1,7 +1,7 @@
 """End-to-end wedge drills: a real `neuron serve` subprocess on the CPU, failpoints on.
 
 The built-in model at tp = 3 (in-process communicator) or tp = 1, with short deadlines
-(step_timeout_s = 5, abort_deadline_s = 4). Each drill either ends in exit 70 with the
+(step_timeout_s = 10, abort_deadline_s = 5). Each drill either ends in exit 70 with the
 forensics written, or in a node that serves again; never in a live process serving nothing.
 
 Real time is unavoidable with a subprocess: every wait below is a bounded polling loop.
@@ -27,9 +27,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = "drill"
-STEP_S = 5.0  # generous: 2 shared cores, a tp = 3 step must not time out by accident
-ABORT_S = 4.0
-READY_S = 180.0  # start-up on 2 shared cores, tp = 3: the contract is 60 s for tp = 1
+STEP_S = 10.0  # generous: on 2 shared, busy cores a tp = 3 step must not time out by accident
+ABORT_S = 5.0
+READY_S = 360.0  # start-up on 2 shared, busy cores at tp = 3 (the contract: 60 s, tp = 1, idle)
 EXIT_SLACK_S = 10.0  # "within step timeout + abort deadline + a few seconds"
 RECOVER_SLACK_S = 30.0
 
