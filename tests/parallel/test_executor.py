@@ -125,3 +125,14 @@ def test_engine_step_error(tiny: Path) -> None:
     with pytest.raises(FailpointError):
         executor.step()
     assert executor.step() == []  # fired once; nothing to do
+
+
+def test_rank_devices_and_communicator_kinds() -> None:
+    from neuron_trio.parallel.executor import _rank_devices, make_comm_factory
+
+    assert _rank_devices(CPU, 3) == CPU * 3
+    with pytest.raises(ConfigError):
+        _rank_devices(CPU * 2, 3)
+    assert isinstance(make_comm_factory(CPU * 3)(), InProcessCommunicator)
+    with pytest.raises(ConfigError, match="mixed"):
+        make_comm_factory([torch.device("cpu"), torch.device("cuda", 0)])

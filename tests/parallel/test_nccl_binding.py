@@ -130,3 +130,25 @@ def test_abort_and_destroy_of_a_null_comm_return() -> None:
 def test_init_needs_cuda_devices() -> None:
     with pytest.raises(CommError, match="CUDA"):
         NcclCommunicator.init_all([torch.device("cpu")])
+
+
+def test_describe_says_why_when_no_library_loads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(nccl_lib, "_library", None)
+    monkeypatch.setenv(nccl_lib.ENV_VAR, str(tmp_path / "missing" / "libnccl.so.2"))
+    status = nccl_lib.nccl_status()
+    assert set(status) == {"error"}
+    assert "no such file" in str(status["error"])
+    with pytest.raises(NcclError):
+        nccl_lib.load_nccl()
+
+
+def test_a_file_that_is_not_nccl_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bogus = tmp_path / "libnccl.so.2"
+    bogus.write_bytes(b"not a shared object")
+    monkeypatch.setattr(nccl_lib, "_library", None)
+    monkeypatch.setenv(nccl_lib.ENV_VAR, str(bogus))
+    assert "error" in nccl_lib.describe()
