@@ -21,11 +21,14 @@ from typing import Any
 import torch
 
 from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
+from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.loader import SingleRunner, load_transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.textgen import TextPipeline
+from neuron_trio.engine.tokenizer import Tokenizer
 from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
 from neuron_trio.errors import ContextLengthError, RequestError
 
@@ -79,17 +82,18 @@ class Engine:
         path: str | Path,
         *,
         dtype: str = "auto",
-        device: torch.device | None = None,
+        device: torch.device | str = "cpu",
         max_batch: int = 8,
         context: int = 4096,
         prefill_chunk: int = 256,
     ) -> Engine:
-        """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template."""
-        from neuron_trio.engine.loader import SingleRunner, load_transformer
-        from neuron_trio.engine.tokenizer import Tokenizer
+        """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
-        device = torch.device("cpu") if device is None else device
-        model = load_transformer(path, dtype=dtype, device=device)
+        `context` (tokens per slot) is capped at the context the model was trained for.
+        """
+        gguf_file = GGUFFile(path)
+        context = min(context, gguf_file.config.context_length)
+        model = load_transformer(gguf_file, dtype=dtype, device=torch.device(device))
         runner = SingleRunner(model, slots=max_batch + 1, context=context)
         tokenizer = Tokenizer.from_gguf(path)
         return cls(
