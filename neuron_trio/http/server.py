@@ -20,6 +20,7 @@ from hypercorn.trio import serve
 from starlette.types import ASGIApp
 
 from neuron_trio.config import NeuronConfig
+from neuron_trio.http._hypercorn_fixes import apply_hypercorn_fixes
 
 __all__ = ["BoundAddress", "hypercorn_config", "serve_http"]
 
@@ -89,6 +90,7 @@ async def serve_http(
     responses in flight get `server.drain_timeout_s` to finish before they are cut.
     Raises OSError if an address cannot be bound.
     """
+    apply_hypercorn_fixes()
     hc = hypercorn_config(config)
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(

@@ -98,6 +98,7 @@ class RawH2:
         self.authority = authority
         self.conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
         self.data: dict[int, bytearray] = {}
+        self.ended: set[int] = set()
 
     @classmethod
     @asynccontextmanager
@@ -127,20 +128,29 @@ class RawH2:
         await self.flush()
         return sid
 
-    async def read_until_data(self, sid: int) -> bytes:
-        """Receive until stream `sid` has some response body."""
+    async def _receive(self) -> None:
         import h2.events
 
+        raw = await self.stream.receive_some(65536)
+        assert raw, "connection closed"
+        for event in self.conn.receive_data(raw):
+            if isinstance(event, h2.events.DataReceived):
+                self.data.setdefault(event.stream_id, bytearray()).extend(event.data)
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                self.ended.add(event.stream_id)
+        await self.flush()
+
+    async def read_until_data(self, sid: int) -> bytes:
+        """Receive until stream `sid` has some response body."""
         while not self.data[sid]:
-            raw = await self.stream.receive_some(65536)
-            assert raw, "connection closed"
-            for event in self.conn.receive_data(raw):
-                if isinstance(event, h2.events.DataReceived):
-                    self.data.setdefault(event.stream_id, bytearray()).extend(event.data)
-                    self.conn.acknowledge_received_data(
-                        event.flow_controlled_length, event.stream_id
-                    )
-            await self.flush()
+            await self._receive()
+        return bytes(self.data[sid])
+
+    async def read_until_ended(self, sid: int) -> bytes:
+        """Receive until stream `sid` has ended; its whole response body."""
+        while sid not in self.ended:
+            await self._receive()
         return bytes(self.data[sid])
 
     async def reset(self, sid: int) -> None:
