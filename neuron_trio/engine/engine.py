@@ -271,7 +271,8 @@ class Engine:
                 event.finish_reason = "stop"
             elif seq.num_output >= params.max_tokens:
                 event.text += seq.text.finish()
-                event.finish_reason = "length"
+                # the held-back tail may still complete a stop string as the text is flushed
+                event.finish_reason = "stop" if seq.text.stopped else "length"
         if event.finish_reason is not None:
             seq.finish_reason = event.finish_reason
             self.scheduler.release(seq)

@@ -424,3 +424,13 @@ def test_a_step_in_flight_during_cancel_all_is_void() -> None:
     assert engine.free_slots == 2
     seq_id = engine.add(_prompt(4, 1), GREEDY, chat=False)
     assert [t for e in _run(engine)[seq_id] for t in e.token_ids] == _alone(_prompt(4, 1), GREEDY)
+
+
+def test_text_held_back_for_a_stop_string_comes_out_at_the_end() -> None:
+    words = [TOKEN[" the"], TOKEN[" cat"]]
+    engine, _ = _engine(rule=_scripted(3, words))
+    params = SamplingParams(temperature=0.0, max_tokens=2, stop=(" catX",))
+    seq_id = engine.add(_prompt(3), params, chat=False)
+    events = _run(engine)[seq_id]
+    assert [e.text for e in events] == [" the", " cat"]
+    assert events[-1].finish_reason == "length"
