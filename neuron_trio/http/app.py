@@ -33,6 +33,7 @@ from neuron_trio.http.generation import ClientGone, SSEResponse, complete
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
 from neuron_trio.http.openai import (
+    ParsedRequest,
     decode_struct,
     error_body,
     parse_chat_request,
@@ -208,7 +209,7 @@ class _Routes:
         parsed = parse_completion_request(await request.body())
         return await self._generate(request, parsed)
 
-    async def _generate(self, request: Request, parsed: Any) -> Response:
+    async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
         if parsed.stream:
             return SSEResponse(self.node, parsed)
         doc = await complete(self.node, parsed, request.receive)

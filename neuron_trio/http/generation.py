@@ -58,9 +58,11 @@ def _finish_error(t: Transcript) -> RequestError | None:
         return None
     if t.finish_reason == "cancelled":
         return UnavailableError("the node cancelled this request", code="cancelled")
-    if t.finish_reason is None:
-        return GenerationFailedError("the sequence ended without a finish reason")
-    return GenerationFailedError(t.error)
+    reason = (
+        t.error if t.finish_reason is not None else "the sequence ended without a finish reason"
+    )
+    log.warning("a sequence ended with %s: %s", t.finish_reason, reason)
+    return GenerationFailedError(reason)
 
 
 async def run_until_disconnect(
