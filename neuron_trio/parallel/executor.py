@@ -206,6 +206,8 @@ def build_executor(
             check_tp(config, tp)
         except ConfigError as exc:
             raise ConfigError(f"model {spec.name!r}: {exc}") from None
+        # Tokens per slot: at most what the model was trained for (as Engine.from_gguf does).
+        context = min(spec.context, config.context_length)
         models = [
             load_transformer(
                 gguf,
@@ -220,17 +222,17 @@ def build_executor(
     factory: CommFactory | None = None
     runner: Any
     if tp == 1:
-        runner = SingleRunner(models[0], slots=slots, context=spec.context)
+        runner = SingleRunner(models[0], slots=slots, context=context)
     else:
         factory = make_comm_factory(rank_devices, failpoints)
         comm = factory()
         try:
-            runner = TPRunner(models, comm, slots=slots, context=spec.context, config=config)
+            runner = TPRunner(models, comm, slots=slots, context=context, config=config)
         except BaseException:
             _destroy_quietly(comm)
             raise
     tokenizer = Tokenizer.from_gguf(model_path)
-    engine = Engine(runner, tokenizer, max_batch=spec.max_batch, context=spec.context)
+    engine = Engine(runner, tokenizer, max_batch=spec.max_batch, context=context)
     ranks: list[dict[str, object]] = [
         {"device": str(d), **shape}
         for d, shape in zip(rank_devices, rank_shapes(config, tp), strict=True)

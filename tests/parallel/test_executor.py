@@ -136,3 +136,12 @@ def test_rank_devices_and_communicator_kinds() -> None:
     assert isinstance(make_comm_factory(CPU * 3)(), InProcessCommunicator)
     with pytest.raises(ConfigError, match="mixed"):
         make_comm_factory([torch.device("cpu"), torch.device("cuda", 0)])
+
+
+def test_context_is_capped_at_the_models(tiny: Path) -> None:
+    spec = ModelConfig(
+        name="tiny", source="tiny.gguf", tp=3, dtype="float32", max_batch=1, context=1000
+    )
+    executor = build_executor(spec, tiny, CPU)
+    assert executor.engine.context == 256  # the tiny file's context_length
+    assert executor.runner.kv[0].context == 256
