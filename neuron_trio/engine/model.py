@@ -135,10 +135,16 @@ class Block(nn.Module):
         values = v_cache[read, :, :length]
         if keys.dim() == 3:
             keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=kv != h
-        )  # [B, H, T, D]
-        o = self.wo(o.transpose(1, 2).reshape(b, t, h * d))  # [B, T, dim]
+        if t == 1:
+            # Decode: the H / KV query heads of a group attend to the same keys, so they can
+            # stand in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the
+            # per-row mask [B, 1, 1, L] still broadcasts.
+            o = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), keys, values, mask)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=kv != h
+            )  # [B, H, T, D]
+        o = self.wo(o.transpose(1, 2).reshape(b, t, h * d) if t > 1 else o.reshape(b, 1, h * d))
         if partial:
             o = yield o
         x = x + o
