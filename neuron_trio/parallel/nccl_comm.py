@@ -97,12 +97,15 @@ class NcclCommunicator:
         self._failpoints.reach("tp.allreduce", until=self._aborted)
         if self._aborted.is_set():
             raise CommAbortedError("NCCL communicator was aborted during all_reduce")
+        # Check every rank before the group starts: a group with some ranks' collectives
+        # missing would wait for them for ever.
+        dtypes = [self._check_tensor(rank, t) for rank, t in enumerate(tensors)]
         lib = self.library
         try:
             lib.group_start()
             try:
-                for rank, t in enumerate(tensors):
-                    self._enqueue(rank, t)
+                for rank, (t, dtype) in enumerate(zip(tensors, dtypes, strict=True)):
+                    self._enqueue(rank, t, dtype)
             finally:
                 lib.group_end()
             if self._streams is not None:
@@ -114,7 +117,8 @@ class NcclCommunicator:
             raise
         self.all_reduces += 1
 
-    def _enqueue(self, rank: int, t: torch.Tensor) -> None:
+    def _check_tensor(self, rank: int, t: torch.Tensor) -> str:
+        """The NCCL type name of rank `rank`'s tensor; CommError if NCCL cannot take it."""
         if not t.is_contiguous():
             raise CommError(f"rank {rank}: all_reduce needs a contiguous tensor")
         if t.device != self.devices[rank]:
@@ -124,6 +128,9 @@ class NcclCommunicator:
         dtype = _TORCH_TO_NCCL.get(t.dtype)
         if dtype is None:
             raise CommError(f"NCCL cannot reduce {t.dtype}")
+        return dtype
+
+    def _enqueue(self, rank: int, t: torch.Tensor, dtype: str) -> None:
         if self._streams is None:
             stream = torch.cuda.current_stream(t.device)
         else:

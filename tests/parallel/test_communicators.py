@@ -180,3 +180,14 @@ def test_destroy_after_abort_does_not_touch_freed_handles() -> None:
     comm.destroy()  # no ncclCommDestroy on handles the abort freed
     assert comm.describe()["state"] == "aborted"
     assert comm.async_error() is None
+
+
+@needs_wheel
+def test_nccl_checks_every_rank_before_the_group_starts() -> None:
+    from neuron_trio.errors import CommError
+
+    comm, _ = _nccl_stub()
+    with pytest.raises(CommError, match="rank 0: tensor on cpu"):
+        comm.all_reduce([torch.ones(1)] * 3)  # CPU tensors: refused before any NCCL call
+    with pytest.raises(CommError, match="3 ranks"):
+        comm.all_reduce([torch.ones(1)] * 2)
