@@ -86,7 +86,7 @@ def _wheel_library() -> str | None:
 def find_library(environ: dict[str, str] | None = None) -> tuple[str, str]:
     """(path or soname, how it was found), by the resolution order above.
 
-    Raises NcclError-free FileNotFoundError naming every place looked at.
+    Raises FileNotFoundError naming every place looked at.
     """
     env = os.environ if environ is None else environ
     explicit = env.get(ENV_VAR, "").strip()
