@@ -29,11 +29,14 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(path: Path, *, max_batch: int = 8, prefill_chunk: int = 8) -> Engine:
-    engine = Engine.from_gguf(
-        path, dtype="float32", device=torch.device("cpu"), max_batch=max_batch, context=128
+    return Engine.from_gguf(
+        path,
+        dtype="float32",
+        device=torch.device("cpu"),
+        max_batch=max_batch,
+        context=128,
+        prefill_chunk=prefill_chunk,
     )
-    engine.scheduler.prefill_chunk = prefill_chunk
-    return engine
 
 
 def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
