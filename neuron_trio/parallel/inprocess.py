@@ -79,10 +79,10 @@ class InProcessCommunicator:
         if self._aborted.is_set():
             raise CommAbortedError("in-process communicator was aborted during all_reduce")
         # Summed in rank order on rank 0's device, in the tensors' dtype (as NCCL does).
-        total = tensors[0].clone()
+        total = tensors[0]
         for t in tensors[1:]:
             total.add_(t.to(total.device))
-        for t in tensors:
+        for t in tensors[1:]:
             t.copy_(total)
         self.all_reduces += 1
 
