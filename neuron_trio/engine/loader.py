@@ -70,8 +70,15 @@ def load_transformer(
     must then slice each weight for this rank. Raises ModelLoadError (UnsupportedModelError
     for an unsupported file) naming the file and the tensor.
     """
-    gf = source if isinstance(source, GGUFFile) else GGUFFile(source)
-    device = torch.device(device)
+    if isinstance(source, GGUFFile):
+        return _load(source, dtype, torch.device(device), shard, tp)
+    with GGUFFile(source) as gf:
+        return _load(gf, dtype, torch.device(device), shard, tp)
+
+
+def _load(
+    gf: GGUFFile, dtype: str, device: torch.device, shard: ShardFn | None, tp: int
+) -> Transformer:
     if tp > 1 and shard is None:
         raise ModelLoadError(f"tp = {tp} needs a shard function")
     scheme = resolve_dtype(dtype, device)
@@ -79,7 +86,7 @@ def load_transformer(
     full = gf.config
     local = full.shard(tp) if tp > 1 else full
     model = Transformer(local, partial_sums=tp > 1, act_dtype=act, residual_dtype=residual)
-    model.scheme = scheme  # type: ignore[assignment]
+    model.scheme = scheme
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         w = gf.weight(name)
@@ -196,7 +203,10 @@ def estimate_model_bytes(
 
     For the whole (unsharded) model; divide the sharded parts by tp for a rank's share.
     """
-    gf = path if isinstance(path, GGUFFile) else GGUFFile(Path(path))
+    if not isinstance(path, GGUFFile):
+        with GGUFFile(Path(path)) as gf:
+            return estimate_model_bytes(gf, dtype, context, slots, device=device)
+    gf = path
     c = gf.config
     scheme = resolve_dtype(dtype, torch.device(device))
     act, _ = _dtypes(scheme)

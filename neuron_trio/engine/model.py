@@ -135,6 +135,8 @@ class Block(nn.Module):
         values = v_cache[read, :, :length]
         if keys.dim() == 3:
             keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+        if keys.dtype != q.dtype:  # a KV cache kept in another dtype than the activations
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if t == 1:
             # Decode: the H / KV query heads of a group attend to the same keys, so they can
             # stand in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the
@@ -182,6 +184,7 @@ class Transformer(nn.Module):
         self.partial_sums = partial_sums
         self.act_dtype = act_dtype
         self.residual_dtype = residual_dtype
+        self.scheme = "float32"  # how the loader stored the weights (loader.resolve_dtype)
         self.register_buffer(
             "tok_embeddings", torch.empty(config.vocab_size, config.dim, device=META)
         )
