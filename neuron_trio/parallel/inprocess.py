@@ -79,10 +79,10 @@ class InProcessCommunicator:
         if self._aborted.is_set():
             raise CommAbortedError("in-process communicator was aborted during all_reduce")
         # Summed in rank order on rank 0's device, in the tensors' dtype (as NCCL does).
-        total = tensors[0]
+        total = tensors[0].clone()  # a copy: the same tensor may be passed for two ranks
         for t in tensors[1:]:
             total.add_(t.to(total.device))
-        for t in tensors[1:]:
+        for t in tensors:
             t.copy_(total)
         self.all_reduces += 1
 
