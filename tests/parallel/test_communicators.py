@@ -191,3 +191,10 @@ def test_nccl_checks_every_rank_before_the_group_starts() -> None:
         comm.all_reduce([torch.ones(1)] * 3)  # CPU tensors: refused before any NCCL call
     with pytest.raises(CommError, match="3 ranks"):
         comm.all_reduce([torch.ones(1)] * 2)
+
+
+def test_the_same_tensor_for_every_rank_sums_correctly() -> None:
+    comm, _ = _in_process()
+    t = torch.ones(2)
+    comm.all_reduce([t, t, t])
+    assert torch.equal(t, torch.full((2,), 3.0))
