@@ -1,6 +1,7 @@
 """Decode speed and load time of the engine vs Hugging Face transformers, same GGUF file.
 
     python bench/bench_decode.py [--tokens 64] [--dtype auto] [--batch 8] [--no-hf]
+    python bench/bench_decode.py --schemes   # one decode step: float32 vs bfloat16 vs auto
 
 Decode tokens/s is measured as (n - 1) / (time for n tokens - time for 1 token), which
 leaves out prompt processing, for our greedy decode at batch 1 (dtype `--dtype`, default
@@ -112,6 +113,30 @@ def time_ours_batch(runner: SingleRunner, prompt: Sequence[int], n: int, batch: 
     return batch * (n - 1) / (time.perf_counter() - t)
 
 
+def step_times(path: Path, schemes: Sequence[str], batches: Sequence[int]) -> None:
+    """Print the time of one decode step per dtype scheme and batch size (what "auto" picks)."""
+    for dtype in schemes:
+        model = load_transformer(path, dtype=dtype, device="cpu")
+        runner = SingleRunner(model, slots=max(batches) + 1, context=256)
+        prefix = [(11 * j) % model.config.vocab_size for j in range(32)]
+        for b in batches:
+            for s in range(b):
+                runner.forward(torch.tensor([prefix]), torch.tensor([0]), torch.tensor([s]))
+            tok = torch.zeros(b, 1, dtype=torch.int64)
+            slots = torch.arange(b)
+            times = []
+            for i in range(24):
+                t = time.perf_counter()
+                runner.forward(tok, torch.full((b,), 32 + i), slots)
+                times.append(time.perf_counter() - t)
+            med = sorted(times[4:])[len(times[4:]) // 2]
+            print(
+                f"step {dtype:>8} ({model.scheme}) batch {b}: {med * 1e3:6.1f} ms "
+                f"(median), {b / med:6.1f} tok/s"
+            )
+        del runner, model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
@@ -119,8 +144,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--agreement-tokens", type=int, default=48)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (speed only)")
+    ap.add_argument(
+        "--schemes", action="store_true", help="only: step time of float32/bfloat16/auto at 1, 8"
+    )
     args = ap.parse_args()
     path = builtin_model_path()
+    if args.schemes:
+        step_times(path, ["float32", "bfloat16", "auto"], [1, args.batch])
+        return
     n = args.tokens
     print(f"model {path.name}, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
