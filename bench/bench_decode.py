@@ -64,9 +64,10 @@ def top1_agreement(
 ) -> tuple[float, int]:
     """Share of positions where `candidate`'s top-1 token equals `reference`'s greedy token.
 
-    For each prompt, `reference` continues greedily by `n_tokens`; `candidate` is then run
-    teacher-forced over prompt + continuation, and its argmax at each continuation position
-    is compared. Returns (share, positions compared).
+    For each prompt, `reference` continues greedily by `n_tokens`; `candidate` then runs the
+    way serving does: it prefills the prompt, then decodes one step per position, fed
+    `reference`'s tokens (teacher forcing); its argmax at each step is compared.
+    Returns (share, positions compared).
     """
     context = max(len(p) for p in prompts) + n_tokens + 1
     ref_runner = SingleRunner(reference, slots=1, context=context)
@@ -74,9 +75,14 @@ def top1_agreement(
     same = total = 0
     for prompt in prompts:
         cont = greedy(ref_runner, prompt, n_tokens)
-        seq = torch.tensor([list(prompt) + cont[:-1]])
-        logits = cand_runner.forward(seq, torch.tensor([0]), torch.tensor([0]), all_logits=True)
-        picks = logits[0, len(prompt) - 1 :].argmax(-1).tolist()  # predicts cont[0..n-1]
+        logits = cand_runner.forward(
+            torch.tensor([list(prompt)]), torch.tensor([0]), torch.tensor([0])
+        )
+        picks = [int(logits[0].argmax())]
+        for i, token in enumerate(cont[:-1]):
+            pos = torch.tensor([len(prompt) + i])
+            logits = cand_runner.forward(torch.tensor([[token]]), pos, torch.tensor([0]))
+            picks.append(int(logits[0].argmax()))
         same += sum(int(a == b) for a, b in zip(picks, cont, strict=True))
         total += len(cont)
     return same / total, total

@@ -12,7 +12,9 @@ dtype:
 - "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
   (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
   rest and the output head) through torch's CPU kernels, bfloat16 activations and a float32
-  residual stream (bench/bench_decode.py measures speed and agreement with float32).
+  residual stream (bench/bench_decode.py measures speed and agreement with float32). Each
+  such layer also keeps a bfloat16 copy for prefill chunks of 16 rows or more, where a dense
+  GEMM is several times faster than the int kernels.
 """
 
 from __future__ import annotations
@@ -130,24 +132,36 @@ def _load(
         model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
     else:
         head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
-        model.output = make_linear(head, scheme, device, four_bit=False)
+        table = model.tok_embeddings if c.tied_output else None  # prefill: the f32 table
+        model.output = make_linear(head, scheme, device, four_bit=False, dense=table)
     model.init_rope(min(full.context_length, 4096))
     model.eval()
     return model
 
 
 def make_linear(
-    weight: torch.Tensor, scheme: str, device: torch.device, *, four_bit: bool
+    weight: torch.Tensor,
+    scheme: str,
+    device: torch.device,
+    *,
+    four_bit: bool,
+    dense: torch.Tensor | None = None,
 ) -> torch.nn.Module:
-    """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`)."""
+    """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`).
+
+    Under "cpu-int" the layer also keeps a dense copy for prefill chunks (`dense`, or a
+    bfloat16 copy of `weight` when not given).
+    """
     if scheme != "cpu-int":
         return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
+    if dense is None:
+        dense = weight.to(device=device, dtype=torch.bfloat16)
     out_f, in_f = weight.shape
     if four_bit and in_f % quant.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = quant.pack_int4(weight)
-        return Int4Linear(packed, scales_zeros, out_f, in_f, quant.INT4_GROUP)
+        return Int4Linear(packed, scales_zeros, out_f, in_f, quant.INT4_GROUP, dense)
     q, scales = quant.pack_int8(weight)
-    return Int8Linear(q, scales)
+    return Int8Linear(q, scales, dense)
 
 
 class SingleRunner:
@@ -218,8 +232,8 @@ def estimate_model_bytes(
             total += n * size
         elif name == "token_embd.weight":
             total += n * 4 + (n + 2 * c.vocab_size if c.tied_output else 0)  # table + int8 head
-        elif info.qtype in _FOUR_BIT:
-            total += n // 2 + n // quant.INT4_GROUP * 4
-        else:
-            total += n + 2 * info.shape[0]
+        elif info.qtype in _FOUR_BIT:  # int4 + bf16 scales/zeros + bf16 dense copy
+            total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
+        else:  # int8 + bf16 scales + bf16 dense copy
+            total += n + 2 * info.shape[0] + 2 * n
     return total + KVCache.bytes_needed(c, slots, context, act)

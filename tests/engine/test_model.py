@@ -213,14 +213,15 @@ def test_unsharded_model_never_yields(files: dict[str, Path]) -> None:
     assert done.value.value.shape == (1, model.config.vocab_size)
 
 
+@pytest.mark.parametrize("length", [12, 24])  # 24: auto's prefill takes the dense copies
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "auto"])
-def test_other_dtypes_track_float32(files: dict[str, Path], dtype: str) -> None:
-    ids = torch.tensor([prompt(12, 4)])
+def test_other_dtypes_track_float32(files: dict[str, Path], dtype: str, length: int) -> None:
+    ids = torch.tensor([prompt(length, 4)])
     ref = SingleRunner(
-        load_transformer(files["Q4_1"], dtype="float32", device="cpu"), slots=1, context=16
+        load_transformer(files["Q4_1"], dtype="float32", device="cpu"), slots=1, context=32
     )
     model = load_transformer(files["Q4_1"], dtype=dtype, device="cpu")
-    runner = SingleRunner(model, slots=1, context=16)
+    runner = SingleRunner(model, slots=1, context=32)
     want = ref.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
     got = runner.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
     assert got.dtype == torch.float32
