@@ -437,6 +437,10 @@ class Node:
                 source_path=str(path),
                 memory={**estimate.to_dict(), "devices": [str(d) for d in devices]},
             )
+            if isinstance(actor.watchdog, Watchdog) and actor.watchdog.inflight_fn is None:
+                # The wedge snapshot in forensics: the requests that were in flight when the
+                # step hung (they are failed with 503 before the deadman ever runs).
+                actor.watchdog.inflight_fn = actor.inflight
             self._actors[spec.name] = actor
             try:
                 await self._nursery.start(actor.run)
