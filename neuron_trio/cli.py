@@ -22,6 +22,7 @@ from neuron_trio.config import NeuronConfig, load_config, parse_listen
 from neuron_trio.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, EX_USAGE, ConfigError, NeuronError
 from neuron_trio.failpoints import ENV_VAR as FAILPOINTS_ENV
 from neuron_trio.failpoints import parse as parse_failpoints
+from neuron_trio.service.signals import flush_logs
 
 log = logging.getLogger("neuron")
 
@@ -282,5 +283,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The console script: `main`, then a prompt exit once the daemon has stopped.
+
+    After a drain every model is unloaded and the logs are flushed; what is left is the
+    interpreter's teardown of torch and its thread pools (about 2 s for the built-in model),
+    which only delays systemd's view of a clean stop.
+    """
+    code = main()
+    flush_logs()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
