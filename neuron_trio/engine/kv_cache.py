@@ -1,13 +1,14 @@
 """Per-slot K/V rows: the attention memory of every sequence being served.
 
-One tensor `[2, n_layers, slots, n_kv_heads, context, head_dim]` is allocated up front, so
-memory is bounded by `slots × context` and never grows while serving:
+One tensor `[n_layers, slots, 2 · n_kv_heads, context, head_dim]` (per layer and slot: the
+K heads, then the V heads) is allocated up front, so memory is bounded by `slots × context`
+and never grows while serving:
 
     nbytes = 2 · n_layers · slots · n_kv_heads · context · head_dim · itemsize(dtype)
 
 e.g. the built-in model (30 layers, 3 KV heads of 64) with 9 slots of 4096 tokens in
-bfloat16: 2·30·9·3·4096·64·2 = 849 MB (float32: twice that). A slot is a row: sequence i
-writes position p of layer l to `k[l][slot, :, p]`. `config` is the shard-local shape under
+bfloat16: 2·30·9·3·4096·64·2 = 849 MB (float32: twice that). A slot is a row: a sequence
+writes position p of layer l to `layers[l][slot, :, p]` (K and V together, one copy). `config` is the shard-local shape under
 tensor parallelism (each rank holds its own KV heads).
 """
 
@@ -22,8 +23,12 @@ from neuron_trio.engine.llama_config import LlamaConfig
 
 @dataclass
 class KVCache:
-    """K and V of every layer; `k[l]` and `v[l]` are `[slots, n_kv_heads, context, head_dim]`."""
+    """K and V of every layer: `layers[l]` is `[slots, 2 · n_kv_heads, context, head_dim]`.
 
+    `k[l]` and `v[l]` are views of its K and V halves, `[slots, n_kv_heads, context, head_dim]`.
+    """
+
+    layers: list[torch.Tensor]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     slots: int
@@ -48,14 +53,14 @@ class KVCache:
         """Zeroed K/V rows for `slots` sequences of up to `context` tokens each."""
         if slots < 1 or context < 1:
             raise ValueError(f"KV cache needs slots >= 1 and context >= 1, got {slots}, {context}")
+        kv = config.n_kv_heads
         storage = torch.zeros(
-            (2, config.n_layers, slots, config.n_kv_heads, context, config.head_dim),
-            dtype=dtype,
-            device=device,
+            (config.n_layers, slots, 2 * kv, context, config.head_dim), dtype=dtype, device=device
         )
-        k = list(storage[0].unbind(0))
-        v = list(storage[1].unbind(0))
-        return cls(k=k, v=v, slots=slots, context=context, storage=storage)
+        layers = list(storage.unbind(0))
+        k = [layer[:, :kv] for layer in layers]
+        v = [layer[:, kv:] for layer in layers]
+        return cls(layers=layers, k=k, v=v, slots=slots, context=context, storage=storage)
 
     @property
     def nbytes(self) -> int:
@@ -67,4 +72,4 @@ class KVCache:
 
     def clear(self, slot: int) -> None:
         """Zero one slot's rows (not needed for correctness: attention masks past a row's end)."""
-        self.storage[:, :, slot].zero_()
+        self.storage[:, slot].zero_()

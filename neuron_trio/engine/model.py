@@ -130,62 +130,69 @@ class Block(nn.Module):
 
     def steps(
         self,
-        x: torch.Tensor,  # [B, T, dim] residual stream
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [B, T, 1, D]
-        k_cache: torch.Tensor,  # [slots, KV, context, D]
-        v_cache: torch.Tensor,
-        write: tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor],
-        read: int | torch.Tensor | slice,
-        length: int,
-        mask: torch.Tensor | None,
-        causal: bool,
+        x: torch.Tensor,  # [N, dim] residual stream, N = B · T rows (row-major over B, T)
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [N, H + 2KV, D]
+        cache: torch.Tensor,  # this layer's K/V rows: [slots, 2KV, context, D]
+        at: _Placement,
         act: torch.dtype,
         partial: bool,
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, t, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        n = x.shape[0]
         hn = F.rms_norm(x, (self.dim,), self.attn_norm, self.eps).to(act)
-        qkv = self.wqkv(hn)  # [B, T, (H + 2KV) · D]
-        # RoPE on Q and K together: rotate the halves of each head (un-permuted layout).
-        qk = qkv[..., : (h + kv) * d].reshape(b, t, h + kv, d)
+        qkv = self.wqkv.forward(hn).view(n, h + 2 * kv, d)  # [N, H + 2KV, D]
+        # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
         cos, sin = rope
-        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-        q = qk[:, :, :h].transpose(1, 2)  # [B, H, T, D]
-        k = qk[:, :, h:].transpose(1, 2)  # [B, KV, T, D]
-        v = qkv[..., (h + kv) * d :].reshape(b, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
-        if len(write) == 3:  # one row: slot, first position, count
-            slot, p0, n = write
-            k_cache[slot, :, p0 : p0 + n] = k[0]
-            v_cache[slot, :, p0 : p0 + n] = v[0]
-        else:  # decode rows: one position each
-            slots_t, pos_t = write
-            k_cache[slots_t, :, pos_t] = k[:, :, 0]
-            v_cache[slots_t, :, pos_t] = v[:, :, 0]
-        keys = k_cache[read, :, :length]  # [B, KV, L, D]
-        values = v_cache[read, :, :length]
-        if keys.dim() == 3:
-            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-        if keys.dtype != q.dtype:  # a KV cache kept in another dtype than the activations
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if t == 1:
-            # Decode: the H / KV query heads of a group attend to the same keys, so they can
-            # stand in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the
-            # per-row mask [B, 1, 1, L] still broadcasts.
-            o = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), keys, values, mask)
+        qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
+        new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
+        if at.rows is None:  # one row of T tokens at positions p0 .. p0 + T - 1
+            cache[at.slot, :, at.p0 : at.p0 + n] = new_kv.transpose(0, 1)
+        else:  # decode rows: one token each
+            cache[at.rows, :, at.positions] = new_kv
+        kv_rows = cache[at.read, :, : at.length]  # [B, 2KV, L, D]
+        if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
+            kv_rows = kv_rows.to(act)
+        keys, values = kv_rows[:, :kv], kv_rows[:, kv:]
+        if at.t == 1:
+            # Decode: the H / KV query heads of a group attend to the same keys, so they stand
+            # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
+            # mask [B, 1, 1, L] still broadcasts.
+            q = qkv[:, :h].reshape(n, kv, h // kv, d)
+            o = F.scaled_dot_product_attention(q, keys, values, at.mask).reshape(n, h * d)
         else:
+            q = qkv[:, :h].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=kv != h
-            )  # [B, H, T, D]
-        o = self.wo(o.transpose(1, 2).reshape(b, t, h * d) if t > 1 else o.reshape(b, 1, h * d))
+                q, keys, values, attn_mask=at.mask, is_causal=at.causal, enable_gqa=kv != h
+            )  # [1, H, T, D]
+            o = o[0].transpose(0, 1).reshape(n, h * d)
+        o = self.wo.forward(o)  # [N, dim]
         if partial:
             o = yield o
         x = x + o
         hn = F.rms_norm(x, (self.dim,), self.ffn_norm, self.eps).to(act)
-        gate, up = self.w_gate_up(hn).chunk(2, dim=-1)  # [B, T, ffn] each
-        y = self.w_down(F.silu(gate) * up)  # [B, T, dim]
+        gate_up = self.w_gate_up.forward(hn)  # [N, 2 · ffn]
+        ffn = gate_up.shape[-1] // 2
+        y = self.w_down.forward(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:])  # [N, dim]
         if partial:
             y = yield y
         return x + y
+
+
+class _Placement:
+    """Where one forward's rows read and write the KV cache; computed once, used by every layer."""
+
+    __slots__ = ("causal", "length", "mask", "p0", "positions", "read", "rows", "slot", "t")
+
+    def __init__(self) -> None:
+        self.t = 1  # tokens per row
+        self.slot = 0  # one row: its slot
+        self.p0 = 0  # one row: position of its first token
+        self.rows: torch.Tensor | None = None  # decode rows: their slots [B]
+        self.positions: torch.Tensor | None = None  # decode rows: their positions [B]
+        self.read: slice | torch.Tensor = slice(0, 1)  # the rows' slots, to read K/V
+        self.length = 0  # L: positions attended (the longest row's end)
+        self.mask: torch.Tensor | None = None  # bool, True = attend
+        self.causal = False
 
 
 class Transformer(nn.Module):
@@ -258,55 +265,64 @@ class Transformer(nn.Module):
         Returns `[B, V]` (each row's last position) or `[B, T, V]` with `all_logits`. A
         prefill chunk is one row (B == 1, T >= 1) continuing its slot from `start_pos`;
         decode rows (T == 1) may have different lengths: each attends to its own prefix.
-        With `partial_sums`, yields each row-parallel partial output `[B, T, dim]` and
-        continues with the tensor sent back.
+        With `partial_sums`, yields each row-parallel partial output `[B · T, dim]` and
+        continues with the tensor sent back (the sum over ranks, same shape).
         """
         b, t = input_ids.shape
         if b > 1 and t != 1:
             raise ValueError(f"a batch of {b} rows must be decode rows (T == 1), got T == {t}")
+        c, dev = self.config, self.device
         starts = start_pos.tolist()
         ends = [s + t for s in starts]
         length = max(ends)
         if length > kv.context:
             raise ValueError(f"position {length - 1} is past the KV cache's context {kv.context}")
         self.init_rope(length)
-        positions = start_pos.to(self.device)[:, None] + torch.arange(t, device=self.device)
-        rope = (self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None])
-        mask: torch.Tensor | None = None
-        causal = False
-        write: tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor]
-        read: int | torch.Tensor | slice
+        positions = (start_pos.to(dev)[:, None] + torch.arange(t, device=dev)).reshape(-1)  # [N]
+        rope = self._rope_rows(positions)
+        at = _Placement()
+        at.t, at.length = t, length
         if b == 1:
-            slot = int(slots[0])
-            write, read = (slot, starts[0], t), slot
+            at.slot, at.p0 = int(slots[0]), starts[0]
+            at.read = slice(at.slot, at.slot + 1)
             if t > 1 and starts[0] == 0:
-                causal = True
-            elif t > 1:  # a chunk after a cached prefix: query i sees keys 0..start+i
-                cols = torch.arange(length, device=self.device)
-                mask = (cols[None, :] <= positions[0][:, None])[None, None]  # [1, 1, T, L]
+                at.causal = True
+            elif t > 1:  # a chunk after a cached prefix: query i sees keys 0 .. start + i
+                cols = torch.arange(length, device=dev)
+                at.mask = (cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L]
         else:
             slot_list = slots.tolist()
-            slots_dev = slots.to(self.device)
-            write = (slots_dev, start_pos.to(self.device))
+            at.rows, at.positions = slots.to(dev), start_pos.to(dev)
             first = slot_list[0]
-            if slot_list == list(range(first, first + b)):
-                read = slice(first, first + b)  # a view, no gather
-            else:
-                read = slots_dev
+            contiguous = slot_list == list(range(first, first + b))
+            at.read = slice(first, first + b) if contiguous else at.rows  # a view, or a gather
             if min(ends) != length:
-                cols = torch.arange(length, device=self.device)
-                ends_t = torch.tensor(ends, device=self.device)
-                mask = (cols[None, :] < ends_t[:, None])[:, None, None]  # [B, 1, 1, L]
-        x = F.embedding(input_ids.to(self.device), self.tok_embeddings).to(self.residual_dtype)
+                cols = torch.arange(length, device=dev)
+                ends_t = torch.tensor(ends, device=dev)
+                at.mask = (cols[None, :] < ends_t[:, None])[:, None, None]  # [B, 1, 1, L]
+        x = F.embedding(input_ids.to(dev).reshape(-1), self.tok_embeddings)  # [N, dim]
+        x = x.to(self.residual_dtype)
         act, partial = self.act_dtype, self.partial_sums
         for i, layer in enumerate(self.layers):
-            x = yield from layer.steps(  # type: ignore[operator]
-                x, rope, kv.k[i], kv.v[i], write, read, length, mask, causal, act, partial
-            )
+            x = yield from layer.steps(x, rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
+        x = x.view(b, t, c.dim)
         if not all_logits:
             x = x[:, -1]  # [B, dim]
-        x = F.rms_norm(x, (self.config.dim,), self.norm, self.config.rms_eps).to(act)
+        x = F.rms_norm(x, (c.dim,), self.norm, c.rms_eps).to(act)
         return self.output(x).float()
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for rows at `positions` [N], over all heads: [N, H + 2KV, D].
+
+        Q and K heads rotate; the V heads (the last KV) get cos = 1, sin = 0.
+        """
+        c = self.config
+        n, qk_heads = positions.shape[0], c.n_heads + c.n_kv_heads
+        cos = self.rope_cos[positions][:, None].expand(n, qk_heads, c.head_dim)
+        sin = self.rope_sin[positions][:, None].expand(n, qk_heads, c.head_dim)
+        ones = cos.new_ones(n, c.n_kv_heads, c.head_dim)
+        zeros = sin.new_zeros(n, c.n_kv_heads, c.head_dim)
+        return torch.cat((cos, ones), dim=1), torch.cat((sin, zeros), dim=1)
 
 
 def run_to_end(
