@@ -29,13 +29,21 @@ from neuron_trio.engine import quant
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
-from neuron_trio.engine.model import Int4Linear, Int8Linear, Linear, Transformer, run_to_end
+from neuron_trio.engine.model import (
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    RefinedInt4Head,
+    Transformer,
+    run_to_end,
+)
 from neuron_trio.errors import ModelLoadError
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEAD_REFINE = 64  # "auto" on CPU: output-head candidates per row recomputed exactly
 _FOUR_BIT = frozenset({quant.QType.Q4_0, quant.QType.Q4_1, quant.QType.Q4_K})
 
 
@@ -132,8 +140,14 @@ def _load(
         model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
     else:
         head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
-        table = model.tok_embeddings if c.tied_output else None  # prefill: the f32 table
-        model.output = make_linear(head, scheme, device, four_bit=False, dense=table)
+        if scheme == "cpu-int" and c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0:
+            # int4 pass + exact top candidates (tied: from the float32 embedding table itself)
+            table = model.tok_embeddings if c.tied_output else head.to(device)
+            packed, scales_zeros = quant.pack_int4(head)
+            model.output = RefinedInt4Head(packed, scales_zeros, table, HEAD_REFINE)
+        else:
+            dense = model.tok_embeddings if c.tied_output else None
+            model.output = make_linear(head, scheme, device, four_bit=False, dense=dense)
     model.init_rope(min(full.context_length, 4096))
     model.eval()
     return model
@@ -230,8 +244,10 @@ def estimate_model_bytes(
         if scheme != "cpu-int" or len(info.shape) == 1:
             size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
             total += n * size
+        elif name == "output.weight":  # int4 head + float32 table for its exact candidates
+            total += n // 2 + n // quant.INT4_GROUP * 4 + 4 * n
         elif name == "token_embd.weight":
-            total += n * 4 + (n + 2 * c.vocab_size if c.tied_output else 0)  # table + int8 head
+            total += n * 4 + (n // 2 + n // quant.INT4_GROUP * 4 if c.tied_output else 0)
         elif info.qtype in _FOUR_BIT:  # int4 + bf16 scales/zeros + bf16 dense copy
             total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
