@@ -13,6 +13,7 @@ import torch
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.loader import ShardFn, SingleRunner, estimate_model_bytes, load_transformer
+from neuron_trio.engine.model import RefinedInt4Head
 from neuron_trio.engine.runner import Runner
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
 
@@ -271,3 +272,19 @@ def test_gguf_file_object_is_accepted(files: dict[str, Path]) -> None:
     with GGUFFile(files["F32"]) as gf:
         model = load_transformer(gf, dtype="float32", device="cpu")
     assert model.config == gf.config and model.config.tied_output
+
+
+def test_auto_head_refines_its_best_candidates_exactly(files: dict[str, Path]) -> None:
+    model = load_transformer(files["Q4_1"], dtype="auto", device="cpu")
+    head = model.output
+    if not isinstance(head, RefinedInt4Head):
+        pytest.skip("no int4 head on this build")
+    head.refine = 8
+    x = torch.randn(3, model.config.dim).bfloat16()
+    got = head(x)  # [3, V]
+    exact = x.float() @ model.tok_embeddings.T  # the float32 table (tied embedding)
+    top = got.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    many = torch.randn(20, model.config.dim).bfloat16()  # prefill-sized: the dense table
+    torch.testing.assert_close(head(many), many.float() @ model.tok_embeddings.T)
