@@ -11,10 +11,13 @@ dtype:
 - "bfloat16", "float16": dense weights and activations in that type.
 - "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
   (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
-  rest and the output head) through torch's CPU kernels, bfloat16 activations and a float32
-  residual stream (bench/bench_decode.py measures speed and agreement with float32). Each
-  such layer also keeps a bfloat16 copy for prefill chunks of 16 rows or more, where a dense
-  GEMM is several times faster than the int kernels.
+  rest) through torch's CPU kernels, bfloat16 activations and a float32 residual stream.
+  The output head is int4 too, with each row's 64 best logits recomputed exactly from the
+  float32 table (the tied embedding: no extra copy). Each such layer also keeps a bfloat16
+  copy for prefill chunks of 16 rows or more, where a dense GEMM is several times faster
+  than the int kernels. Measured on 2 cores (bench/bench_decode.py --schemes), one decode
+  step of the built-in model: float32 27 / 61 ms, bfloat16 28 / 33 ms, auto 10 / 24 ms at
+  batch 1 / 8; auto agrees with float32 on 99.2% of greedy next tokens.
 """
 
 from __future__ import annotations
