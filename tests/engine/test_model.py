@@ -280,11 +280,30 @@ def test_auto_head_refines_its_best_candidates_exactly(files: dict[str, Path]) -
     if not isinstance(head, RefinedInt4Head):
         pytest.skip("no int4 head on this build")
     head.refine = 8
-    x = torch.randn(3, model.config.dim).bfloat16()
+    x = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = head(x)  # [3, V]
     exact = x.float() @ model.tok_embeddings.T  # the float32 table (tied embedding)
-    top = got.topk(8, dim=-1).indices
+    coarse = torch.ops.aten._weight_int4pack_mm_for_cpu(x, head.packed, 32, head.scales_zeros)
+    top = coarse.float().topk(8, dim=-1).indices  # the candidates it refines
     torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
-    many = torch.randn(20, model.config.dim).bfloat16()  # prefill-sized: the dense table
+    many = torch.randn(
+        20, model.config.dim, generator=torch.Generator().manual_seed(1)
+    ).bfloat16()  # prefill-sized: the dense table
     torch.testing.assert_close(head(many), many.float() @ model.tok_embeddings.T)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
+def test_separate_output_head(tmp_path: Path, dtype: str) -> None:
+    path = write_tiny_llama(tmp_path / "untied.gguf", **SHAPE, qtype="Q4_0", tied=False)
+    ids = torch.tensor([prompt(9, 5)])
+    ref = SingleRunner(load_transformer(path, dtype="float32", device="cpu"), slots=1, context=16)
+    model = load_transformer(path, dtype=dtype, device="cpu")
+    assert not model.config.tied_output
+    got = SingleRunner(model, slots=1, context=16).forward(
+        ids, torch.tensor([0]), torch.tensor([0])
+    )
+    want = ref.forward(ids, torch.tensor([0]), torch.tensor([0]))
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.97  # tiny random model
+    est = estimate_model_bytes(path, dtype, 16, 1, device="cpu")
+    assert est > KVCache.bytes_needed(model.config, 1, 16, model.act_dtype)
