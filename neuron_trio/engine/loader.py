@@ -11,9 +11,8 @@ dtype:
 - "bfloat16", "float16": dense weights and activations in that type.
 - "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
   (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
-  rest) through torch's CPU kernels, bfloat16 activations and a float32 residual stream.
-  The output head is int4 too, with each row's 64 best logits recomputed exactly from the
-  float32 table (the tied embedding: no extra copy). Each such layer also keeps a bfloat16
+  rest, and the output head) through torch's CPU kernels, bfloat16 activations and a
+  float32 residual stream (see AUTO_INT4_HEAD for the head). Each such layer also keeps a bfloat16
   copy for prefill chunks of 16 rows or more, where a dense GEMM is several times faster
   than the int kernels. Measured on 2 cores (bench/bench_decode.py --schemes), one decode
   step of the built-in model: float32 27 / 61 ms, bfloat16 28 / 33 ms, auto 10 / 24 ms at
@@ -46,7 +45,13 @@ ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HEAD_REFINE = 64  # "auto" on CPU: output-head candidates per row recomputed exactly
+# "auto" on CPU keeps the output head in int8 (near-exact against the file's Q8_0 head). The
+# int4 head with the top HEAD_REFINE logits recomputed exactly decodes ~6% faster on the
+# built-in model (one step 10.9 vs 11.6 ms) with the same top-1 agreement, but its int4 tail
+# triples the KL divergence from float32 (mean 0.0068 vs 0.0025 nats per token; bfloat16:
+# 0.0018), which sampling at temperature 1 would feel: off by default.
+AUTO_INT4_HEAD = False
+HEAD_REFINE = 64  # candidates per row recomputed exactly when AUTO_INT4_HEAD is on
 _FOUR_BIT = frozenset({quant.QType.Q4_0, quant.QType.Q4_1, quant.QType.Q4_K})
 
 
@@ -143,7 +148,8 @@ def _load(
         model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
     else:
         head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
-        if scheme == "cpu-int" and c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0:
+        int4_ok = c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+        if scheme == "cpu-int" and AUTO_INT4_HEAD and int4_ok:
             # int4 pass + exact top candidates (tied: from the float32 embedding table itself)
             table = model.tok_embeddings if c.tied_output else head.to(device)
             packed, scales_zeros = quant.pack_int4(head)
@@ -247,10 +253,11 @@ def estimate_model_bytes(
         if scheme != "cpu-int" or len(info.shape) == 1:
             size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
             total += n * size
-        elif name == "output.weight":  # int4 head + float32 table for its exact candidates
+        elif name == "output.weight" and AUTO_INT4_HEAD:  # int4 + float32 table (candidates)
             total += n // 2 + n // quant.INT4_GROUP * 4 + 4 * n
         elif name == "token_embd.weight":
-            total += n * 4 + (n // 2 + n // quant.INT4_GROUP * 4 if c.tied_output else 0)
+            head = n // 2 + n // quant.INT4_GROUP * 4 if AUTO_INT4_HEAD else n + 2 * c.vocab_size
+            total += n * 4 + (head if c.tied_output else 0)  # float32 table + the tied head
         elif info.qtype in _FOUR_BIT:  # int4 + bf16 scales/zeros + bf16 dense copy
             total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from neuron_trio.engine import loader
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.loader import ShardFn, SingleRunner, estimate_model_bytes, load_transformer
@@ -274,7 +275,10 @@ def test_gguf_file_object_is_accepted(files: dict[str, Path]) -> None:
     assert model.config == gf.config and model.config.tied_output
 
 
-def test_auto_head_refines_its_best_candidates_exactly(files: dict[str, Path]) -> None:
+def test_auto_head_refines_its_best_candidates_exactly(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loader, "AUTO_INT4_HEAD", True)
     model = load_transformer(files["Q4_1"], dtype="auto", device="cpu")
     head = model.output
     if not isinstance(head, RefinedInt4Head):
