@@ -108,6 +108,11 @@ async def _on_load_error(request: Request, exc: Exception) -> Response:
     return _error_response(500, str(exc), error_type="server_error", code="model_load_failed")
 
 
+async def _on_config_error(request: Request, exc: Exception) -> Response:
+    # A model entry that cannot work as given (e.g. a tp that does not divide the heads).
+    return _error_response(400, str(exc), code="invalid_model_config")
+
+
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -267,6 +272,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
             HTTPException: _on_http_exception,
             RequestError: _on_request_error,
             ModelLoadError: _on_load_error,
+            ConfigError: _on_config_error,
             msgspec.DecodeError: _on_decode_error,
             Exception: _on_unexpected,
         },

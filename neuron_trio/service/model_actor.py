@@ -28,6 +28,7 @@ import trio
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
 from neuron_trio.errors import (
+    ConfigError,
     ModelLoadError,
     NeuronError,
     QueueFullError,
@@ -525,7 +526,8 @@ class ModelActor:
             self._finished.set()
             if self.executor is not None and isinstance(exc, Exception):
                 await self._close(self.executor)
-            if isinstance(exc, ModelLoadError) or not isinstance(exc, Exception):
+            # A ConfigError (tp that does not divide the heads) stays one: exit 78, or a 400.
+            if isinstance(exc, ModelLoadError | ConfigError) or not isinstance(exc, Exception):
                 raise
             raise ModelLoadError(f"model {self.name!r}: {type(exc).__name__}: {exc}") from exc
         self.loaded_at = time.time()

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
+    ConfigError,
     ModelLoadError,
     ModelNotFoundError,
     RequestError,
@@ -305,7 +306,9 @@ class Node:
         """Load every default model (in order), report started, then host the model actors.
 
         Progress goes to the notifier's STATUS= and the log. A default model that cannot be
-        loaded raises ModelLoadError (the daemon exits 69) before `started`. Returns after
+        loaded raises ModelLoadError (the daemon exits 69), or ConfigError when its entry
+        cannot work as written, e.g. a tp that does not divide the heads (exit 78), before
+        `started`. Returns after
         `unload_all()`; cancelling it stops every actor without draining.
         """
         self._last_forensics = await trio.to_thread.run_sync(
@@ -313,12 +316,12 @@ class Node:
         )
         if self._last_forensics is not None:
             log.warning("last forensics report: %s", self._last_forensics["path"])
-        failure: ModelLoadError | None = None
+        failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
                 await self._load_defaults()
-            except ModelLoadError as exc:
+            except (ModelLoadError, ConfigError) as exc:
                 failure = exc
                 nursery.cancel_scope.cancel()
             else:
@@ -447,7 +450,7 @@ class Node:
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
-        except (ModelLoadError, RequestError):
+        except (ModelLoadError, RequestError, ConfigError):
             raise
         except Exception as exc:  # a GPU read, a torch error: still a failed load
             raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {exc}") from exc

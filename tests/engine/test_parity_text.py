@@ -8,17 +8,15 @@ the built-in model twice.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.types import SamplingParams
-from neuron_trio.errors import SourceError
+from tests.engine.hf_reference import load_hf_reference
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +41,7 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[Any, Any, Engine]]:
-    try:
-        path = builtin_model_path()
-    except SourceError as e:
-        pytest.skip(str(e))
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    hf.eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf, tok, path = load_hf_reference()
     engine = Engine.from_gguf(path, dtype="float32", max_batch=4, context=512)
     yield hf, tok, engine
 

@@ -7,17 +7,15 @@ transformers' tokenizer, so this test does not depend on ours. Slow: loads the m
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model import Transformer
-from neuron_trio.errors import SourceError
+from tests.engine.hf_reference import load_hf_reference
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +30,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[Any, Any, Transformer]]:
-    try:
-        path = builtin_model_path()
-    except SourceError as e:
-        pytest.skip(str(e))
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    hf.eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf, tok, path = load_hf_reference()
     ours = load_transformer(path, dtype="float32", device="cpu")
     yield hf, tok, ours
 

@@ -1,0 +1,37 @@
+"""A tp that does not divide the model's heads is a config error naming both numbers: exit 78
+for a default model (systemd will not restart it), 400 for a run-time load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_model_with_a_tp_that_does_not_divide_exits_78(tmp_path: Path) -> None:
+    config = tmp_path / "neuron.toml"
+    config.write_text(
+        f"""
+[server]
+listen = ["127.0.0.1:1"]
+[node]
+state_dir = "{tmp_path / "state"}"
+[[default_models]]
+name = "two"
+source = "builtin:smollm2-135m"
+tp = 2
+devices = "cpu"
+"""
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 78, done.stderr
+    assert "tp = 2" in done.stderr and "9" in done.stderr and "3" in done.stderr, done.stderr
