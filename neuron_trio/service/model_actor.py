@@ -299,7 +299,9 @@ class ModelActor:
             "state": stats.state,
             "source": self.spec.source,
             "path": self.source_path,
-            "dtype": str(ex.dtype).removeprefix("torch.") if ex else self.spec.dtype,
+            "dtype": self.spec.dtype,  # as configured ("auto", "float32", …)
+            # what that resolved to on the device, e.g. "cpu-int" (int4/int8 weight-only)
+            "weights": str(ex.dtype).removeprefix("torch.") if ex else None,
             "tp": ex.tp if ex else self.spec.tp,
             "max_batch": self.spec.max_batch,
             "context": self.spec.context,

@@ -528,7 +528,7 @@ def test_info_lists_ranks_and_counts() -> None:
         h.consume(job())
         await settle()
         info = h.actor.info()
-        assert info["state"] == "serving" and info["tp"] == 1 and info["dtype"] == "float32"
+        assert info["state"] == "serving" and info["tp"] == 1 and info["weights"] == "float32"
         assert info["ranks"] == [{"device": "cpu", "heads": 9, "kv_heads": 3}]
         assert info["devices"] == ["cpu"] and info["running"] == 1
         assert info["watchdog"]["state"] == "stepping"

@@ -440,7 +440,7 @@ def test_node_info_document(tmp_path: Path) -> None:
         (model,) = info["models"]
         assert model["name"] == "a" and model["state"] == "serving" and model["tp"] == 1
         assert model["ranks"] == [{"device": "cpu", "heads": 9, "kv_heads": 3}]
-        assert model["slots_in_use"] == 0 and model["queued"] == 0 and model["dtype"] == "float32"
+        assert model["slots_in_use"] == 0 and model["queued"] == 0 and model["weights"] == "float32"
         assert model["memory"]["total_bytes"] == 8 * GIB and model["memory"]["devices"] == ["cpu"]
         assert info["watchdog"]["models"]["a"]["state"] == "idle"
         assert info["watchdog"]["step_timeout_s"] == 30
