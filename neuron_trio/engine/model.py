@@ -37,12 +37,15 @@ class Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self._buffers["weight"])  # type: ignore[arg-type]
 
 
 # At or above this many rows (prefill chunks), the int kernels lose to a dense GEMM: layers
 # that keep a dense copy use it (measured on 2 CPU cores: int4 at 256 rows ~4x slower).
 DENSE_MIN_ROWS = 16
+
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+_INT8_MM = torch.ops.aten._weight_int8pack_mm
 
 
 class Int4Linear(nn.Module):
@@ -70,13 +73,16 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features, self.group = out_f, in_f, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.numel() >= DENSE_MIN_ROWS * self.in_features:
-            return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-        lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features), self.packed, self.group, self.scales_zeros
-        )
-        return y.reshape(*lead, self.out_features)
+        # Buffers straight from `_buffers` (nn.Module.__getattr__ costs ~0.5 us a lookup, and
+        # a decode step makes 120 of these calls); 2-D input, as Block passes, needs no reshape.
+        buffers = self._buffers
+        dense = buffers["dense"]
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        return _INT4_MM(x, buffers["packed"], self.group, buffers["scales_zeros"])
 
 
 class Int8Linear(nn.Module):
@@ -97,13 +103,14 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.numel() >= DENSE_MIN_ROWS * self.in_features:
-            return F.linear(x.to(self.dense.dtype), self.dense)
-        lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, self.in_features), self.weight, self.scales
-        )
-        return y.reshape(*lead, self.out_features)
+        buffers = self._buffers  # as in Int4Linear.forward
+        dense = buffers["dense"]
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense)
+        return _INT8_MM(x, buffers["weight"], buffers["scales"])
 
 
 class RefinedInt4Head(nn.Module):
@@ -176,8 +183,11 @@ class Block(nn.Module):
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
         n = x.shape[0]
-        hn = F.rms_norm(x, (self.dim,), self.attn_norm, self.eps).to(act)
-        qkv = self.wqkv.forward(hn).view(n, h + 2 * kv, d)  # [N, H + 2KV, D]
+        # Modules and buffers straight from their dicts: nn.Module.__getattr__ costs ~0.5 us a
+        # lookup, 6 per layer and step.
+        mods, bufs, shape = self._modules, self._buffers, (self.dim,)
+        hn = F.rms_norm(x, shape, bufs["attn_norm"], self.eps).to(act)
+        qkv = mods["wqkv"].forward(hn).view(n, h + 2 * kv, d)  # type: ignore[union-attr]
         # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
         cos, sin = rope
         qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
@@ -202,14 +212,14 @@ class Block(nn.Module):
                 q, keys, values, attn_mask=at.mask, is_causal=at.causal, enable_gqa=kv != h
             )  # [1, H, T, D]
             o = o[0].transpose(0, 1).reshape(n, h * d)
-        o = self.wo.forward(o)  # [N, dim]
+        o = mods["wo"].forward(o)  # type: ignore[union-attr]  # [N, dim]
         if partial:
             o = yield o
         x = x + o
-        hn = F.rms_norm(x, (self.dim,), self.ffn_norm, self.eps).to(act)
-        gate_up = self.w_gate_up.forward(hn)  # [N, 2 · ffn]
+        hn = F.rms_norm(x, shape, bufs["ffn_norm"], self.eps).to(act)
+        gate_up = mods["w_gate_up"].forward(hn)  # type: ignore[union-attr]  # [N, 2 · ffn]
         ffn = gate_up.shape[-1] // 2
-        y = self.w_down.forward(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:])  # [N, dim]
+        y = mods["w_down"].forward(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:])  # type: ignore[union-attr]
         if partial:
             y = yield y
         return x + y
