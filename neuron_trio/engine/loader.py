@@ -11,12 +11,13 @@ dtype:
 - "bfloat16", "float16": dense weights and activations in that type.
 - "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
   (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
-  rest, and the output head) through torch's CPU kernels, bfloat16 activations and a
-  float32 residual stream (see AUTO_INT4_HEAD for the head). Each such layer also keeps a bfloat16
-  copy for prefill chunks of 16 rows or more, where a dense GEMM is several times faster
-  than the int kernels. Measured on 2 cores (bench/bench_decode.py --schemes), one decode
-  step of the built-in model: float32 26 / 59 ms, bfloat16 28 / 32 ms, auto 11 / 26 ms at
-  batch 1 / 8; auto's top-1 next token agrees with float32's greedy one at 97.7% of 384
+  rest, and the output head's coarse pass, whose best candidates are then recomputed
+  exactly: see AUTO_INT4_HEAD) through torch's CPU kernels, bfloat16 activations and a
+  float32 residual stream. Each such layer also keeps a bfloat16 copy for prefill chunks of
+  16 rows or more, where a dense GEMM is several times faster than the int kernels.
+  Measured on 2 cores (bench/bench_decode.py --schemes), one decode step of the built-in
+  model: float32 25 / 55 ms, bfloat16 26 / 29 ms, auto 9.3 / 24 ms at
+  batch 1 / 8; auto's top-1 next token agrees with float32's greedy one at 99.2% of 384
   positions (teacher-forced along the served path: prefill, then decode steps).
 """
 
@@ -36,7 +37,7 @@ from neuron_trio.engine.model import (
     Int4Linear,
     Int8Linear,
     Linear,
-    RefinedInt4Head,
+    RefinedHead,
     Transformer,
     run_to_end,
 )
@@ -46,13 +47,15 @@ ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "auto" on CPU keeps the output head in int8 (near-exact against the file's Q8_0 head). The
-# int4 head with the top HEAD_REFINE logits recomputed exactly decodes ~6% faster on the
-# built-in model (one step 10.9 vs 11.6 ms) with the same top-1 agreement, but its int4 tail
-# triples the KL divergence from float32 (mean 0.0068 vs 0.0025 nats per token; bfloat16:
-# 0.0018), which sampling at temperature 1 would feel: off by default.
+# "auto" on CPU: the output head's coarse pass is int8 (near-exact against the file's Q8_0
+# head), then each row's HEAD_REFINE best logits are recomputed exactly from the float32
+# table (model.RefinedHead; +0.24 ms a step at batch 1 on 2 cores, for exact top logits and
+# logprobs instead of bfloat16 ties). An int4 coarse pass decodes ~6% faster on the built-in
+# model (one step 10.9 vs 11.6 ms) with the same top-1 agreement, but its int4 tail triples
+# the KL divergence from float32 (mean 0.0068 vs 0.0025 nats per token; bfloat16: 0.0018),
+# which sampling at temperature 1 would feel: off by default.
 AUTO_INT4_HEAD = False
-HEAD_REFINE = 64  # candidates per row recomputed exactly when AUTO_INT4_HEAD is on
+HEAD_REFINE = 64  # candidates per row recomputed exactly
 _FOUR_BIT = frozenset({quant.QType.Q4_0, quant.QType.Q4_1, quant.QType.Q4_K})
 
 
@@ -149,15 +152,19 @@ def _load(
         model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
     else:
         head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
-        int4_ok = c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0
-        if scheme == "cpu-int" and AUTO_INT4_HEAD and int4_ok:
-            # int4 pass + exact top candidates (tied: from the float32 embedding table itself)
+        if scheme == "cpu-int":
+            # a coarse int pass + exact top candidates (tied: from the embedding table itself)
             table = model.tok_embeddings if c.tied_output else head.to(device)
-            packed, scales_zeros = quant.pack_int4(head)
-            model.output = RefinedInt4Head(packed, scales_zeros, table, HEAD_REFINE)
+            int4_ok = c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+            coarse: torch.nn.Module
+            if AUTO_INT4_HEAD and int4_ok:
+                packed, scales_zeros = quant.pack_int4(head)
+                coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, quant.INT4_GROUP)
+            else:
+                coarse = Int8Linear(*quant.pack_int8(head))
+            model.output = RefinedHead(coarse, table, HEAD_REFINE)
         else:
-            dense = model.tok_embeddings if c.tied_output else None
-            model.output = make_linear(head, scheme, device, four_bit=False, dense=dense)
+            model.output = make_linear(head, scheme, device, four_bit=False)
     model.init_rope(min(full.context_length, 4096))
     model.eval()
     return model
@@ -169,17 +176,14 @@ def make_linear(
     device: torch.device,
     *,
     four_bit: bool,
-    dense: torch.Tensor | None = None,
 ) -> torch.nn.Module:
     """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`).
 
-    Under "cpu-int" the layer also keeps a dense copy for prefill chunks (`dense`, or a
-    bfloat16 copy of `weight` when not given).
+    Under "cpu-int" the layer also keeps a bfloat16 copy for prefill chunks.
     """
     if scheme != "cpu-int":
         return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
-    if dense is None:
-        dense = weight.to(device=device, dtype=torch.bfloat16)
+    dense = weight.to(device=device, dtype=torch.bfloat16)
     out_f, in_f = weight.shape
     if four_bit and in_f % quant.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = quant.pack_int4(weight)
@@ -254,13 +258,17 @@ def estimate_model_bytes(
         if scheme != "cpu-int" or len(info.shape) == 1:
             size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
             total += n * size
-        elif name == "output.weight" and AUTO_INT4_HEAD:  # int4 + float32 table (candidates)
-            total += n // 2 + n // quant.INT4_GROUP * 4 + 4 * n
-        elif name == "token_embd.weight":
-            head = n // 2 + n // quant.INT4_GROUP * 4 if AUTO_INT4_HEAD else n + 2 * c.vocab_size
-            total += n * 4 + (head if c.tied_output else 0)  # float32 table + the tied head
+        elif name == "output.weight":  # the coarse pass + its float32 table (candidates)
+            total += _coarse_head_bytes(n, c.vocab_size) + 4 * n
+        elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
+            total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif info.qtype in _FOUR_BIT:  # int4 + bf16 scales/zeros + bf16 dense copy
             total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n
     return total + KVCache.bytes_needed(c, slots, context, act)
+
+
+def _coarse_head_bytes(n: int, vocab: int) -> int:
+    """Bytes of RefinedHead's coarse pass over `n` weights: int4 + scales/zeros, or int8 + scales."""
+    return n // 2 + n // quant.INT4_GROUP * 4 if AUTO_INT4_HEAD else n + 2 * vocab

@@ -21,7 +21,6 @@ from torch import nn
 
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
-from neuron_trio.engine.quant import INT4_GROUP
 
 META = torch.device("meta")
 
@@ -113,37 +112,35 @@ class Int8Linear(nn.Module):
         return _INT8_MM(x, buffers["weight"], buffers["scales"])
 
 
-class RefinedInt4Head(nn.Module):
-    """The output head under "auto" on CPU: int4 logits for the whole vocabulary, then the
-    `refine` best of each row recomputed exactly from the dense table `[V, dim]`.
+class RefinedHead(nn.Module):
+    """The output head under "auto" on CPU: a coarse pass over the whole vocabulary through a
+    weight-only int kernel, then the `refine` best of each row recomputed exactly (float32)
+    from the dense table `[V, dim]`.
 
-    The int4 pass reads a quarter of the bytes of a float32 head; the candidates that decide
-    greedy picks and most of the sampled mass get exact logits, the tail keeps int4 error.
-    Rows of DENSE_MIN_ROWS or more (prefill with all logits) take the dense table directly.
+    The int kernels return bfloat16 logits: steps of 1/16 at typical magnitudes, so close
+    candidates tie and logprobs come out coarse. The candidates that decide greedy picks, the
+    reported logprobs and most of the sampled mass get exact logits; the tail keeps the
+    coarse ones. Rows of DENSE_MIN_ROWS or more (prefill with all logits) take the table.
     """
 
     table: torch.Tensor
 
-    def __init__(
-        self, packed: torch.Tensor, scales_zeros: torch.Tensor, table: torch.Tensor, refine: int
-    ) -> None:
+    def __init__(self, coarse: nn.Module, table: torch.Tensor, refine: int) -> None:
         super().__init__()
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        self.coarse = coarse  # Int8Linear or Int4Linear without a dense copy
         self.register_buffer("table", table)  # [V, dim], shared with the embedding when tied
         self.refine = refine
         self.out_features, self.in_features = table.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        table = self.table
         x2 = x.reshape(-1, self.in_features)  # [N, dim]
         if x2.shape[0] >= DENSE_MIN_ROWS:
-            return F.linear(x.to(self.table.dtype), self.table).float()
-        logits = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, self.packed, INT4_GROUP, self.scales_zeros
-        ).float()  # [N, V]
+            return F.linear(x.to(table.dtype), table).float()
+        logits = self.coarse(x2).float()  # [N, V]
         top = logits.topk(self.refine, dim=-1).indices  # [N, k]
-        rows = self.table[top]  # [N, k, dim]
+        rows = table[top]  # [N, k, dim]
         exact = torch.bmm(rows, x2.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [N, k]
         logits.scatter_(1, top, exact.float())
         return logits.reshape(*lead, self.out_features)

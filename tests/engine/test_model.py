@@ -14,7 +14,7 @@ from neuron_trio.engine import loader
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.loader import ShardFn, SingleRunner, estimate_model_bytes, load_transformer
-from neuron_trio.engine.model import RefinedInt4Head
+from neuron_trio.engine.model import Int4Linear, Int8Linear, RefinedHead
 from neuron_trio.engine.runner import Runner
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
 
@@ -275,22 +275,26 @@ def test_gguf_file_object_is_accepted(files: dict[str, Path]) -> None:
     assert model.config == gf.config and model.config.tied_output
 
 
+@pytest.mark.parametrize("int4_head", [False, True])
 def test_auto_head_refines_its_best_candidates_exactly(
-    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, int4_head: bool
 ) -> None:
-    monkeypatch.setattr(loader, "AUTO_INT4_HEAD", True)
+    monkeypatch.setattr(loader, "AUTO_INT4_HEAD", int4_head)
     model = load_transformer(files["Q4_1"], dtype="auto", device="cpu")
     head = model.output
-    if not isinstance(head, RefinedInt4Head):
-        pytest.skip("no int4 head on this build")
+    if not isinstance(head, RefinedHead):
+        pytest.skip("no int kernels on this build (auto is float32)")
+    assert isinstance(head.coarse, Int4Linear if int4_head else Int8Linear)
     head.refine = 8
     x = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = head(x)  # [3, V]
     exact = x.float() @ model.tok_embeddings.T  # the float32 table (tied embedding)
-    coarse = torch.ops.aten._weight_int4pack_mm_for_cpu(x, head.packed, 32, head.scales_zeros)
-    top = coarse.float().topk(8, dim=-1).indices  # the candidates it refines
+    coarse = head.coarse(x).float()
+    top = coarse.topk(8, dim=-1).indices  # the candidates it refines
     torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[rest], coarse[rest])  # the tail keeps the coarse logits
     many = torch.randn(
         20, model.config.dim, generator=torch.Generator().manual_seed(1)
     ).bfloat16()  # prefill-sized: the dense table
