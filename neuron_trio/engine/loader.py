@@ -248,7 +248,22 @@ def estimate_model_bytes(
     if not isinstance(path, GGUFFile):
         with GGUFFile(Path(path)) as gf:
             return estimate_model_bytes(gf, dtype, context, slots, device=device)
-    gf = path
+    weights = estimate_weight_bytes(path, dtype, device)
+    return weights + estimate_kv_bytes(path.config, dtype, context, slots, device)
+
+
+def estimate_kv_bytes(
+    config: LlamaConfig, dtype: str, context: int, slots: int, device: torch.device | str
+) -> int:
+    """Bytes of the KV cache of `slots` rows of `context` positions, as a runner allocates it
+    (in the activation dtype of `dtype` on `device`)."""
+    act, _ = _dtypes(resolve_dtype(dtype, torch.device(device)))
+    return KVCache.bytes_needed(config, slots, context, act)
+
+
+def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) -> int:
+    """Bytes the weights of `gf` take on `device` under `dtype`, as `load_transformer` stores
+    them (int copies, dense copies and tables included), for the whole unsharded model."""
     c = gf.config
     scheme = resolve_dtype(dtype, torch.device(device))
     act, _ = _dtypes(scheme)
@@ -266,7 +281,7 @@ def estimate_model_bytes(
             total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n
-    return total + KVCache.bytes_needed(c, slots, context, act)
+    return total
 
 
 def _coarse_head_bytes(n: int, vocab: int) -> int:

@@ -120,38 +120,20 @@ def place(
     return [torch.device("cuda", i) for i in chosen]
 
 
-def _elem_bytes(dtype: str, on_gpu: bool) -> int:
-    if dtype == "float32":
-        return 4
-    if dtype in ("bfloat16", "float16"):
-        return 2
-    return 2 if on_gpu else 4  # "auto": half precision on GPUs, float32 activations on CPU
-
-
 def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) -> ModelEstimate:
-    """Weights (as `spec.dtype` will hold them) plus the KV cache of `max_batch × context`.
+    """Weights (as `spec.dtype` will hold them on a GPU, or on the CPU) plus the KV cache of
+    `max_batch + 1` rows (one scratch row for probes) of `context` positions.
 
-    Reads the GGUF header and tensor table (memory-mapped; ~0.2 s for the built-in model).
-    Raises ModelLoadError (UnsupportedModelError) if the file is not a usable GGUF model.
+    The engine's own accounting (`engine.loader.estimate_weight_bytes`): under "auto" a GPU
+    holds bfloat16 weights, about 3.5x a Q4 file, so the file's size is no estimate. Reads the
+    GGUF header and tensor table (memory-mapped; ~0.2 s for the built-in model). Raises
+    ModelLoadError (UnsupportedModelError) if the file is not a usable GGUF model.
     """
     from neuron_trio.engine.gguf_file import GGUFFile
+    from neuron_trio.engine.loader import estimate_kv_bytes, estimate_weight_bytes
 
+    device = torch.device("cuda" if on_gpu else "cpu")
     with GGUFFile(path) as gguf:
-        shape = gguf.config
-        tensors = list(gguf.tensors.values())
-    elem = _elem_bytes(spec.dtype, on_gpu)
-    if spec.dtype == "auto":
-        # "auto" may keep quantised weights packed: about their size in the file.
-        weights = sum(t.nbytes for t in tensors)
-    else:
-        weights = sum(t.n_elements for t in tensors) * elem
-    kv = (
-        2
-        * shape.n_layers
-        * shape.n_kv_heads
-        * shape.head_dim
-        * spec.context
-        * spec.max_batch
-        * elem
-    )
+        weights = estimate_weight_bytes(gguf, spec.dtype, device)
+        kv = estimate_kv_bytes(gguf.config, spec.dtype, spec.context, spec.max_batch + 1, device)
     return ModelEstimate(weights_bytes=weights, kv_cache_bytes=kv)

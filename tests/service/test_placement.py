@@ -83,8 +83,17 @@ def test_estimate_builtin_model() -> None:
 
     path = builtin_model_path()
     f32 = estimate_model_bytes(spec(dtype="float32", max_batch=8, context=4096), path)
-    # 134.5 M parameters in float32; KV: 2 × 30 layers × 3 heads × 64 × 4096 × 8 × 4 bytes.
+    # 134.5 M parameters in float32; KV: 2 × 30 layers × 3 heads × 64 × 4096 × 4 bytes for
+    # each of 8 + 1 rows (the scratch row probes use).
     assert f32.weights_bytes == 134_515_008 * 4
-    assert f32.kv_cache_bytes == 2 * 30 * 3 * 64 * 4096 * 8 * 4
-    auto = estimate_model_bytes(spec(dtype="auto"), path)
-    assert auto.weights_bytes < f32.weights_bytes // 4
+    assert f32.kv_cache_bytes == 2 * 30 * 3 * 64 * 4096 * 9 * 4
+    # "auto" on a GPU is bfloat16: half of float32 but for the float32 norms (61 × 576),
+    # however small the Q4_1 file is.
+    auto_gpu = estimate_model_bytes(spec(dtype="auto", max_batch=8, context=4096), path)
+    norms = 61 * 576
+    assert auto_gpu.weights_bytes == (134_515_008 - norms) * 2 + norms * 4
+    assert auto_gpu.weights_bytes > path.stat().st_size
+    assert auto_gpu.kv_cache_bytes == f32.kv_cache_bytes // 2
+    # on the CPU: int4 + bfloat16 copies + the float32 embedding table; KV in bfloat16
+    auto_cpu = estimate_model_bytes(spec(dtype="auto"), path, on_gpu=False)
+    assert path.stat().st_size < auto_cpu.weights_bytes < f32.weights_bytes
