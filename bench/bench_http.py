@@ -120,8 +120,19 @@ async def measure(args: argparse.Namespace, counts: tuple[int, ...]) -> None:
     from neuron_trio.service.node import Node
 
     device = torch.device("cpu" if args.device == "cpu" else "cuda:0")
-    engine = Engine.from_gguf(
-        builtin_model_path(), dtype=args.dtype, device=device, max_batch=8, context=args.context
+    # Torch work stays off this (trio's) thread, as in the daemon: once a thread has run an
+    # OpenMP region its thread pool lives as long as the thread, and libgomp then counts more
+    # threads than CPUs and stops spinning in every other thread's pool (each parallel region
+    # pays a futex wake-up: decode ran 2.5x slower on 2 cores, on both sides of the ratio).
+    engine = await trio.to_thread.run_sync(
+        partial(
+            Engine.from_gguf,
+            builtin_model_path(),
+            dtype=args.dtype,
+            device=device,
+            max_batch=8,
+            context=args.context,
+        )
     )
     devices: Any = "cpu" if args.device == "cpu" else "auto"
     spec = ModelConfig(
