@@ -105,6 +105,11 @@ def resolve_hub(source: str, *, progress: Progress | None = None, quiet: bool = 
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub import errors as hub_errors
 
+    # huggingface_hub gives its logger a stderr handler of its own: its retries would print
+    # twice, once bare. The root logger's handler (cli.setup_logging) prints them once.
+    hub_logger = logging.getLogger("huggingface_hub")
+    for handler in list(hub_logger.handlers):
+        hub_logger.removeHandler(handler)
     hub = parse_hub_source(source)
     cache_dir = Path(constants.HF_HUB_CACHE)
     offline = bool(constants.HF_HUB_OFFLINE)

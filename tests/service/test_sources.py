@@ -20,6 +20,7 @@ from neuron_trio.errors import SourceError
 from neuron_trio.service.sources import (
     check_cache_dir,
     parse_hub_source,
+    resolve_hub,
     resolve_local,
     resolve_source,
 )
@@ -195,3 +196,21 @@ def test_resolve_source_dispatch(tmp_path: Path) -> None:
     assert resolve_source(str(tmp_path / "m.gguf"), config) == (tmp_path / "m.gguf").resolve()
     with pytest.raises(SourceError, match="unknown built-in"):
         resolve_source("builtin:nope", config)
+
+
+def test_hub_records_print_once_through_the_root_handler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from huggingface_hub import constants
+    from huggingface_hub.utils import logging as hub_logging
+
+    hub_logger = hub_logging.get_logger("huggingface_hub")
+    if not hub_logger.handlers:  # as huggingface_hub sets itself up on import
+        hub_logger.addHandler(logging.StreamHandler())
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(SourceError, match="HF_HUB_OFFLINE"):
+        resolve_hub("hf:acme/tiny/absent.gguf")
+    assert hub_logger.handlers == [] and hub_logger.propagate
