@@ -16,9 +16,9 @@ dtype:
   float32 residual stream. Each such layer also keeps a bfloat16 copy for prefill chunks of
   16 rows or more, where a dense GEMM is several times faster than the int kernels.
   Measured on 2 cores (bench/bench_decode.py --schemes), one decode step of the built-in
-  model: float32 25 / 55 ms, bfloat16 26 / 29 ms, auto 9.3 / 24 ms at
-  batch 1 / 8; auto's top-1 next token agrees with float32's greedy one at 99.2% of 384
-  positions (teacher-forced along the served path: prefill, then decode steps).
+  model: float32 25 / 55 ms, bfloat16 26 / 29 ms, auto 9.3 / 24 ms at batch 1 / 8; auto's
+  top-1 next token agrees with float32's greedy one at 99.2% of 384 positions
+  (teacher-forced along the served path: prefill, then decode steps).
 """
 
 from __future__ import annotations
