@@ -103,7 +103,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[str]
+    # a string, a list of one string, or one prompt as token ids (a list of ints)
+    prompt: str | list[str | int]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     # Declared only to refuse them by name with a clear message (defaults are harmless).
     echo: bool | None = None
@@ -278,16 +279,7 @@ def parse_completion_request(body: bytes) -> ParsedRequest:
         raise RequestError("suffix: not supported", param="suffix", code="unsupported_field")
     if req.best_of is not None and req.best_of != 1:
         raise RequestError("best_of: not supported", param="best_of", code="unsupported_field")
-    if isinstance(req.prompt, list):
-        if len(req.prompt) != 1:
-            raise RequestError(
-                "prompt: exactly one prompt per request is supported",
-                param="prompt",
-                code="unsupported_value",
-            )
-        prompt = req.prompt[0]
-    else:
-        prompt = req.prompt
+    prompt, prompt_ids = _one_prompt(req.prompt)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _sampling(
         req,
@@ -295,8 +287,37 @@ def parse_completion_request(body: bytes) -> ParsedRequest:
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
     )
-    job = GenerationJob(model=req.model, params=params, prompt=prompt)
+    job = GenerationJob(
+        model=req.model,
+        params=params,
+        prompt=None if prompt_ids is not None else prompt,
+        prompt_ids=prompt_ids,
+    )
     return ParsedRequest("completion", job, bool(req.stream), _include_usage(req), len(prompt))
+
+
+def _one_prompt(raw: str | list[str | int]) -> tuple[str, tuple[int, ...] | None]:
+    """(text, None) for a text prompt; ("", ids) for a prompt given as token ids.
+
+    Text offsets in completion logprobs count from the end of a text prompt; for token ids
+    (whose text the HTTP layer does not decode) they count from the completion's start.
+    """
+    if isinstance(raw, str):
+        return raw, None
+    if raw and all(isinstance(item, int) for item in raw):
+        return "", tuple(int(item) for item in raw)
+    if len(raw) == 1 and isinstance(raw[0], str):
+        return raw[0], None
+    if all(isinstance(item, str) for item in raw):
+        raise RequestError(
+            "prompt: exactly one prompt per request is supported",
+            param="prompt",
+            code="unsupported_value",
+        )
+    raise RequestError(
+        "prompt: a string, a list of one string, or a list of token ids (ints), not a mix",
+        param="prompt",
+    )
 
 
 # --- responses ------------------------------------------------------------------------------

@@ -40,14 +40,16 @@ class ChatMessage:
 class GenerationJob:
     """One completion request, already validated by the HTTP layer.
 
-    Exactly one of `prompt` (raw completion) and `messages` (chat, rendered with the
-    model's chat template) is set.
+    Exactly one of `prompt` (raw completion), `prompt_ids` (raw completion given as token
+    ids, used as they are) and `messages` (chat, rendered with the model's chat template)
+    is set.
     """
 
     model: str
     params: SamplingParams
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,8 @@ class ModelActor:
         size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
 
         def encode() -> tuple[list[int], bool]:
+            if job.prompt_ids is not None:
+                return list(job.prompt_ids), False
             if job.messages is not None:
                 messages = [{"role": m.role, "content": m.content} for m in job.messages]
                 return engine.encode_prompt(engine.render_chat(messages), chat=True), True

@@ -74,6 +74,14 @@ def test_defaults_are_openai_defaults() -> None:
     assert streamed.job.params.logprobs and streamed.job.params.top_logprobs == 2
 
 
+def test_a_prompt_of_token_ids_is_used_as_given() -> None:
+    parsed = parse_completion_request(b'{"model": "m", "prompt": [1, 2, 3], "logprobs": 1}')
+    assert parsed.job.prompt_ids == (1, 2, 3) and parsed.job.prompt is None
+    assert parsed.prompt_chars == 0  # text offsets count from the completion's start
+    text = parse_completion_request(b'{"model": "m", "prompt": "hey"}')
+    assert text.job.prompt == "hey" and text.job.prompt_ids is None and text.prompt_chars == 3
+
+
 def test_chat_and_completion_bodies() -> None:
     async def body() -> None:
         node = FakeNode()
@@ -313,7 +321,10 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
     (CHAT, "just a string", 400, None),
     (COMP, {"prompt": "x"}, 400, "model"),
     (COMP, {"model": "fake-model"}, 400, "prompt"),
-    (COMP, {"model": "fake-model", "prompt": [1, 2, 3]}, 400, "prompt[0]"),
+    (COMP, {"model": "fake-model", "prompt": ["a", 1]}, 400, "prompt"),
+    (COMP, {"model": "fake-model", "prompt": [[1, 2], [3]]}, 400, "prompt[0]"),
+    (COMP, {"model": "fake-model", "prompt": [1.5]}, 400, "prompt[0]"),
+    (COMP, {"model": "fake-model", "prompt": []}, 400, "prompt"),
     (COMP, {"model": "fake-model", "prompt": ["a", "b"]}, 400, "prompt"),
     (COMP, {"model": "fake-model", "prompt": "x", "echo": True}, 400, "echo"),
     (COMP, {"model": "fake-model", "prompt": "x", "suffix": "tail"}, 400, "suffix"),

@@ -95,6 +95,23 @@ def test_openai_client_and_disconnect_against_the_real_node(tmp_path: Path) -> N
                     usage = chunk.usage or usage
                 assert usage is not None and usage.completion_tokens == 4
 
+                # the same prompt as token ids: the same greedy completion
+                from neuron_trio.engine.builtin import builtin_model_path
+                from neuron_trio.engine.tokenizer import Tokenizer
+
+                tokenizer = Tokenizer.from_gguf(builtin_model_path())
+                ids = tokenizer.encode("The capital of France is", add_special_tokens=True)
+                as_text, as_ids = [
+                    await client.completions.create(
+                        model=MODEL, prompt=prompt, temperature=0, max_tokens=6
+                    )
+                    for prompt in ("The capital of France is", ids)
+                ]
+                assert as_ids.choices[0].text == as_text.choices[0].text
+                assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids)
+                with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+                    await client.completions.create(model=MODEL, prompt=[1, 10**9], max_tokens=2)
+
             # a stream dropped after its first tokens frees its slot
             async with httpx.AsyncClient(
                 base_url=url, http1=False, http2=True, timeout=120
