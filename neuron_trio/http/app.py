@@ -29,6 +29,7 @@ from neuron_trio.errors import (
     SourceError,
     UnavailableError,
 )
+from neuron_trio.http.access_log import access_info
 from neuron_trio.http.generation import ClientGone, SSEResponse, complete
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
@@ -215,9 +216,12 @@ class _Routes:
         return await self._generate(request, parsed)
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
+        access = access_info(request.scope)
+        if access is not None:
+            access.model = parsed.job.model
         if parsed.stream:
             return SSEResponse(self.node, parsed)
-        doc = await complete(self.node, parsed, request.receive)
+        doc = await complete(self.node, parsed, request.receive, access)
         if doc is None:
             return ClientGone()
         return JSONResponse(doc)

@@ -10,6 +10,7 @@ in a sibling task: under trio, Starlette's `request.is_disconnected()` always sa
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from neuron_trio.errors import RequestError, UnavailableError
+from neuron_trio.http.access_log import AccessInfo, access_info
 from neuron_trio.http.openai import (
     SSE_DONE,
     ChunkWriter,
@@ -108,19 +110,30 @@ class ClientGone(Response):
         return None
 
 
+def _note(access: AccessInfo | None, t: Transcript) -> None:
+    """Put what the transcript says into the request's access line."""
+    if access is not None:
+        access.prompt_tokens = t.prompt_tokens
+        access.completion_tokens = t.completion_tokens
+        access.finish_reason = t.finish_reason
+
+
 async def complete(
-    node: NodeService, parsed: ParsedRequest, receive: Receive
+    node: NodeService, parsed: ParsedRequest, receive: Receive, access: AccessInfo | None = None
 ) -> dict[str, Any] | None:
     """Run a non-streaming request to its end; the response document, or None if the client left."""
+    t = Transcript()
 
     async def collect() -> Transcript:
-        t = Transcript()
         async with node.generate(parsed.job) as events:
             async for event in events:
                 t.add(event)
         return t
 
-    gone, transcript = await run_until_disconnect(receive, collect)
+    try:
+        gone, transcript = await run_until_disconnect(receive, collect)
+    finally:
+        _note(access, t)
     if gone or transcript is None:
         return None
     failure = _finish_error(transcript)
@@ -155,17 +168,22 @@ class SSEResponse(Response):
         self.status_code = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        access = access_info(scope)
+        transcript = Transcript()
+
         async def stream() -> None:
-            await self._stream(send)
+            await self._stream(send, transcript, access)
 
-        await run_until_disconnect(receive, stream)
+        try:
+            await run_until_disconnect(receive, stream)
+        finally:
+            _note(access, transcript)
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send, transcript: Transcript, access: AccessInfo | None) -> None:
         parsed = self.parsed
         async with self.node.generate(parsed.job) as events:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             writer = ChunkWriter(parsed)
-            transcript = Transcript()
             try:
                 opening = writer.opening()
                 if opening:
@@ -178,6 +196,8 @@ class SSEResponse(Response):
                     data = writer.event(event, reason)
                     if data:
                         await send(_body(data, True))
+                        if access is not None and access.first_token_at is None:
+                            access.first_token_at = time.perf_counter()
                 failure = _finish_error(transcript)
                 if failure is not None:
                     await send(_body(_error_event(failure), False))

@@ -1,7 +1,8 @@
 """The outermost ASGI layer: metrics, auth, the body limit, last-resort errors, shielded end.
 
 Order, outside in (one class, so each request pays for one wrapper, not five):
-1. metrics: in-flight gauge, count and latency by route template and status;
+1. metrics: in-flight gauge, count and latency by route template and status; the access log
+   line (http/access_log.py) once the response has ended;
 2. last resort: an exception that escapes the app is logged once and, if no response has
    started, answered with a generic JSON 500 (never a traceback);
 3. shielded final send: the last `http.response.body` of a response is sent inside a shielded
@@ -25,6 +26,7 @@ import trio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuron_trio.errors import RequestError
+from neuron_trio.http.access_log import ACCESS_SCOPE_KEY, AccessInfo, log_access
 from neuron_trio.http.metrics import HttpMetrics
 from neuron_trio.http.openai import error_body
 
@@ -55,6 +57,16 @@ def json_error_messages(
         {"type": "http.response.start", "status": status, "headers": head},
         {"type": "http.response.body", "body": raw, "more_body": False},
     ]
+
+
+def _error_message(body: bytes) -> str | None:
+    """The `error.message` of a JSON error body, if that is what `body` is."""
+    try:
+        doc = msgspec.json.decode(body)
+        message = doc["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return None
+    return message if isinstance(message, str) else None
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -147,6 +159,8 @@ class NeuronMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                if status is not None and status >= 400 and access.error is None:
+                    access.error = _error_message(message.get("body", b""))
                 if http2:
                     await discard_rest_of_body()
                 with trio.move_on_after(FINAL_SEND_TIMEOUT_S) as scope_:
@@ -157,6 +171,8 @@ class NeuronMiddleware:
 
         self.metrics.in_flight.inc()
         started = time.perf_counter()
+        access = AccessInfo(started=started)
+        scope[ACCESS_SCOPE_KEY] = access
         try:
             if not self._authorized(scope):
                 await self._reply(
@@ -189,13 +205,11 @@ class NeuronMiddleware:
                     error_body("internal error", error_type="server_error", code="internal_error"),
                 )
         finally:
+            ended = time.perf_counter()
+            final_status = status if status is not None else CLIENT_CLOSED_STATUS
             self.metrics.in_flight.dec()
-            self.metrics.observe(
-                route,
-                scope.get("method", ""),
-                status if status is not None else CLIENT_CLOSED_STATUS,
-                time.perf_counter() - started,
-            )
+            self.metrics.observe(route, scope.get("method", ""), final_status, ended - started)
+            log_access(scope, route, final_status, ended, access)
 
     @staticmethod
     async def _reply(
