@@ -271,9 +271,26 @@ COMMANDS = {
 }
 
 
+def use_pci_bus_order(environ: dict[str, str] | None = None) -> None:
+    """Make CUDA number GPUs as NVML does (PCI bus order); before anything initialises CUDA.
+
+    GPU indices in the config, `neuron gpus` and placement are NVML's; CUDA's default order
+    is fastest first, which on a mixed machine is another numbering.
+    """
+    env: Any = os.environ if environ is None else environ
+    order = env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    if order != "PCI_BUS_ID":
+        log.warning(
+            "CUDA_DEVICE_ORDER=%s: GPU indices in the config and placement are NVML's (PCI bus "
+            "order) and may name other GPUs than CUDA's numbering",
+            order,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    use_pci_bus_order()
     command = args.command or "serve"
     if command == "serve" and not hasattr(args, "listen"):
         args.listen = None

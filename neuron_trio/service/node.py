@@ -19,6 +19,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import socket
 import time
 import uuid
@@ -422,7 +423,12 @@ class Node:
             estimate = await trio.to_thread.run_sync(
                 self._estimator, spec, path, on_gpu, abandon_on_cancel=True
             )
-            devices = place(spec, estimate.total_bytes, snapshot)
+            devices = place(
+                spec,
+                estimate.total_bytes,
+                snapshot,
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            )
             log.info(
                 "model %s: %s on %s (estimate %.2f GiB)",
                 spec.name,

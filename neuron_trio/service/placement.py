@@ -72,8 +72,37 @@ def headroom(total_bytes: int) -> int:
     return max(HEADROOM_MIN_BYTES, int(total_bytes * HEADROOM_FRACTION))
 
 
+def cuda_ordinals(gpus: Sequence[GpuMemoryReading], visible: str | None) -> dict[int, int]:
+    """NVML index -> CUDA device ordinal, for the GPUs this process's CUDA can see.
+
+    GPU indices everywhere in neuron (config `devices`, `neuron gpus`, placement) are NVML's,
+    which count every GPU in PCI bus order. CUDA counts in the same order (the daemon sets
+    CUDA_DEVICE_ORDER=PCI_BUS_ID) but only the GPUs in `visible` (CUDA_VISIBLE_DEVICES:
+    indices in that order, or UUIDs), renumbered from 0.
+    """
+    if visible is None:
+        return {g.index: g.index for g in gpus}
+    by_uuid = {str(getattr(g, "uuid", "")): g.index for g in gpus if getattr(g, "uuid", "")}
+    present = {g.index for g in gpus}
+    ordinals: dict[int, int] = {}
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.isdigit():
+            index: int | None = int(entry) if int(entry) in present else None
+        else:  # a UUID, possibly abbreviated as CUDA allows ("GPU-8932f937")
+            matches = [i for u, i in by_uuid.items() if entry and u.startswith(entry)]
+            index = matches[0] if len(matches) == 1 else None
+        if index is None or index in ordinals:
+            break  # CUDA stops at the first entry it cannot use
+        ordinals[index] = len(ordinals)
+    return ordinals
+
+
 def place(
-    spec: ModelConfig, model_bytes_estimate: int, gpus_snapshot: GpuSnapshotLike | None
+    spec: ModelConfig,
+    model_bytes_estimate: int,
+    gpus_snapshot: GpuSnapshotLike | None,
+    *,
+    cuda_visible_devices: str | None = None,
 ) -> list[torch.device]:
     """The `spec.tp` devices (one per rank) for `spec`, or PlacementError with the numbers.
 
@@ -82,9 +111,14 @@ def place(
       the operator chose them, and the allocator will say so if they are full).
     - `"auto"`: the `tp` GPUs with the most free memory, each of which must fit
       `model_bytes_estimate / tp` plus headroom; with no GPU at all, CPU ranks (logged).
+
+    Indices are NVML's; the devices returned carry CUDA's ordinals (`cuda_ordinals`), and
+    only GPUs in `cuda_visible_devices` (when set) are used.
     """
     tp = spec.tp
-    gpus = [g for g in (gpus_snapshot.gpus if gpus_snapshot else ()) if not g.error]
+    every_gpu = list(gpus_snapshot.gpus if gpus_snapshot else ())
+    ordinal = cuda_ordinals(every_gpu, cuda_visible_devices)  # a GPU NVML cannot read still counts
+    gpus = [g for g in every_gpu if not g.error and g.index in ordinal]
     if spec.devices == "cpu":
         return [torch.device("cpu")] * tp
     if isinstance(spec.devices, list):
@@ -96,11 +130,13 @@ def place(
         missing = [i for i in spec.devices if i not in present]
         if missing:
             seen = ", ".join(str(i) for i in sorted(present)) or "none"
+            if cuda_visible_devices is not None:
+                seen += f"; CUDA_VISIBLE_DEVICES={cuda_visible_devices}"
             raise PlacementError(
                 f"model {spec.name!r}: GPU(s) {', '.join(map(str, missing))} not found "
                 f"(GPUs seen: {seen})"
             )
-        return [torch.device("cuda", i) for i in spec.devices]
+        return [torch.device("cuda", ordinal[i]) for i in spec.devices]
     # "auto"
     if not gpus:
         why = getattr(gpus_snapshot, "reason", None) or "no GPU found"
@@ -117,7 +153,7 @@ def place(
             f"{len(fitting)} fit ({table})"
         )
     chosen = sorted(g.index for g in fitting[:tp])
-    return [torch.device("cuda", i) for i in chosen]
+    return [torch.device("cuda", ordinal[i]) for i in chosen]
 
 
 def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) -> ModelEstimate:

@@ -9,7 +9,7 @@ import torch
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.errors import PlacementError
-from neuron_trio.service.placement import estimate_model_bytes, place
+from neuron_trio.service.placement import cuda_ordinals, estimate_model_bytes, place
 
 GIB = 1 << 30
 
@@ -97,3 +97,65 @@ def test_estimate_builtin_model() -> None:
     # on the CPU: int4 + bfloat16 copies + the float32 embedding table; KV in bfloat16
     auto_cpu = estimate_model_bytes(spec(dtype="auto"), path, on_gpu=False)
     assert path.stat().st_size < auto_cpu.weights_bytes < f32.weights_bytes
+
+
+@dataclass(frozen=True)
+class UuidGpu:
+    index: int
+    uuid: str
+    memory_free_bytes: int = 70 * GIB
+    memory_total_bytes: int = 80 * GIB
+    error: str | None = None
+
+
+FOUR = (
+    UuidGpu(0, "GPU-aaaa0000-0000"),
+    UuidGpu(1, "GPU-bbbb1111-1111"),
+    UuidGpu(2, "GPU-cccc2222-2222", memory_free_bytes=79 * GIB),
+    UuidGpu(3, "GPU-dddd3333-3333"),
+)
+
+
+@pytest.mark.parametrize(
+    ("visible", "ordinals"),
+    [
+        (None, {0: 0, 1: 1, 2: 2, 3: 3}),
+        ("2,0", {2: 0, 0: 1}),  # CUDA renumbers the visible GPUs from 0, in the listed order
+        ("GPU-cccc,GPU-aaaa0000-0000", {2: 0, 0: 1}),  # UUIDs, abbreviated or whole
+        ("1,7,2", {1: 0}),  # CUDA stops at the first entry it cannot use
+        ("GPU-", {}),  # ambiguous prefix: unusable
+        ("", {}),  # nothing visible
+    ],
+)
+def test_cuda_ordinals_follow_cuda_visible_devices(
+    visible: str | None, ordinals: dict[int, int]
+) -> None:
+    assert cuda_ordinals(FOUR, visible) == ordinals
+
+
+def test_placement_speaks_nvml_indices_and_returns_cuda_ordinals() -> None:
+    snap = Snapshot(available=True, gpus=FOUR)  # type: ignore[arg-type]
+    # "auto": the most free is NVML 2; with only 3 and 2 visible, it is CUDA device 1
+    assert place(spec(), 10 * GIB, snap) == cuda(2)
+    assert place(spec(), 10 * GIB, snap, cuda_visible_devices="3,2") == cuda(1)
+    # 2 unseen; 3 and 1 tie on free memory: the lower NVML index, 1, is CUDA's second
+    assert place(spec(), 10 * GIB, snap, cuda_visible_devices="3,1") == cuda(1)
+    # a GPU whose NVML read failed is skipped, but CUDA still counts it
+    sick = Snapshot(available=True, gpus=(UuidGpu(0, "GPU-a", error="timed out"), FOUR[1]))  # type: ignore[arg-type]
+    assert place(spec(), 10 * GIB, sick, cuda_visible_devices="0,1") == cuda(1)
+    # an explicit list names NVML indices
+    assert place(spec(devices=[3]), 10 * GIB, snap, cuda_visible_devices="3,2") == cuda(0)
+    with pytest.raises(PlacementError, match=r"GPU\(s\) 0 not found .*CUDA_VISIBLE_DEVICES=3,2"):
+        place(spec(devices=[0]), 10 * GIB, snap, cuda_visible_devices="3,2")
+
+
+def test_cli_makes_cuda_count_in_pci_bus_order(caplog: pytest.LogCaptureFixture) -> None:
+    from neuron_trio.cli import use_pci_bus_order
+
+    env: dict[str, str] = {}
+    use_pci_bus_order(env)
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    chosen = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
+    use_pci_bus_order(chosen)
+    assert chosen == {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}  # the operator's choice stands
+    assert "CUDA_DEVICE_ORDER=FASTEST_FIRST" in caplog.text
