@@ -216,7 +216,7 @@ class Engine:
                 ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
                 pos = torch.tensor([s.decode_pos for s in plan.decode], dtype=torch.int64)
                 slots = torch.tensor([s.slot for s in plan.decode], dtype=torch.int64)
-                out = self.runner.forward(ids.to(device), pos.to(device), slots.to(device))
+                out = self.runner.forward(ids.to(device), pos, slots)  # pos, slots: host
                 logits.append(out)
                 rows.extend(plan.decode)
             chunk = plan.prefill
@@ -225,7 +225,7 @@ class Engine:
                 ids = torch.tensor([seq.prompt_ids[chunk.start : chunk.end]], dtype=torch.int64)
                 pos = torch.tensor([chunk.start], dtype=torch.int64)
                 slots = torch.tensor([seq.slot], dtype=torch.int64)
-                out = self.runner.forward(ids.to(device), pos.to(device), slots.to(device))
+                out = self.runner.forward(ids.to(device), pos, slots)  # pos, slots: host
                 if chunk.is_last:
                     logits.append(out)
                     rows.append(seq)
@@ -291,11 +291,14 @@ class Engine:
         bos = self.tokenizer.bos_id
         token = 0 if bos is None else int(bos)
         with torch.inference_mode():
-            self.runner.forward(
+            out = self.runner.forward(
                 torch.tensor([[token]], dtype=torch.int64, device=device),
-                torch.zeros(1, dtype=torch.int64, device=device),
-                torch.tensor([self.max_batch], dtype=torch.int64, device=device),
+                torch.zeros(1, dtype=torch.int64),  # host tensors, as in `step`
+                torch.tensor([self.max_batch], dtype=torch.int64),
             )
+            # Wait for the result: CUDA returns before its kernels (and a TP step's
+            # collectives) have run, and a probe must see a device or collective that hangs.
+            out.reshape(-1)[0].item()
 
 
 def _token_text(tokenizer: Any, token_id: int | None) -> str:

@@ -298,6 +298,8 @@ class Transformer(nn.Module):
     def forward_steps(
         self,
         input_ids: torch.Tensor,  # [B, T] int64; B > 1 only with T == 1
+        # start_pos and slots are read on the host to place the rows: pass CPU tensors (a
+        # device tensor costs a GPU sync per forward)
         start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row's slot
         slots: torch.Tensor,  # [B] int64: KV cache row of each sequence
         kv: KVCache,

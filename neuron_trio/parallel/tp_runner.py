@@ -98,8 +98,8 @@ class TPRunner:
         gens: list[Generator[torch.Tensor, torch.Tensor, torch.Tensor]] = [
             model.forward_steps(
                 input_ids.to(device),
-                start_pos.to(device),
-                slots.to(device),
+                start_pos,  # host tensors: the model reads them to place rows (no GPU sync)
+                slots,
                 kv,
                 all_logits=all_logits,
             )
