@@ -11,7 +11,8 @@ Phases (each on a daemon thread with its own timeout, so a hang is reported, not
    all-reduce correctness in float32/bfloat16/float16 at 1, 576 and 1M elements, latency
    of a decode-sized (576) all-reduce;
 3. abort: a failpoint-hung all_reduce released by a real `ncclCommAbort` of every rank; and
-   (with >= 2 ranks) abort with a real collective pending (rank 0 alone enqueued);
+   (with >= 2 ranks) abort with a real collective pending (rank 0 alone enqueued); then a
+   fresh communicator's all-reduce is correct and the devices are still usable (recovery);
 4. model: the built-in model on CUDA at tp = 1 (and tp = 3 where the ranks allow): greedy
    tokens, tp = 3 vs tp = 1 in float32 (last-position logits, tokens), decode tokens/s at
    batch 1 and 8.
@@ -217,6 +218,7 @@ def abort_phase(devices: list[torch.device]) -> None:
     # (b) A real collective pending: rank 0 alone enqueues an all-reduce its peers never join.
     if comm.world_size < 2:
         info("abort.pending", "skipped: one rank (a lone all-reduce completes at once)")
+        recreate_check(devices)
         return
     comm = bounded("abort.pending.init", lambda: init_comm(devices), 120)
     if comm is None:
@@ -257,6 +259,28 @@ def abort_phase(devices: list[torch.device]) -> None:
             "enqueued": pending.get("enqueued", False),
         },
     )
+    recreate_check(devices)
+
+
+def recreate_check(devices: list[torch.device]) -> None:
+    """(c) After aborts, what the watchdog's recovery does: a fresh communicator, a correct
+    all-reduce, and devices still usable (no sticky CUDA error left by aborted kernels)."""
+
+    def after() -> float:
+        fresh = init_comm(devices)
+        try:
+            bufs = [torch.full((1024,), float(r + 1), device=d) for r, d in enumerate(devices)]
+            fresh.all_reduce(bufs)
+            for d in set(devices):
+                torch.cuda.synchronize(d)
+            want = float(sum(range(1, len(devices) + 1)))
+            return max(float((b - want).abs().max()) for b in bufs)
+        finally:
+            fresh.destroy()
+
+    error = bounded("abort.recreate", after, 120)
+    if error is not None:
+        record("abort.recreate", error == 0.0, {"ranks": len(devices), "max_error": error})
 
 
 def _greedy(
