@@ -199,7 +199,7 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[SequenceEvent]:
-        """One step: a token for every decoding sequence, and one prefill chunk.
+        """One step: a token for every decoding sequence, and a batch of prefill chunks.
 
         A sequence whose prompt is complete gets its first token in the same step. Finished
         sequences give their slot back before this returns.
@@ -211,6 +211,7 @@ class Engine:
         device = self.runner.device
         logits: list[torch.Tensor] = []
         rows: list[Sequence] = []
+        chunks = plan.prefill
         with torch.inference_mode():
             if plan.decode:
                 ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
@@ -219,16 +220,27 @@ class Engine:
                 out = self.runner.forward(ids.to(device), pos, slots)  # pos, slots: host
                 logits.append(out)
                 rows.extend(plan.decode)
-            chunk = plan.prefill
-            if chunk is not None:
-                seq = chunk.seq
-                ids = torch.tensor([seq.prompt_ids[chunk.start : chunk.end]], dtype=torch.int64)
-                pos = torch.tensor([chunk.start], dtype=torch.int64)
-                slots = torch.tensor([seq.slot], dtype=torch.int64)
-                out = self.runner.forward(ids.to(device), pos, slots)  # pos, slots: host
-                if chunk.is_last:
-                    logits.append(out)
-                    rows.append(seq)
+            if chunks:
+                # One forward for every chunk: rows padded to the longest (with token 0: the
+                # model neither caches nor attends padding), each continuing its own slot.
+                sizes = [c.end - c.start for c in chunks]
+                width = max(sizes)
+                tokens = [
+                    c.seq.prompt_ids[c.start : c.end] + [0] * (width - n)
+                    for c, n in zip(chunks, sizes, strict=True)
+                ]
+                ids = torch.tensor(tokens, dtype=torch.int64)
+                pos = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+                slots = torch.tensor([c.seq.slot for c in chunks], dtype=torch.int64)
+                lengths = None
+                if min(sizes) != width:
+                    lengths = torch.tensor(sizes, dtype=torch.int64)
+                # pos, slots, lengths: host tensors (the model reads them without a GPU sync)
+                out = self.runner.forward(ids.to(device), pos, slots, lengths=lengths)
+                done = [i for i, c in enumerate(chunks) if c.is_last]
+                if done:
+                    logits.append(out if len(done) == len(chunks) else out[done])
+                    rows.extend(chunks[i].seq for i in done)
             results = []
             if rows:
                 batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
@@ -239,7 +251,7 @@ class Engine:
             # cancel_all ran while this step was in flight (a wedged step that came back late):
             # its sequences are gone and their slots may already hold new ones.
             return []
-        if chunk is not None:
+        for chunk in chunks:
             chunk.seq.prefilled = chunk.end
             self._prompt_tokens_total += chunk.end - chunk.start
             if chunk.is_last:

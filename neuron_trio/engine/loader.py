@@ -223,12 +223,13 @@ class SingleRunner:
         start_pos: torch.Tensor,
         slots: torch.Tensor,
         *,
+        lengths: torch.Tensor | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Write the rows' K/V into their slots; return float32 logits ([B, V] or [B, T, V])."""
         with torch.inference_mode():
             steps = self.model.forward_steps(
-                input_ids, start_pos, slots, self.kv, all_logits=all_logits
+                input_ids, start_pos, slots, self.kv, lengths=lengths, all_logits=all_logits
             )
             return run_to_end(steps)
 

@@ -191,8 +191,10 @@ class Block(nn.Module):
         new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
         if at.rows is None:  # one row of T tokens at positions p0 .. p0 + T - 1
             cache[at.slot, :, at.p0 : at.p0 + n] = new_kv.transpose(0, 1)
-        else:  # decode rows: one token each
+        elif at.real is None:  # decode rows (one token each), or packed rows without padding
             cache[at.rows, :, at.positions] = new_kv
+        else:  # packed rows: only the real tokens are written, never the padding
+            cache[at.rows, :, at.positions] = new_kv[at.real]
         kv_rows = cache[at.read, :, : at.length]  # [B, 2KV, L, D]
         if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
             kv_rows = kv_rows.to(act)
@@ -204,11 +206,11 @@ class Block(nn.Module):
             q = qkv[:, :h].reshape(n, kv, h // kv, d)
             o = F.scaled_dot_product_attention(q, keys, values, at.mask).reshape(n, h * d)
         else:
-            q = qkv[:, :h].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            q = qkv[:, :h].view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
             o = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=at.mask, is_causal=at.causal, enable_gqa=kv != h
-            )  # [1, H, T, D]
-            o = o[0].transpose(0, 1).reshape(n, h * d)
+            )  # [B, H, T, D]
+            o = o.transpose(1, 2).reshape(n, h * d)
         o = mods["wo"].forward(o)  # type: ignore[union-attr]  # [N, dim]
         if partial:
             o = yield o
@@ -225,14 +227,20 @@ class Block(nn.Module):
 class _Placement:
     """Where one forward's rows read and write the KV cache; computed once, used by every layer."""
 
-    __slots__ = ("causal", "length", "mask", "p0", "positions", "read", "rows", "slot", "t")
+    __slots__ = (
+        "b", "causal", "length", "mask", "p0", "positions", "read", "real", "rows", "slot", "t",
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self.t = 1  # tokens per row
+        self.b = 1  # rows
+        self.t = 1  # tokens per row (padded rows: the longest row's)
         self.slot = 0  # one row: its slot
         self.p0 = 0  # one row: position of its first token
-        self.rows: torch.Tensor | None = None  # decode rows: their slots [B]
-        self.positions: torch.Tensor | None = None  # decode rows: their positions [B]
+        # Several rows: the slot and position each token written goes to, [B] (decode) or
+        # [real tokens] (packed prefill rows).
+        self.rows: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.real: torch.Tensor | None = None  # padded rows: indices of the real tokens in N
         self.read: slice | torch.Tensor = slice(0, 1)  # the rows' slots, to read K/V
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
@@ -297,38 +305,45 @@ class Transformer(nn.Module):
 
     def forward_steps(
         self,
-        input_ids: torch.Tensor,  # [B, T] int64; B > 1 only with T == 1
-        # start_pos and slots are read on the host to place the rows: pass CPU tensors (a
-        # device tensor costs a GPU sync per forward)
+        input_ids: torch.Tensor,  # [B, T] int64
+        # start_pos, slots and lengths are read on the host to place the rows: pass CPU
+        # tensors (a device tensor costs a GPU sync per forward)
         start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row's slot
-        slots: torch.Tensor,  # [B] int64: KV cache row of each sequence
+        slots: torch.Tensor,  # [B] int64: KV cache row of each sequence (all different)
         kv: KVCache,
         *,
+        lengths: torch.Tensor | None = None,  # [B] int64: real tokens per row (default T)
         all_logits: bool = False,
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the model over the rows, writing their K/V; return float32 logits.
 
-        Returns `[B, V]` (each row's last position) or `[B, T, V]` with `all_logits`. A
-        prefill chunk is one row (B == 1, T >= 1) continuing its slot from `start_pos`;
-        decode rows (T == 1) may have different lengths: each attends to its own prefix.
+        Returns `[B, V]` (each row's last real token) or `[B, T, V]` with `all_logits` (at
+        padding, garbage). Every row continues its own slot from its `start_pos` and attends
+        to its own cached prefix and its own new tokens only: decode rows (T == 1) of
+        different lengths, or prompt chunks (T > 1), several of them packed into one batch
+        by padding the shorter ones to T (`lengths`). Padding is never written to the cache.
         With `partial_sums`, yields each row-parallel partial output `[B · T, dim]` and
         continues with the tensor sent back (the sum over ranks, same shape).
         """
         b, t = input_ids.shape
-        if b > 1 and t != 1:
-            raise ValueError(f"a batch of {b} rows must be decode rows (T == 1), got T == {t}")
         c, dev = self.config, self.device
         starts = start_pos.tolist()
-        ends = [s + t for s in starts]
+        lens = [t] * b
+        if lengths is not None:
+            lens = lengths.tolist()
+            if not all(1 <= n <= t for n in lens):
+                raise ValueError(f"row lengths must be within 1 .. T = {t}, got {lens}")
+        ends = [s + n for s, n in zip(starts, lens, strict=True)]
         length = max(ends)
         if length > kv.context:
             raise ValueError(f"position {length - 1} is past the KV cache's context {kv.context}")
         self.init_rope(length)
-        positions = (start_pos.to(dev)[:, None] + torch.arange(t, device=dev)).reshape(-1)  # [N]
-        rope = self._rope_rows(positions)
         at = _Placement()
-        at.t, at.length = t, length
-        if b == 1:
+        at.b, at.t, at.length = b, t, length
+        if t > 1 and (b > 1 or lens[0] != t):  # prompt chunks packed into one batch
+            positions = self._place_packed(at, start_pos, slots, lens)
+        elif b == 1:  # one prompt chunk, or one decode row
+            positions = start_pos.to(dev) + torch.arange(t, device=dev)  # [T]
             at.slot, at.p0 = int(slots[0]), starts[0]
             at.read = slice(at.slot, at.slot + 1)
             if t > 1 and starts[0] == 0:
@@ -336,12 +351,10 @@ class Transformer(nn.Module):
             elif t > 1:  # a chunk after a cached prefix: query i sees keys 0 .. start + i
                 cols = torch.arange(length, device=dev)
                 at.mask = (cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L]
-        else:
-            slot_list = slots.tolist()
-            at.rows, at.positions = slots.to(dev), start_pos.to(dev)
-            first = slot_list[0]
-            contiguous = slot_list == list(range(first, first + b))
-            at.read = slice(first, first + b) if contiguous else at.rows  # a view, or a gather
+        else:  # decode rows, one token each
+            positions = start_pos.to(dev)  # [B]
+            at.rows, at.positions = slots.to(dev), positions
+            at.read = _read_rows(slots.tolist(), at.rows)
             if min(ends) != length:
                 cols = torch.arange(length, device=dev)
                 ends_t = torch.tensor(ends, device=dev)
@@ -351,16 +364,47 @@ class Transformer(nn.Module):
                 at.mask = torch.zeros(attend.shape, dtype=self.act_dtype, device=dev)
                 at.mask.masked_fill_(~attend, float("-inf"))
                 at.mask = at.mask[:, None, None]  # [B, 1, 1, L]
+        rope = self._rope_rows(positions)
         x = F.embedding(input_ids.to(dev).reshape(-1), self.tok_embeddings)  # [N, dim]
         x = x.to(self.residual_dtype)
         act, partial = self.act_dtype, self.partial_sums
         for i, layer in enumerate(self.layers):
             x = yield from layer.steps(x, rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
         x = x.view(b, t, c.dim)
-        if not all_logits:
-            x = x[:, -1]  # [B, dim]
+        if not all_logits:  # each row's last real token: [B, dim]
+            if lengths is None:
+                x = x[:, -1]
+            else:
+                x = x[torch.arange(b, device=dev), torch.tensor(lens, device=dev) - 1]
         x = F.rms_norm(x, (c.dim,), self.norm, c.rms_eps).to(act)
         return self.output(x).float()
+
+    def _place_packed(
+        self, at: _Placement, start_pos: torch.Tensor, slots: torch.Tensor, lens: list[int]
+    ) -> torch.Tensor:
+        """Fill `at` for B prompt chunks padded to T tokens; return the N = B · T positions.
+
+        Row b's real tokens go to positions start_b .. start_b + len_b - 1 of its slot. A
+        padding token takes its row's last real position (so it stays inside the RoPE tables
+        and attends to its own row only); it is not written to the cache, so it can never be
+        attended by anyone, and its output is dropped.
+        """
+        dev, b, t = self.device, at.b, at.t
+        lens_t = torch.tensor(lens, device=dev)[:, None]  # [B, 1]
+        offsets = torch.arange(t, device=dev)[None, :]  # [1, T]
+        pos = start_pos.to(dev)[:, None] + torch.minimum(offsets, lens_t - 1)  # [B, T]
+        real = offsets < lens_t  # [B, T]
+        row_slots = slots.to(dev)
+        at.rows = row_slots[:, None].expand(b, t)[real]  # [R]: the slot of each real token
+        at.positions = pos[real]  # [R]
+        if sum(lens) != b * t:
+            at.real = real.reshape(-1).nonzero().squeeze(1)  # [R] indices into N
+        at.read = _read_rows(slots.tolist(), row_slots)
+        # Query (b, i) sees its own slot's keys up to its own position: the cached prefix,
+        # then its chunk causally. Keys past a row's end (stale, or another row's length) never.
+        cols = torch.arange(at.length, device=dev)
+        at.mask = (cols <= pos[:, :, None])[:, None]  # [B, 1, T, L]
+        return pos.reshape(-1)
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for rows at `positions` [N], over all heads: [N, H + 2KV, D].
@@ -374,6 +418,14 @@ class Transformer(nn.Module):
         ones = cos.new_ones(n, c.n_kv_heads, c.head_dim)
         zeros = sin.new_zeros(n, c.n_kv_heads, c.head_dim)
         return torch.cat((cos, ones), dim=1), torch.cat((sin, zeros), dim=1)
+
+
+def _read_rows(slot_list: list[int], rows: torch.Tensor) -> slice | torch.Tensor:
+    """How rows in these slots read their K/V: a view when the slots are contiguous, else a gather."""
+    first = slot_list[0]
+    if slot_list == list(range(first, first + len(slot_list))):
+        return slice(first, first + len(slot_list))
+    return rows
 
 
 def run_to_end(

@@ -22,14 +22,15 @@ class Runner(Protocol):
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [B, T] int64; B > 1 only with T == 1 (decode)
+        input_ids: torch.Tensor,  # [B, T] int64: decode rows (T == 1) or prompt chunks
         start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row's slot
         slots: torch.Tensor,  # [B] int64: KV cache row of each sequence
         *,
+        lengths: torch.Tensor | None = None,  # [B] int64: real tokens per row, the rest padding
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Write the rows' K/V into their slots; return float32 logits.
+        """Write the rows' K/V (not the padding) into their slots; return float32 logits.
 
-        [B, V] for the last position of each row, or [B, T, V] with all_logits.
+        [B, V] for the last real token of each row, or [B, T, V] with all_logits.
         """
         ...

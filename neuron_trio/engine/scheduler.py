@@ -3,9 +3,11 @@
 Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
 
 - `admit` gives a new sequence a free slot (KV row) or refuses (the caller queues);
-- `schedule` plans one step: one decode row for every sequence that is decoding, plus at
-  most one prefill chunk (`prefill_chunk` prompt tokens) of the oldest sequence still
-  prefilling, so a long prompt is spread over several steps and never stalls the decodes;
+- `schedule` plans one step: one decode row for every sequence that is decoding, plus
+  prefill chunks of the sequences still prefilling, oldest first, run together as one batch
+  padded to its longest chunk. The batch (rows × longest chunk, padding included) stays
+  within `prefill_chunk` tokens, so a long prompt is spread over several steps and never
+  stalls the decodes, while several short prompts that arrive together are prefilled at once;
 - `release` gives a finished or cancelled sequence's slot back at once.
 """
 
@@ -36,11 +38,11 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class StepPlan:
     decode: list[Sequence]  # one token each, batched in one forward
-    prefill: PrefillChunk | None
+    prefill: list[PrefillChunk]  # oldest first, padded to the longest and batched in another
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode and self.prefill is None
+        return not self.decode and not self.prefill
 
 
 class Scheduler:
@@ -99,10 +101,18 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         decode = [s for s in self._active.values() if s.status is SequenceStatus.DECODING]
-        prefill = None
+        prefill: list[PrefillChunk] = []
+        width = 0  # the longest chunk so far: every row is padded to it
         for seq in self._active.values():
-            if seq.status is SequenceStatus.PREFILLING:
-                end = min(seq.num_prompt, seq.prefilled + self.prefill_chunk)
-                prefill = PrefillChunk(seq, seq.prefilled, end)
+            if seq.status is not SequenceStatus.PREFILLING:
+                continue
+            # The widest chunk this row may have so that rows × width fits the budget. When
+            # it is narrower than a row already planned, joining would cut that row short:
+            # the rest waits for the next step, keeping the oldest first.
+            room = self.prefill_chunk // (len(prefill) + 1)
+            if room < max(width, 1):
                 break
+            end = min(seq.num_prompt, seq.prefilled + room)
+            prefill.append(PrefillChunk(seq, seq.prefilled, end))
+            width = max(width, end - seq.prefilled)
         return StepPlan(decode, prefill)

@@ -82,10 +82,13 @@ class TPRunner:
         start_pos: torch.Tensor,
         slots: torch.Tensor,
         *,
+        lengths: torch.Tensor | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
         with torch.inference_mode():
-            return self._forward(input_ids, start_pos, slots, all_logits=all_logits)
+            return self._forward(
+                input_ids, start_pos, slots, lengths=lengths, all_logits=all_logits
+            )
 
     def _forward(
         self,
@@ -93,6 +96,7 @@ class TPRunner:
         start_pos: torch.Tensor,
         slots: torch.Tensor,
         *,
+        lengths: torch.Tensor | None,
         all_logits: bool,
     ) -> torch.Tensor:
         gens: list[Generator[torch.Tensor, torch.Tensor, torch.Tensor]] = [
@@ -101,6 +105,7 @@ class TPRunner:
                 start_pos,  # host tensors: the model reads them to place rows (no GPU sync)
                 slots,
                 kv,
+                lengths=lengths,
                 all_logits=all_logits,
             )
             for model, device, kv in zip(self.models, self.devices, self.kv, strict=True)

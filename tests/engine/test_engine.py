@@ -79,6 +79,31 @@ def test_batching_invariance_alone_vs_eight(tiny_path: Path) -> None:
         assert len(alone[i]) == 12
 
 
+def test_prompts_submitted_at_once_are_prefilled_together_like_alone(tiny_path: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+    # a budget of 48: the long prompt is chunked, the short ones share forwards, padded
+    engine = _engine(tiny_path, prefill_chunk=48)
+    prompts = [engine.encode_prompt(p, chat=False) for p in PROMPTS]
+    alone = []
+    for prompt in prompts:
+        seq_id = engine.add(prompt, params, chat=False)
+        alone.append(_run(engine)[seq_id])
+    ids = {engine.add(prompt, params, chat=False): i for i, prompt in enumerate(prompts)}
+    first_steps = 0
+    together: dict[int, list[SequenceEvent]] = {i: [] for i in range(8)}
+    while engine.has_work:
+        for event in engine.step():
+            together[ids[event.seq_id]].append(event)
+        if any(not events for events in together.values()):
+            first_steps += 1
+    assert first_steps < 4  # eight prompts, not a step each
+    for i in range(8):
+        assert _tokens(together[i]) == _tokens(alone[i]), i
+        got = [lp.logprob for e in together[i] for lp in e.logprobs or []]
+        want = [lp.logprob for e in alone[i] for lp in e.logprobs or []]
+        assert got == pytest.approx(want, abs=1e-4), i
+
+
 def test_text_is_the_decoded_tokens(tiny_path: Path) -> None:
     engine = _engine(tiny_path, max_batch=4)
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)

@@ -139,6 +139,74 @@ def test_batch_of_8_decodes_like_each_alone(files: dict[str, Path], slot_order: 
     assert tokens == alone
 
 
+def packed_batch(
+    chunks: list[tuple[list[int], int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, start) chunks as a padded batch: input_ids [B, T], start_pos [B], lengths [B]."""
+    width = max(len(ids) for ids, _ in chunks)
+    ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in chunks])
+    starts = torch.tensor([start for _, start in chunks])
+    return ids, starts, torch.tensor([len(ids) for ids, _ in chunks])
+
+
+def test_packed_prefill_matches_each_prompt_alone(files: dict[str, Path]) -> None:
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    runner = SingleRunner(model, slots=9, context=32)
+    long, mid, short, one = prompt(13, 20), prompt(9, 21), prompt(4, 22), prompt(1, 23)
+    # Alone, each in the scratch slot 8: all logits of the whole prompt.
+    alone = [
+        runner.forward(torch.tensor([p]), torch.tensor([0]), torch.tensor([8]), all_logits=True)[0]
+        for p in (long, mid, short, one)
+    ]
+    # Stale K/V in the slots the packed rows use: they must not leak into any row.
+    noise = torch.randn_like(runner.kv.storage[:, :4]) * 100
+    runner.kv.storage[:, :4] = noise
+    # `long` was cached up to 5 in slot 2, by an earlier chunk; the other rows start afresh.
+    runner.forward(torch.tensor([long[:5]]), torch.tensor([0]), torch.tensor([2]))
+    ids, starts, lengths = packed_batch([(mid, 0), (long[5:], 5), (short, 0), (one, 0)])
+    slots = torch.tensor([3, 2, 0, 1])  # not contiguous: read by a gather
+    got = runner.forward(ids, starts, slots, lengths=lengths)
+    want = torch.stack([alone[1][-1], alone[0][-1], alone[2][-1], alone[3][-1]])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Every real position's logits too (padding positions give garbage, ignored).
+    every = runner.forward(ids, starts, slots, lengths=lengths, all_logits=True)
+    for row, (ref, start, n) in enumerate(
+        [(alone[1], 0, 9), (alone[0], 5, 8), (alone[2], 0, 4), (alone[3], 0, 1)]
+    ):
+        torch.testing.assert_close(every[row, :n], ref[start : start + n], rtol=1e-5, atol=1e-5)
+    # Padding was never written: past each row's end its slot still holds the noise.
+    for slot, end in ((3, 9), (2, 13), (0, 4), (1, 1)):
+        assert torch.equal(runner.kv.storage[:, slot, :, end:], noise[:, slot, :, end:])
+    # Then greedy decoding goes on from the packed prefill exactly as from each alone.
+    tokens = [[int(row.argmax())] for row in got]
+    pos = torch.tensor([9, 13, 4, 1])
+    for i in range(6):
+        logits = runner.forward(torch.tensor([[t[-1]] for t in tokens]), pos + i, slots)
+        for row, t in zip(logits, tokens, strict=True):
+            t.append(int(row.argmax()))
+    want_tokens = [greedy_alone(runner, p, 7, slot=8) for p in (mid, long, short, one)]
+    assert tokens == want_tokens
+
+
+def test_packed_rows_without_padding_and_a_padded_single_row(files: dict[str, Path]) -> None:
+    model = load_transformer(files["F32"], dtype="float32", device="cpu")
+    runner = SingleRunner(model, slots=4, context=16)
+    a, b = prompt(6, 30), prompt(6, 31)
+    want = [
+        runner.forward(torch.tensor([p]), torch.tensor([0]), torch.tensor([3]))[0] for p in (a, b)
+    ]
+    got = runner.forward(torch.tensor([a, b]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+    one = runner.forward(
+        torch.tensor([[*a[:4], 0, 0]]),
+        torch.tensor([0]),
+        torch.tensor([2]),
+        lengths=torch.tensor([4]),
+    )
+    alone = runner.forward(torch.tensor([a[:4]]), torch.tensor([0]), torch.tensor([3]))
+    torch.testing.assert_close(one, alone, rtol=1e-5, atol=1e-5)
+
+
 def shard_for(rank: int, tp: int) -> ShardFn:
     """A minimal TP slicing rule for tests: heads and FFN split, output rows/cols split."""
     column = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
@@ -204,6 +272,17 @@ def test_tensor_parallel_shards_sum_to_the_whole(files: dict[str, Path]) -> None
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     want_next = ref.forward(torch.tensor([[5]]), torch.tensor([7]), torch.tensor([1]))
     torch.testing.assert_close(nxt, want_next, rtol=1e-4, atol=1e-4)
+    # and a packed prefill of two padded rows, one continuing slot 1
+    ids, starts, lengths = packed_batch([(prompt(3, 5), 8), (prompt(6, 6), 0)])
+    with torch.inference_mode():
+        packed = run_lockstep(
+            [
+                m.forward_steps(ids, starts, torch.tensor([1, 0]), c, lengths=lengths)
+                for m, c in zip(shards, caches, strict=True)
+            ]
+        )
+    want_packed = ref.forward(ids, starts, torch.tensor([1, 0]), lengths=lengths)
+    torch.testing.assert_close(packed, want_packed, rtol=1e-4, atol=1e-4)
 
 
 def test_unsharded_model_never_yields(files: dict[str, Path]) -> None:
@@ -265,8 +344,19 @@ def test_rows_past_context_and_bad_batches_are_refused(files: dict[str, Path]) -
     )
     with pytest.raises(ValueError, match="context"):
         runner.forward(torch.tensor([[1] * 5]), torch.tensor([4]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="decode rows"):
-        runner.forward(torch.tensor([[1, 2], [3, 4]]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    two = (torch.tensor([[1, 2], [3, 4]]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="row lengths"):
+        runner.forward(*two, lengths=torch.tensor([2, 0]))
+    with pytest.raises(ValueError, match="row lengths"):
+        runner.forward(*two, lengths=torch.tensor([3, 1]))
+    # padding is not a real position: a row that ends at the context fits beside a longer one
+    full = runner.forward(
+        torch.tensor([[1, 2, 3], [4, 0, 0]]),
+        torch.tensor([0, 7]),
+        torch.tensor([0, 1]),
+        lengths=torch.tensor([3, 1]),
+    )
+    assert full.shape == (2, runner.config.vocab_size)
 
 
 def test_gguf_file_object_is_accepted(files: dict[str, Path]) -> None:

@@ -36,7 +36,18 @@ def test_slots_fill_then_refuse_then_free_lowest_first() -> None:
     assert sched.free_slots == 0
 
 
-def test_one_prefill_chunk_per_step_oldest_first_beside_decodes() -> None:
+def _plan_spans(sched: Scheduler) -> list[tuple[int, int, int]]:
+    """One step's prefill chunks as (seq_id, start, end), then advanced as the engine would."""
+    plan = sched.schedule()
+    for chunk in plan.prefill:
+        chunk.seq.prefilled = chunk.end
+        if chunk.is_last:
+            chunk.seq.status = SequenceStatus.DECODING
+            chunk.seq.output_ids.append(0)
+    return [(c.seq.seq_id, c.start, c.end) for c in plan.prefill]
+
+
+def test_a_long_prompt_is_chunked_oldest_first_beside_decodes() -> None:
     sched = Scheduler(max_batch=4, prefill_chunk=3)
     running = _seq(1, 2)
     sched.admit(running)
@@ -46,19 +57,38 @@ def test_one_prefill_chunk_per_step_oldest_first_beside_decodes() -> None:
     sched.admit(short)
     spans, decodes = [], []
     for _ in range(4):
-        plan = sched.schedule()
-        decodes.append([s.seq_id for s in plan.decode])
-        assert plan.prefill is not None
-        spans.append((plan.prefill.seq.seq_id, plan.prefill.start, plan.prefill.end))
-        plan.prefill.seq.prefilled = plan.prefill.end
-        if plan.prefill.is_last:
-            plan.prefill.seq.status = SequenceStatus.DECODING
-            plan.prefill.seq.output_ids.append(0)
-    assert spans == [(2, 0, 3), (2, 3, 6), (2, 6, 7), (3, 0, 2)]
+        decodes.append([s.seq_id for s in sched.schedule().decode])
+        spans.append(_plan_spans(sched))
+    # The long prompt fills the budget alone; its last token leaves room for one of short's
+    # (rows × longest row <= 3).
+    assert spans == [[(2, 0, 3)], [(2, 3, 6)], [(2, 6, 7), (3, 0, 1)], [(3, 1, 2)]]
     assert decodes == [[1], [1], [1], [1, 2]]  # the long prompt decodes once it is complete
     plan = sched.schedule()
-    assert plan.prefill is None
+    assert plan.prefill == []
     assert plan.decode == [running, long, short]
+
+
+def test_prompts_that_arrive_together_are_prefilled_together_within_the_budget() -> None:
+    sched = Scheduler(max_batch=8, prefill_chunk=16)
+    seqs = [_seq(i, n) for i, n in enumerate([3, 4, 2, 5, 3, 9, 1], start=1)]
+    for seq in seqs:
+        sched.admit(seq)
+    steps = []
+    while sched.count(SequenceStatus.PREFILLING):
+        plan = sched.schedule()
+        width = max(c.end - c.start for c in plan.prefill)
+        assert len(plan.prefill) * width <= 16  # padding included
+        ids = [c.seq.seq_id for c in plan.prefill]
+        assert ids == sorted(ids)  # oldest first
+        steps.append(_plan_spans(sched))
+    assert steps == [
+        # 4 rows of at most 16 // 4 = 4 tokens: the 5-token prompt gets its first 4
+        [(1, 0, 3), (2, 0, 4), (3, 0, 2), (4, 0, 4)],
+        # the 9-token prompt gets 16 // 3 = 5; then the last one would need 4 rows of 5: waits
+        [(4, 4, 5), (5, 0, 3), (6, 0, 5)],
+        [(6, 5, 9), (7, 0, 1)],
+    ]
+    assert all(s.status is SequenceStatus.DECODING for s in seqs)
 
 
 def test_release_all_empties_everything() -> None:
@@ -149,22 +179,25 @@ class FakeRunner:
         self.calls: list[tuple[int, int]] = []  # (B, T) of every forward
         self.fail_next = False
 
-    def forward(self, input_ids, start_pos, slots, *, all_logits=False):
+    def forward(self, input_ids, start_pos, slots, *, lengths=None, all_logits=False):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected forward failure")
-        batch, length = input_ids.shape
-        assert batch == 1 or length == 1, "B > 1 only with T == 1"
+        batch, width = input_ids.shape
+        assert len(set(slots.tolist())) == batch, "one row per slot"
         logits = torch.full((batch, VOCAB), -5.0)
         for b in range(batch):
             slot, start = int(slots[b]), int(start_pos[b])
+            length = width if lengths is None else int(lengths[b])
+            assert 1 <= length <= width
+            assert width == 1 or (lengths is None) == (batch == 1 or min(lengths) == width)
             row = self.rows[slot]
             assert start <= len(row), f"slot {slot}: a gap before position {start}"
             assert start + length <= self.context, "past the slot's context"
             del row[start:]
-            row.extend(int(t) for t in input_ids[b])
+            row.extend(int(t) for t in input_ids[b, :length])  # padding is not part of the row
             logits[b, self.rule(row)] = 5.0
-        self.calls.append((batch, length))
+        self.calls.append((batch, width))
         return logits
 
 

@@ -34,21 +34,21 @@ def _builtin() -> Path:
         pytest.skip(str(exc))
 
 
-def _runners(dtype: str):
+def _runners(dtype: str, slots: int = 1):
     from neuron_trio.engine.gguf_file import GGUFFile
     from neuron_trio.engine.loader import SingleRunner, load_transformer
 
     with GGUFFile(_builtin()) as gguf:
         config = gguf.config
         single = SingleRunner(
-            load_transformer(gguf, dtype=dtype, device="cpu"), slots=1, context=CONTEXT
+            load_transformer(gguf, dtype=dtype, device="cpu"), slots=slots, context=CONTEXT
         )
         shards = [
             load_transformer(gguf, dtype=dtype, device="cpu", shard=shard_fn(config, r, 3), tp=3)
             for r in range(3)
         ]
     comm = InProcessCommunicator(3, failpoints=fp.Failpoints())
-    return single, TPRunner(shards, comm, slots=1, context=CONTEXT, config=config), comm
+    return single, TPRunner(shards, comm, slots=slots, context=CONTEXT, config=config), comm
 
 
 def _greedy(runner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor, float]:
@@ -88,3 +88,15 @@ def test_tp3_matches_tp1(dtype: str, atol: float, n: int, prompts: list[list[int
     )
     assert max(diffs) < atol
     assert comm.all_reduces == 2 * single.config.n_layers * len(prompts) * n
+
+
+def test_tp3_packed_prefill_matches_tp1_alone() -> None:
+    single, tp3, _ = _runners("float32", slots=len(PROMPTS))
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in PROMPTS])  # two rows padded
+    lengths = torch.tensor([len(p) for p in PROMPTS])
+    starts, slots = torch.zeros(len(PROMPTS), dtype=torch.int64), torch.tensor([2, 0, 1])
+    packed = tp3.forward(ids, starts, slots, lengths=lengths)
+    for row, prompt in enumerate(PROMPTS):
+        alone = single.forward(torch.tensor([prompt]), torch.tensor([0]), torch.tensor([0]))[0]
+        assert float((packed[row] - alone).abs().max()) < 1e-3, prompt

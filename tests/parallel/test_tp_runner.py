@@ -44,7 +44,7 @@ class ToyShard:
         self.partial_sums = tp > 1
 
     def forward_steps(
-        self, input_ids, start_pos, slots, kv, *, all_logits=False
+        self, input_ids, start_pos, slots, kv, *, lengths=None, all_logits=False
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.embed[input_ids]  # [B, T, dim]
         try:
@@ -56,7 +56,8 @@ class ToyShard:
         except GeneratorExit:
             self.closed += 1
             raise
-        out = x if all_logits else x[:, -1]
+        last = -1 if lengths is None else lengths - 1  # padded rows: the last real token
+        out = x if all_logits else x[torch.arange(x.shape[0]), last]
         return (out @ self.embed.T).float()
 
 
