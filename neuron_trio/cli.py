@@ -103,7 +103,7 @@ def build_parser() -> UsageParser:
     parser = UsageParser(
         prog="neuron",
         description="GPU inference daemon. With no command: serve.",
-        epilog="exit codes: 0 ok, 64 usage, 69 model unavailable, 70 deadman, 78 bad config",
+        epilog="exit codes: 0 ok, 64 usage, 69 model unavailable, 70 deadman, 71 cannot listen, 78 bad config",
     )
     parser.add_argument(
         "--config",
