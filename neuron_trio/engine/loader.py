@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -232,25 +231,6 @@ class SingleRunner:
                 input_ids, start_pos, slots, self.kv, lengths=lengths, all_logits=all_logits
             )
             return run_to_end(steps)
-
-
-def estimate_model_bytes(
-    path: str | os.PathLike[str] | GGUFFile,
-    dtype: str,
-    context: int,
-    slots: int,
-    *,
-    device: torch.device | str = "cuda",
-) -> int:
-    """Bytes the loaded model takes on `device`: weights under `dtype` plus the KV cache.
-
-    For the whole (unsharded) model; divide the sharded parts by tp for a rank's share.
-    """
-    if not isinstance(path, GGUFFile):
-        with GGUFFile(Path(path)) as gf:
-            return estimate_model_bytes(gf, dtype, context, slots, device=device)
-    weights = estimate_weight_bytes(path, dtype, device)
-    return weights + estimate_kv_bytes(path.config, dtype, context, slots, device)
 
 
 def estimate_kv_bytes(

@@ -372,10 +372,8 @@ class Transformer(nn.Module):
             x = yield from layer.steps(x, rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
         x = x.view(b, t, c.dim)
         if not all_logits:  # each row's last real token: [B, dim]
-            if lengths is None:
-                x = x[:, -1]
-            else:
-                x = x[torch.arange(b, device=dev), torch.tensor(lens, device=dev) - 1]
+            last = None if lengths is None else lengths.to(dev) - 1
+            x = x[:, -1] if last is None else x[torch.arange(b, device=dev), last]
         x = F.rms_norm(x, (c.dim,), self.norm, c.rms_eps).to(act)
         return self.output(x).float()
 

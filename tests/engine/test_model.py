@@ -13,7 +13,13 @@ import torch
 from neuron_trio.engine import loader
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
-from neuron_trio.engine.loader import ShardFn, SingleRunner, estimate_model_bytes, load_transformer
+from neuron_trio.engine.loader import (
+    ShardFn,
+    SingleRunner,
+    estimate_kv_bytes,
+    estimate_weight_bytes,
+    load_transformer,
+)
 from neuron_trio.engine.model import Int4Linear, Int8Linear, RefinedHead
 from neuron_trio.engine.runner import Runner
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
@@ -323,6 +329,13 @@ def test_runner_protocol_and_kv_bytes(files: dict[str, Path]) -> None:
     assert bf.kv.nbytes == KVCache.bytes_needed(c, 2, 8, torch.bfloat16)
 
 
+def estimate_model_bytes(path: Path, dtype: str, context: int, slots: int) -> int:
+    """Weights plus KV cache on the CPU, as service.placement adds them up."""
+    with GGUFFile(path) as gf:
+        weights = estimate_weight_bytes(gf, dtype, "cpu")
+        return weights + estimate_kv_bytes(gf.config, dtype, context, slots, "cpu")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
 def test_estimate_model_bytes_is_close(files: dict[str, Path], dtype: str) -> None:
     model = load_transformer(files["Q4_1"], dtype=dtype, device="cpu")
@@ -334,7 +347,7 @@ def test_estimate_model_bytes_is_close(files: dict[str, Path], dtype: str) -> No
         seen.add(buf.untyped_storage().data_ptr())
         weights += buf.untyped_storage().nbytes()
     kv = KVCache.bytes_needed(model.config, 3, 64, model.act_dtype)
-    est = estimate_model_bytes(files["Q4_1"], dtype, 64, 3, device="cpu")
+    est = estimate_model_bytes(files["Q4_1"], dtype, 64, 3)
     assert 0.9 * (weights + kv) <= est <= 1.1 * (weights + kv)
 
 
@@ -403,5 +416,5 @@ def test_separate_output_head(tmp_path: Path, dtype: str) -> None:
     )
     want = ref.forward(ids, torch.tensor([0]), torch.tensor([0]))
     assert torch.nn.functional.cosine_similarity(got, want).min() > 0.97  # tiny random model
-    est = estimate_model_bytes(path, dtype, 16, 1, device="cpu")
+    est = estimate_model_bytes(path, dtype, 16, 1)
     assert est > KVCache.bytes_needed(model.config, 1, 16, model.act_dtype)
