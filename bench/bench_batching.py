@@ -32,24 +32,13 @@ PROMPTS = [
 ]
 
 
-def time_to_first_token(engine: Engine) -> float:
-    prompt = engine.encode_prompt(
-        engine.render_chat([{"role": "user", "content": "Hi!"}]), chat=True
-    )
-    start = time.perf_counter()
-    seq_id = engine.add(prompt, SamplingParams(max_tokens=1, temperature=0.0), chat=True)
-    while True:
-        if any(e.seq_id == seq_id and e.token_ids for e in engine.step()):
-            return time.perf_counter() - start
-
-
-def time_to_first_token_all(engine: Engine, n: int) -> tuple[float, float]:
-    """`n` chat prompts added at once, then steps: seconds until the first and the last of
-    them has its first token."""
+def time_to_first_token(engine: Engine, texts: list[str]) -> tuple[float, float]:
+    """`texts` as chat prompts added at once, then steps: seconds until the first and the
+    last of them has its first token."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [
         engine.encode_prompt(engine.render_chat([{"role": "user", "content": text}]), chat=True)
-        for text in PROMPTS[:n]
+        for text in texts
     ]
     start = time.perf_counter()
     waiting = {engine.add(prompt, params, chat=True) for prompt in prompts}
@@ -102,12 +91,12 @@ def main() -> None:
         context=args.context,
     )
     load_s = time.perf_counter() - start
-    ttft = time_to_first_token(engine)
+    ttft, _ = time_to_first_token(engine, ["Hi!"])
     print(f"load: {load_s:.2f} s; first token after load: {ttft * 1000:.0f} ms")
     # Best of the rounds, as below. A sequence that has its first token decodes in the steps
     # that follow (max_tokens 16), as a stream would, beside the prompts still waiting.
     burst = min(
-        (time_to_first_token_all(engine, 8) for _ in range(args.rounds)), key=lambda r: r[1]
+        (time_to_first_token(engine, PROMPTS[:8]) for _ in range(args.rounds)), key=lambda r: r[1]
     )
     print(
         f"time to first token for 8 prompts submitted at once: first {burst[0] * 1000:.0f} ms, "
