@@ -1,8 +1,8 @@
-"""The OpenAI wire format: request schemas, validation into a `GenerationJob`, response shapes.
+"""OpenAI requests: the wire schemas and their validation into a `GenerationJob`.
 
 Requests are decoded with msgspec Structs that forbid unknown fields: a field neuron does not
-implement (`tools`, `response_format`, `logit_bias`, …) is a 400 that names it, never silently
-ignored. Every other validation error names its field too (`param` in the error body).
+implement (`logit_bias`, …) is a 400 that names it, never silently ignored. Every other
+validation error names its field too (`param` in the error body).
 
 Accepted and ignored on purpose: `user` (an end-user id for the caller's own abuse tracking;
 metadata that never changes the output). `stream_options` without `stream` is accepted and
@@ -16,29 +16,20 @@ completions; for chat without `max_tokens`/`max_completion_tokens` the engine's 
 from __future__ import annotations
 
 import re
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 from neuron_trio.errors import RequestError
-from neuron_trio.service.api import (
-    ChatMessage,
-    GenerationJob,
-    SamplingParams,
-    SequenceEvent,
-    TokenLogprob,
-)
+from neuron_trio.service.api import ChatMessage, GenerationJob, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "ParsedRequest",
-    "Transcript",
+    "RequestKind",
     "decode_struct",
-    "error_body",
     "parse_chat_request",
     "parse_completion_request",
 ]
@@ -59,6 +50,8 @@ MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 ModelId = Annotated[str, msgspec.Meta(min_length=1)]
 
 S = TypeVar("S", bound=msgspec.Struct)
+
+RequestKind = Literal["chat", "completion"]
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -116,7 +109,7 @@ class CompletionRequest(_Common, kw_only=True):
 class ParsedRequest:
     """A validated request: the job for the node plus how to shape the response."""
 
-    kind: Literal["chat", "completion"]
+    kind: RequestKind
     job: GenerationJob
     stream: bool
     include_usage: bool
@@ -124,17 +117,6 @@ class ParsedRequest:
 
 
 # --- errors -------------------------------------------------------------------------------
-
-
-def error_body(
-    message: str,
-    *,
-    error_type: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-) -> dict[str, Any]:
-    """The one error shape of every non-2xx response and of a mid-stream SSE error event."""
-    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
 
 
 _AT_RE = re.compile(r"^(?P<detail>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
@@ -318,208 +300,3 @@ def _one_prompt(raw: str | list[str | int]) -> tuple[str, tuple[int, ...] | None
         "prompt: a string, a list of one string, or a list of token ids (ints), not a mix",
         param="prompt",
     )
-
-
-# --- responses ------------------------------------------------------------------------------
-
-
-@dataclass
-class Transcript:
-    """Everything one request's events said, for the response body and the usage."""
-
-    text_parts: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-    def add(self, event: SequenceEvent) -> None:
-        if event.text:
-            self.text_parts.append(event.text)
-        if event.logprobs:
-            self.logprobs.extend(event.logprobs)
-        if event.prompt_tokens:
-            self.prompt_tokens = event.prompt_tokens
-        if event.completion_tokens:
-            self.completion_tokens = event.completion_tokens
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-            self.error = event.error
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-
-def new_id(kind: Literal["chat", "completion"]) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": lp.text,
-                "logprob": lp.logprob,
-                "bytes": _token_bytes(lp.text),
-                "top_logprobs": [
-                    {"token": text, "logprob": value, "bytes": _token_bytes(text)}
-                    for _, text, value in lp.top
-                ],
-            }
-            for lp in items
-        ]
-    }
-
-
-def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    offsets = []
-    for lp in items:
-        offsets.append(offset)
-        offset += len(lp.text)
-    return {
-        "tokens": [lp.text for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in items],
-        "text_offset": offsets,
-    }
-
-
-def completion_response(
-    parsed: ParsedRequest, rid: str, created: int, t: Transcript
-) -> dict[str, Any]:
-    """The whole non-streaming body: a `chat.completion` or a `text_completion`."""
-    want_logprobs = parsed.job.params.logprobs
-    if parsed.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": t.text},
-            "logprobs": chat_logprobs(t.logprobs) if want_logprobs else None,
-            "finish_reason": t.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": t.text,
-            "logprobs": completion_logprobs(t.logprobs, parsed.prompt_chars)
-            if want_logprobs
-            else None,
-            "finish_reason": t.finish_reason,
-        }
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": parsed.job.model,
-        "choices": [choice],
-        "usage": t.usage(),
-    }
-
-
-class ChunkWriter:
-    """Builds the SSE chunks of one streaming response, in order."""
-
-    def __init__(self, parsed: ParsedRequest) -> None:
-        self.parsed = parsed
-        self.id = new_id(parsed.kind)
-        self.created = now()
-        self.object = "chat.completion.chunk" if parsed.kind == "chat" else "text_completion"
-        self._offset = parsed.prompt_chars
-        self._want_logprobs = parsed.job.params.logprobs
-
-    def _chunk(self, choice: dict[str, Any] | None) -> bytes:
-        doc: dict[str, Any] = {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.parsed.job.model,
-            "choices": [] if choice is None else [choice],
-        }
-        if self.parsed.include_usage:
-            doc["usage"] = None
-        return sse_data(doc)
-
-    def opening(self) -> bytes:
-        """Chat streams open with the assistant's role, before any token (as OpenAI's do)."""
-        if self.parsed.kind != "chat":
-            return b""
-        return self._chunk(
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        )
-
-    def event(self, event: SequenceEvent, finish_reason: str | None) -> bytes:
-        """The chunk(s) for one event: its text and, on the last one, the finish reason."""
-        out = b""
-        lps = event.logprobs or []
-        if event.text or lps:
-            if self.parsed.kind == "chat":
-                out += self._chunk(
-                    {
-                        "index": 0,
-                        "delta": {"content": event.text},
-                        "logprobs": chat_logprobs(lps) if self._want_logprobs else None,
-                        "finish_reason": None,
-                    }
-                )
-            else:
-                logprobs = completion_logprobs(lps, self._offset) if self._want_logprobs else None
-                self._offset += len(event.text)
-                return self._chunk(
-                    {
-                        "index": 0,
-                        "text": event.text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                    }
-                )
-        if finish_reason is not None:
-            if self.parsed.kind == "chat":
-                out += self._chunk(
-                    {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-                )
-            else:
-                out += self._chunk(
-                    {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
-                )
-        return out
-
-    def usage(self, t: Transcript) -> bytes:
-        doc = {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.parsed.job.model,
-            "choices": [],
-            "usage": t.usage(),
-        }
-        return sse_data(doc)
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_data(doc: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(doc) + b"\n\n"
