@@ -48,7 +48,7 @@ class FakeEngine:
         self.cancelled: list[int] = []
         self.steps = 0
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = ()) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:

@@ -16,13 +16,20 @@ completions; for chat without `max_tokens`/`max_completion_tokens` the engine's 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Annotated, Literal, TypeVar
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from neuron_trio.errors import RequestError
-from neuron_trio.service.api import ChatMessage, GenerationJob, SamplingParams
+from neuron_trio.service.api import (
+    ChatMessage,
+    Constraint,
+    GenerationJob,
+    SamplingParams,
+    ToolCall,
+    ToolFunction,
+)
 
 __all__ = [
     "ChatCompletionRequest",
@@ -61,9 +68,58 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
+
+
 class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message of tool calls
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # neuron always enforces the parameters when it constrains
+
+
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # neuron always enforces the schema
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,7 +138,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
     stop: Stop | None = None
     max_tokens: MaxTokens | None = None
-    n: int | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=8)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored: caller metadata
@@ -93,6 +149,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -176,11 +236,6 @@ def decode_struct(body: bytes, cls: type[S]) -> S:
 # --- requests -> jobs -----------------------------------------------------------------------
 
 
-def _common_checks(req: _Common) -> None:
-    if req.n is not None and req.n != 1:
-        raise RequestError("n: only n = 1 is supported", param="n", code="unsupported_value")
-
-
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -213,15 +268,115 @@ def _sampling(
         stop=_stops(req.stop),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        n=req.n or 1,
     )
 
 
-def _message(msg: InputMessage) -> ChatMessage:
-    content = (
-        msg.content if isinstance(msg.content, str) else "\n".join(p.text for p in msg.content)
+def _message(i: int, msg: InputMessage) -> ChatMessage:
+    where = f"messages[{i}]"
+    if msg.content is None:
+        content = ""
+        if not msg.tool_calls:
+            raise RequestError(
+                f"{where}.content: required (only an assistant message with tool_calls may omit "
+                "it)",
+                param=f"{where}.content",
+                code="missing_field",
+            )
+    elif isinstance(msg.content, str):
+        content = msg.content
+    else:
+        content = "\n".join(p.text for p in msg.content)
+    if msg.tool_calls and msg.role != "assistant":
+        raise RequestError(
+            f"{where}.tool_calls: only assistant messages carry tool calls",
+            param=f"{where}.tool_calls",
+        )
+    if msg.role == "tool" and not msg.tool_call_id:
+        raise RequestError(
+            f"{where}.tool_call_id: required for a message with role tool",
+            param=f"{where}.tool_call_id",
+            code="missing_field",
+        )
+    calls = tuple(
+        ToolCall(c.id, c.function.name, _json_object(c.function.arguments, f"{where}.tool_calls"))
+        for c in msg.tool_calls or ()
     )
-    role: Literal["system", "user", "assistant"] = "system" if msg.role == "developer" else msg.role
-    return ChatMessage(role=role, content=content)
+    role: Literal["system", "user", "assistant", "tool"] = (
+        "system" if msg.role == "developer" else msg.role
+    )
+    return ChatMessage(role=role, content=content, tool_calls=calls, tool_call_id=msg.tool_call_id)
+
+
+def _json_object(text: str, param: str) -> str:
+    """`text` if it is a JSON object (a call's arguments), else a RequestError naming `param`."""
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise RequestError(f"{param}: arguments must be a JSON object as a string", param=param)
+    return text
+
+
+def _compact(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[ToolFunction, ...]]:
+    """The grammar the answer must follow, and the tools whose calls are parsed from it."""
+    tools = tuple(
+        ToolFunction(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters=_compact(
+                t.function.parameters
+                if t.function.parameters is not None
+                else {"type": "object", "properties": {}}
+            ),
+        )
+        for t in req.tools or ()
+    )
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise RequestError("tools: two functions have the same name", param="tools")
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and tools and choice != "none":
+        raise RequestError(
+            "response_format: cannot be combined with tools (unless tool_choice is none)",
+            param="response_format",
+        )
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t.name == choice.function.name]
+        if not chosen:
+            raise RequestError(
+                f"tool_choice: no function named {choice.function.name!r} in tools",
+                param="tool_choice",
+            )
+        return Constraint("tool_call", tools=(chosen[0],)), tools
+    if choice == "required":
+        if not tools:
+            raise RequestError("tool_choice: required needs tools", param="tool_choice")
+        parallel = req.parallel_tool_calls is not False
+        return Constraint("tool_call", tools=tools, parallel=parallel), tools
+    if choice == "auto":
+        if not tools:
+            raise RequestError("tool_choice: auto needs tools", param="tool_choice")
+        return None, tools
+    # choice "none": the tools are neither offered to the model nor parsed
+    if fmt is None or fmt.type == "text":
+        return None, ()
+    if fmt.type == "json_object":
+        return Constraint("json", schema='{"type":"object"}'), ()
+    if fmt.json_schema is None:
+        raise RequestError(
+            "response_format.json_schema: required with type json_schema",
+            param="response_format.json_schema",
+            code="missing_field",
+        )
+    schema = fmt.json_schema.schema if fmt.json_schema.schema is not None else {}
+    return Constraint("json", schema=_compact(schema)), ()
 
 
 def _include_usage(req: _Common) -> bool:
@@ -231,7 +386,6 @@ def _include_usage(req: _Common) -> bool:
 def parse_chat_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body; RequestError names the offending field."""
     req = decode_struct(body, ChatCompletionRequest)
-    _common_checks(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(
             "top_logprobs: needs logprobs = true", param="top_logprobs", code="invalid_value"
@@ -245,16 +399,16 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
     )
-    job = GenerationJob(
-        model=req.model, params=params, messages=tuple(_message(m) for m in req.messages)
-    )
+    constraint, tools = _constraint(req)
+    params = replace(params, constraint=constraint, tools=tools)
+    messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
+    job = GenerationJob(model=req.model, params=params, messages=messages)
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
 
 
 def parse_completion_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/completions` body; RequestError names the offending field."""
     req = decode_struct(body, CompletionRequest)
-    _common_checks(req)
     if req.echo:
         raise RequestError("echo: not supported", param="echo", code="unsupported_field")
     if req.suffix:

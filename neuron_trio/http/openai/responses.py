@@ -15,11 +15,12 @@ from typing import Any
 import msgspec
 
 from neuron_trio.http.openai.requests import ParsedRequest, RequestKind
-from neuron_trio.service.api import SequenceEvent, TokenLogprob
+from neuron_trio.service.api import SequenceEvent, TokenLogprob, ToolCall
 
 __all__ = [
     "SSE_DONE",
     "ChatShaper",
+    "ChoiceTranscript",
     "ChunkWriter",
     "CompletionShaper",
     "Transcript",
@@ -44,32 +45,75 @@ def error_body(
 
 
 @dataclass
-class Transcript:
-    """Everything one request's events said, for the response body and the usage."""
+class ChoiceTranscript:
+    """What the events of one choice said."""
 
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-
-    def add(self, event: SequenceEvent) -> None:
-        if event.text:
-            self.text_parts.append(event.text)
-        if event.logprobs:
-            self.logprobs.extend(event.logprobs)
-        if event.prompt_tokens:
-            self.prompt_tokens = event.prompt_tokens
-        if event.completion_tokens:
-            self.completion_tokens = event.completion_tokens
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-            self.error = event.error
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+
+_NORMAL_FINISH = ("stop", "length", "tool_calls")
+
+
+@dataclass
+class Transcript:
+    """Everything one request's events said (each of its n choices), for the response body
+    and the usage (which counts the tokens of every choice)."""
+
+    choices: dict[int, ChoiceTranscript] = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+    def add(self, event: SequenceEvent) -> None:
+        choice = self.choices.setdefault(event.index, ChoiceTranscript())
+        if event.text:
+            choice.text_parts.append(event.text)
+        if event.logprobs:
+            choice.logprobs.extend(event.logprobs)
+        if event.tool_calls:
+            choice.tool_calls.extend(event.tool_calls)
+        if event.prompt_tokens:
+            self.prompt_tokens = event.prompt_tokens
+        if event.completion_tokens:
+            choice.completion_tokens = event.completion_tokens
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason
+            choice.error = event.error
+
+    def choice(self, index: int) -> ChoiceTranscript:
+        return self.choices.get(index) or ChoiceTranscript()
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The request's: the first abnormal one of a choice (cancelled, error), else the
+        first choice's once every choice has finished."""
+        reasons = [c.finish_reason for _, c in sorted(self.choices.items())]
+        abnormal = [r for r in reasons if r is not None and r not in _NORMAL_FINISH]
+        if abnormal:
+            return abnormal[0]
+        if reasons and all(r is not None for r in reasons):
+            return reasons[0]
+        return None
+
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices.values() if c.error), None)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices.values())
+
+    @property
+    def text(self) -> str:
+        """Choice 0's text."""
+        return self.choice(0).text
 
     def usage(self) -> dict[str, int]:
         return {
@@ -121,6 +165,14 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
     }
 
 
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
 class ChatShaper:
     """`chat.completion` bodies and `chat.completion.chunk` deltas."""
 
@@ -129,11 +181,18 @@ class ChatShaper:
 
     def __init__(self, parsed: ParsedRequest) -> None:
         self.want_logprobs = parsed.job.params.logprobs
+        self.n = parsed.job.params.n
+        self._calls_sent: dict[int, int] = {}  # streaming: tool calls sent per choice
 
-    def choice(self, t: Transcript) -> dict[str, Any]:
+    def choice(self, index: int, t: ChoiceTranscript) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": t.text}
+        if t.tool_calls:
+            # as OpenAI: the calls, and content only if the model also wrote some
+            message["content"] = t.text.strip() or None
+            message["tool_calls"] = [_tool_call(c) for c in t.tool_calls]
         return {
-            "index": 0,
-            "message": {"role": "assistant", "content": t.text},
+            "index": index,
+            "message": message,
             "logprobs": chat_logprobs(t.logprobs) if self.want_logprobs else None,
             "finish_reason": t.finish_reason,
         }
@@ -141,18 +200,36 @@ class ChatShaper:
     def opening(self) -> list[dict[str, Any]]:
         """Chat streams open with the assistant's role, before any token (as OpenAI's do)."""
         delta = {"role": "assistant", "content": ""}
-        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+        return [
+            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+            for i in range(self.n)
+        ]
 
     def chunks(self, event: SequenceEvent, finish_reason: str | None) -> list[dict[str, Any]]:
-        """The chunk choices for one event: its text, then (on the last) the finish reason."""
+        """The chunk choices for one event: its text, its tool calls (each as OpenAI streams
+        one: id and name first, then the arguments), then (on the last) the finish reason."""
         out = []
+        i = event.index
         lps = event.logprobs or []
         if event.text or lps:
             logprobs = chat_logprobs(lps) if self.want_logprobs else None
-            delta = {"content": event.text}
-            out.append({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+            content = {"content": event.text}
+            out.append({"index": i, "delta": content, "logprobs": logprobs, "finish_reason": None})
+        for call in event.tool_calls or ():
+            k = self._calls_sent.get(i, 0)
+            self._calls_sent[i] = k + 1
+            head = {
+                "index": k,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+            args = {"index": k, "function": {"arguments": call.arguments}}
+            for part in (head, args):
+                delta: dict[str, Any] = {"tool_calls": [part]}
+                out.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
         if finish_reason is not None:
-            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
+            out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return out
 
 
@@ -165,12 +242,13 @@ class CompletionShaper:
     def __init__(self, parsed: ParsedRequest) -> None:
         self.want_logprobs = parsed.job.params.logprobs
         self.prompt_chars = parsed.prompt_chars
-        self._offset = parsed.prompt_chars  # streaming: where the next chunk's text starts
+        # streaming: where each choice's next chunk's text starts
+        self._offsets: dict[int, int] = {}
 
-    def choice(self, t: Transcript) -> dict[str, Any]:
+    def choice(self, index: int, t: ChoiceTranscript) -> dict[str, Any]:
         logprobs = completion_logprobs(t.logprobs, self.prompt_chars)
         return {
-            "index": 0,
+            "index": index,
             "text": t.text,
             "logprobs": logprobs if self.want_logprobs else None,
             "finish_reason": t.finish_reason,
@@ -181,16 +259,16 @@ class CompletionShaper:
 
     def chunks(self, event: SequenceEvent, finish_reason: str | None) -> list[dict[str, Any]]:
         lps = event.logprobs or []
+        offset = self._offsets.get(event.index, self.prompt_chars)
         if event.text or lps:
-            logprobs = completion_logprobs(lps, self._offset) if self.want_logprobs else None
+            logprobs = completion_logprobs(lps, offset) if self.want_logprobs else None
         elif finish_reason is not None:
             logprobs = None
         else:
             return []
-        self._offset += len(event.text)
-        return [
-            {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ]
+        self._offsets[event.index] = offset + len(event.text)
+        choice = {"text": event.text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return [{"index": event.index, **choice}]
 
 
 Shaper = ChatShaper | CompletionShaper
@@ -210,7 +288,7 @@ def completion_response(
         "object": shaper.object,
         "created": created,
         "model": parsed.job.model,
-        "choices": [shaper.choice(t)],
+        "choices": [shaper.choice(i, t.choice(i)) for i in range(parsed.job.params.n)],
         "usage": t.usage(),
     }
 
