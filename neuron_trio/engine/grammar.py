@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import llguidance
+import numpy as np
 import torch
 
 from neuron_trio.engine.types import Constraint, ToolFunction
@@ -52,7 +53,6 @@ CACHE_SIZE = 64
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class _TokenizerLike(Protocol):
@@ -148,7 +148,7 @@ class GrammarState:
     def accept(self, token_id: int) -> None:
         """Advance past the sampled token (it was allowed by the mask)."""
         if not self._matcher.consume_token(token_id):
-            log.warning("grammar refused token %d: %s", token_id, self._matcher.get_error())
+            log.warning("grammar refused token %d: %s", token_id, _short(self._matcher.get_error()))
 
 
 class GrammarCompiler:
@@ -251,6 +251,12 @@ def fill_masks(states: Sequence[GrammarState | None], vocab_size: int) -> torch.
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The bitmask unpacked to bools [B, V] on `device` (True: the token may come next)."""
-    bits = (bitmask.to(device).unsqueeze(-1) >> _SHIFTS.to(device)) & 1  # [B, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """The bitmask unpacked to bools [B, V] on `device` (True: the token may come next).
+
+    numpy's unpackbits over the words' little-endian bytes: ~0.1 ms for 8 rows of 49 152
+    tokens, where torch's shift-and-mask over [B, W, 32] int32 took ~35 ms on 2 busy cores
+    (bench/bench_structured.py).
+    """
+    words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    bits = np.unpackbits(words, axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_)).to(device)
