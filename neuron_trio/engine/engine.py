@@ -15,8 +15,8 @@ changed only after the forwards returned. The caller then usually calls `cancel_
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from neuron_trio.engine.grammar import (
     GrammarCompiler,
     GrammarState,
     ToolCallFormat,
-    allowed_tokens,
+    apply_masks,
     detect_tool_format,
     fill_masks,
 )
@@ -122,9 +122,7 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------
 
-    def render_chat(
-        self, messages: list[dict[str, Any]], tools: Seq[ToolFunction] = ()
-    ) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: Seq[ToolFunction] = ()) -> str:
         """The chat template applied to `messages` (and `tools`), ending with the assistant's
         turn opening. A template that knows no tools gets them, and the history's calls and
         results, as text (`tool_calls.render_tools_as_text`).
@@ -342,10 +340,11 @@ class Engine:
                 if forked:
                     batch = torch.cat([batch, batch[[i for i, _ in forked]]], dim=0)
                     rows.extend(f for _, f in forked)
-                allowed = None
-                if bitmask is not None:
-                    allowed = allowed_tokens(bitmask, batch.shape[-1], batch.device)
-                results = self.sampler.sample(batch, [s.sampling for s in rows], allowed)
+                states = [s.sampling for s in rows]
+                if bitmask is None:
+                    results = self.sampler.sample(batch, states)
+                else:
+                    results = self.sampler.sample(apply_masks(batch, bitmask), states, batch)
         # The forwards returned: only now is any sequence's state advanced.
         self._steps += 1
         if epoch != self._epoch:

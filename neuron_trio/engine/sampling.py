@@ -126,18 +126,17 @@ class Sampler:
         self,
         logits: torch.Tensor,
         rows: Sequence[SamplingState],
-        allowed: torch.Tensor | None = None,
+        raw_logits: torch.Tensor | None = None,
     ) -> list[SampleResult]:
         """One token for each row of `logits` [B, V] (float32), recorded in its state.
 
-        `allowed` [B, V] bool (structured output): only tokens marked True may be picked; it
-        applies before penalties and filters, and logprobs stay those of the raw logits.
+        With structured output, `logits` has the tokens a grammar forbids at -inf (before
+        penalties and filters) and `raw_logits` is the model's own: logprobs are those.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
-        raw = logits
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
+        masked = raw_logits is not None
+        raw = logits if raw_logits is None else raw_logits
         if not any(s.needs_slow_path for s in rows):
             ids = logits.argmax(dim=-1).tolist()
             for state, token in zip(rows, ids, strict=True):
@@ -146,7 +145,7 @@ class Sampler:
 
         logits = logits.float()
         raw = raw.float()
-        work = logits.clone() if any(s.has_penalties for s in rows) and allowed is None else logits
+        work = logits.clone() if any(s.has_penalties for s in rows) and not masked else logits
         for i, state in enumerate(rows):
             if state.has_penalties:
                 state.apply_penalties(work[i])

@@ -63,16 +63,16 @@ def render_tools_as_text(
             calls = [
                 OPEN
                 + "\n"
-                + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                )
                 + "\n"
                 + CLOSE
                 for c in m["tool_calls"]
             ]
             out.append({"role": "assistant", "content": "\n".join([content, *calls]).strip()})
         elif role == "tool":
-            out.append(
-                {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-            )
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
             out.append({"role": role, "content": content})
     if tools:

@@ -261,7 +261,11 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
                 {
                     "role": "assistant",
                     "tool_calls": [
-                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "[1]"},
+                        }
                     ],
                 }
             ],
@@ -368,7 +372,12 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         400,
         "tool_choice",
     ),
-    (CHAT, {"model": "fake-model", "messages": MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
     (CHAT, {"model": "fake-model", "messages": MSGS, "tools": [TOOL, TOOL]}, 400, "tools"),
     (
         CHAT,
