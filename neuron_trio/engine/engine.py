@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,7 @@ class Engine:
         self._grammar: GrammarCompiler | None = None  # built on first use (0.1 s)
         self._tool_format: ToolCallFormat | None = None
         self._groups: dict[int, list[Sequence]] = {}  # requests of n > 1 choices, by id
+        self._masks: ThreadPoolExecutor | None = None  # fills grammar masks beside the forward
         self._ids = itertools.count(1)
         self._epoch = 0  # bumped by cancel_all: a step that was in flight then is void
         self._steps = 0
@@ -299,10 +301,14 @@ class Engine:
         rows: list[Sequence] = []
         chunks = plan.prefill
         # Structured output: the masks of the rows sampled this step depend only on the tokens
-        # so far, so they are computed before the forward.
+        # so far, so they are computed on a thread of their own while the forward runs
+        # (llguidance releases the GIL; so do torch's kernels).
         sampled = [*plan.decode, *(c.seq for c in chunks if c.is_last)]
         sampled += [f for seq in sampled for f in seq.forks]
-        bitmask = fill_masks([s.sampling.grammar for s in sampled], self.vocab_size)
+        grammars = [s.sampling.grammar for s in sampled]
+        masks = None
+        if any(g is not None for g in grammars):
+            masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
             if plan.decode:
                 ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
@@ -333,6 +339,7 @@ class Engine:
                     logits.append(out if len(done) == len(chunks) else out[done])
                     rows.extend(chunks[i].seq for i in done)
             results = []
+            bitmask = masks.result() if masks is not None else None
             if rows:
                 batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
                 # n choices: the others sample their first token from the same logits
@@ -362,6 +369,11 @@ class Engine:
             for seq, result in zip(rows, results, strict=True)
             if not seq.is_finished  # cancelled while the step ran
         ]
+
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masks
 
     def _fork(self, seq: Sequence) -> None:
         """The prompt of `seq` is in its slot: copy it to the slots of its other choices."""
