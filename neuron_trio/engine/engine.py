@@ -408,6 +408,10 @@ class Engine:
             elif seq.sampling.grammar is not None and seq.sampling.grammar.finished:
                 event.text += seq.text.finish()  # complete: only an end of turn could follow
                 event.finish_reason = "stop"
+            elif seq.sampling.grammar is not None and seq.sampling.grammar.error:
+                # the grammar engine gave up (a resource limit): never go on unconstrained
+                event.finish_reason = "error"
+                event.error = f"structured output: {seq.sampling.grammar.error}"
             elif seq.num_output >= params.max_tokens:
                 event.text += seq.text.finish()
                 # the held-back tail may still complete a stop string as the text is flushed

@@ -132,7 +132,7 @@ class GrammarState:
 
     @property
     def error(self) -> str | None:
-        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+        return _short(self._matcher.get_error()) if self._matcher.is_error() else None
 
     @property
     def finished(self) -> bool:

@@ -221,3 +221,11 @@ def test_llama3_calls_are_bare_json_with_parameters() -> None:
     fmt = ToolCallFormat("llama3")
     lark = fmt.lark([WEATHER], parallel=False)
     assert "<tool_call>" not in lark and '"parameters"' in lark
+
+
+def test_a_refused_token_leaves_the_state_in_error_and_the_row_unmasked() -> None:
+    state = _compiler().compile(Constraint("json", schema=PERSON))
+    state.accept(VOCAB.index("x"))  # not JSON: the matcher gives up
+    assert state.error
+    mask = fill_masks([state], V)
+    assert mask is not None and bool(allowed_tokens(mask, V, torch.device("cpu")).all())
