@@ -241,7 +241,9 @@ class Engine:
         if params.constraint is not None:
             seq.sampling.grammar = self.compile_constraint(params.constraint)  # a cache hit
         if params.tools:
-            seq.tool_calls = ToolCallParser(self.tool_format, params.tools)
+            seq.tool_calls = ToolCallParser(
+                self.tool_format, params.tools, parallel=params.parallel_tool_calls
+            )
         return seq
 
     def cancel(self, seq_id: int) -> None:

@@ -96,9 +96,12 @@ class ToolCallParser:
     that may be the start of a call is held back until it is known.
     """
 
-    def __init__(self, fmt: ToolCallFormat, tools: Sequence[ToolFunction]) -> None:
+    def __init__(
+        self, fmt: ToolCallFormat, tools: Sequence[ToolFunction], *, parallel: bool = True
+    ) -> None:
         self.format = fmt
         self.names = {t.name for t in tools}
+        self.parallel = parallel  # False: a call after the first is left as text
         self.calls: list[ToolCall] = []
         self._pending = ""  # held back: maybe (part of) a call
         self._started = False  # llama3: content seen (a call must come first)
@@ -122,6 +125,8 @@ class ToolCallParser:
             content.append(self._pending[:start])
             body = self._pending[start + len(OPEN) : end]
             call = self._call(body, "arguments")
+            if call is not None and not self.parallel and (self.calls or new):
+                call = None
             if call is None:
                 content.append(self._pending[start : end + len(CLOSE)])  # not a call after all
             else:

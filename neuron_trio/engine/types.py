@@ -61,6 +61,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # structured output: a grammar the tokens must follow
     # Tool calls are parsed out of the output text (and not shown as text) for these.
     tools: tuple[ToolFunction, ...] = ()
+    parallel_tool_calls: bool = True  # False: only the first call counts, the rest is text
     n: int = 1  # choices: the prompt is prefilled once, then each choice samples on its own
 
 

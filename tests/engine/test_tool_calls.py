@@ -82,3 +82,10 @@ def test_tools_and_tool_history_become_text_for_a_plain_template() -> None:
     assert out[3]["content"] == "<tool_response>\n18 C\n</tool_response>"
     with_system = render_tools_as_text([{"role": "system", "content": "Be brief."}], [WEATHER])
     assert len(with_system) == 1 and with_system[0]["content"].startswith("Be brief.")
+
+
+def test_without_parallel_calls_only_the_first_counts() -> None:
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME], parallel=False)
+    one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    text, calls = _feed(parser, [one, "\n" + one, ""])
+    assert calls == ["get_time{}"] and text == "\n" + one

@@ -400,7 +400,8 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
         top_logprobs=req.top_logprobs or 0,
     )
     constraint, tools = _constraint(req)
-    params = replace(params, constraint=constraint, tools=tools)
+    parallel = req.parallel_tool_calls is not False
+    params = replace(params, constraint=constraint, tools=tools, parallel_tool_calls=parallel)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
     job = GenerationJob(model=req.model, params=params, messages=messages)
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
