@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, Protocol
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from neuron_trio import failpoints
 from neuron_trio.config import NeuronConfig
@@ -49,6 +50,10 @@ UNLOAD_TIMEOUT_S = 10.0
 
 class DaemonNode(Protocol):
     """What the daemon asks of `service.node.Node` (beyond the HTTP layer's NodeService)."""
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """Where `/metrics` reads from; the daemon adds the GPU collector to it."""
 
     async def run(self, *, task_status: Any = ...) -> None:
         """Load `config.default_models` (progress as STATUS= lines through the notifier),
@@ -167,9 +172,7 @@ class Daemon:
         self.node = node = self.wiring.make_node(
             config, identity=identity, gpus=gpus, notifier=self.notifier
         )
-        registry = getattr(node, "metrics_registry", None)
-        if registry is not None:
-            registry.register(GpuCollector(gpus))
+        node.metrics_registry.register(GpuCollector(gpus))
         await root.start(node.run)
         app = self.wiring.create_app(node, config)
         serve_http = self.wiring.serve_http or _default_serve_http()

@@ -192,15 +192,6 @@ class NcclLibrary:
         )
         self.check("ncclAllReduce", rc, comm)
 
-    def broadcast(
-        self, ptr: int, count: int, dtype: str, root: int, comm: Any, stream: int
-    ) -> None:
-        buf = self.ffi.cast("void *", ptr)
-        rc = self.lib.ncclBroadcast(
-            buf, buf, count, DTYPES[dtype], root, comm, self.ffi.cast("void *", stream)
-        )
-        self.check("ncclBroadcast", rc, comm)
-
     def group_start(self) -> None:
         self.check("ncclGroupStart", self.lib.ncclGroupStart())
 
@@ -212,9 +203,6 @@ class NcclLibrary:
         result = self.ffi.new("ncclResult_t *")
         self.check("ncclCommGetAsyncError", self.lib.ncclCommGetAsyncError(comm, result), comm)
         return int(result[0])
-
-    def comm_finalize(self, comm: Any) -> None:
-        self.check("ncclCommFinalize", self.lib.ncclCommFinalize(comm), comm)
 
     def comm_destroy(self, comm: Any) -> None:
         self.check("ncclCommDestroy", self.lib.ncclCommDestroy(comm))
@@ -252,11 +240,6 @@ def load_nccl() -> NcclLibrary:
         return _library
 
 
-def check(call: str, rc: int, comm: Any = None) -> None:
-    """Module-level `NcclLibrary.check` on the process's library."""
-    load_nccl().check(call, rc, comm)
-
-
 def describe() -> dict[str, object]:
     """`{"version", "library"}`, or `{"error": why}`: never raises."""
     try:
@@ -265,8 +248,3 @@ def describe() -> dict[str, object]:
         return {"error": exc.last_error or str(exc)}
     except Exception as exc:  # a broken library must not break `neuron gpus`
         return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def nccl_status() -> dict[str, object]:
-    """The `"nccl"` entry of `neuron gpus --json` (same as describe())."""
-    return describe()

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -252,8 +251,3 @@ def _flush_everything() -> None:
                 stream.flush()
         except Exception:
             pass
-
-
-def wall_time() -> float:
-    """Wall-clock seconds, for the report's "since" (trio's clock is not wall time)."""
-    return time.time()

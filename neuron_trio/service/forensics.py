@@ -22,7 +22,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import msgspec
+
 from neuron_trio.gpu.smi import run_nvidia_smi
+from neuron_trio.service.timefmt import utc_iso
 
 T = TypeVar("T")
 
@@ -155,10 +158,10 @@ def gather_forensics(
         "version": 1,
         "reason": reason,
         "what": what,
-        "since": _iso(since) if since is not None else None,
+        "since": utc_iso(since) if since is not None else None,
         "wedged_for_s": round(now - since, 3) if since is not None else None,
         "deadlines_s": deadline_s,
-        "at": _iso(now),
+        "at": utc_iso(now),
         "pid": os.getpid(),
     }
     inflight = list(inflight or [])
@@ -180,18 +183,25 @@ def gather_forensics(
     return report
 
 
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 def report_filename(ts: float) -> str:
     """`20261202T171727.123456Z.json`: sorts by time; the UTC instant of the report."""
     return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%dT%H%M%S.%fZ") + ".json"
 
 
 def to_json(report: dict[str, Any]) -> str:
-    """One line of JSON (no newlines inside): the log record and the file's content."""
-    return json.dumps(report, default=repr, separators=(",", ":"), ensure_ascii=False)
+    """One line of JSON (no newlines inside): the log record and the file's content.
+
+    Structs (in-flight requests, watchdog statistics) encode as objects; anything else JSON
+    cannot hold becomes its repr, never an error (this runs on the way to exit 70).
+    """
+    try:
+        return _encoder.encode(report).decode("utf-8")
+    except Exception:  # e.g. a lone surrogate in a thread's stack text
+        builtins = msgspec.to_builtins(report, enc_hook=repr)
+        return json.dumps(builtins, default=repr, separators=(",", ":"), ensure_ascii=False)
+
+
+_encoder = msgspec.json.Encoder(enc_hook=repr)
 
 
 def write_report(

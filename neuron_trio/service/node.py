@@ -25,12 +25,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, is_dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import torch
 import trio
 from prometheus_client import CollectorRegistry
@@ -44,9 +44,10 @@ from neuron_trio.errors import (
     RequestError,
     UnavailableError,
 )
+from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
-from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
+from neuron_trio.service.model_actor import EventStream, ModelActor
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
@@ -55,12 +56,13 @@ from neuron_trio.service.placement import (
     place,
 )
 from neuron_trio.service.sources import resolve_source
+from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.watchdog import Watchdog
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
 
-ExecutorFactory = Callable[..., ExecutorLike]  # (spec, path, devices, *, failpoints)
+ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
 
 
@@ -77,10 +79,14 @@ class ModelExistsError(RequestError):
         )
 
 
+class LiveGpuSnapshot(GpuSnapshotLike, Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 class GpuSource(Protocol):
     """What the node needs of `gpu.actor.GpuActor`: a live NVML read."""
 
-    async def live(self) -> Any: ...
+    async def live(self) -> LiveGpuSnapshot: ...
 
 
 class StatusSink(Protocol):
@@ -97,13 +103,12 @@ class _Identity:
 
 
 def _ephemeral_identity() -> _Identity:
-    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return _Identity(boot_id=uuid.uuid4().hex, started_at=now, starts=1)
+    return _Identity(boot_id=uuid.uuid4().hex, started_at=utc_iso(time.time()), starts=1)
 
 
 def _default_factory(
     spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
-) -> ExecutorLike:
+) -> ModelExecutor:
     from neuron_trio.parallel.executor import build_executor
 
     return build_executor(spec, path, devices, failpoints=failpoints)
@@ -128,21 +133,6 @@ def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         report = {"unreadable": f"{type(exc).__name__}: {exc}"}
     return {"path": str(newest), "report": report}
-
-
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
 
 
 class Node:
@@ -234,11 +224,11 @@ class Node:
         gpus: Any = None
         if self._gpus is not None:
             try:
-                gpus = _jsonable(await self._gpus.live())
+                gpus = (await self._gpus.live()).to_dict()
             except Exception as exc:
                 gpus = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
         health = self.health()
-        return {
+        document = {
             "hostname": self.hostname,
             "boot_id": health.boot_id,
             "started_at": health.started_at,
@@ -255,9 +245,9 @@ class Node:
                 "deadman_firing": self.deadman.firing,
                 "deadman_reason": self.deadman.reason,
                 "models": {
-                    name: actor.watchdog.statistics().as_dict()
+                    name: actor.watchdog.statistics()
                     for name, actor in self._actors.items()
-                    if isinstance(actor.watchdog, Watchdog)
+                    if actor.watchdog is not None
                 },
             },
             "last_forensics": self._last_forensics,
@@ -266,6 +256,9 @@ class Node:
                 "fired": list(self.failpoints.fired),
             },
         }
+        # The typed parts (model entries, watchdog statistics) as plain JSON values: what
+        # the HTTP layer encodes, and what tests and `neuron status` read.
+        return msgspec.to_builtins(document)  # type: ignore[no-any-return]
 
     @asynccontextmanager
     async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
@@ -292,7 +285,7 @@ class Node:
         if self._draining or self._nursery is None:
             raise UnavailableError("the node is not taking new models now", code="draining")
         actor = await self._start_model(spec)
-        return actor.info()
+        return msgspec.to_builtins(actor.info())  # type: ignore[no-any-return]
 
     async def unload_model(self, name: str) -> None:
         """Wait for `name`'s in-flight requests, then free it. Raises ModelNotFoundError."""
@@ -446,10 +439,6 @@ class Node:
                 source_path=str(path),
                 memory={**estimate.to_dict(), "devices": [str(d) for d in devices]},
             )
-            if isinstance(actor.watchdog, Watchdog) and actor.watchdog.inflight_fn is None:
-                # The wedge snapshot in forensics: the requests that were in flight when the
-                # step hung (they are failed with 503 before the deadman ever runs).
-                actor.watchdog.inflight_fn = actor.inflight
             self._actors[spec.name] = actor
             try:
                 await self._nursery.start(actor.run)
@@ -465,7 +454,7 @@ class Node:
         return actor
 
     async def _unload(self, actor: ModelActor, *, force: bool = False) -> None:
-        on_cuda = any("cuda" in str(r.get("device")) for r in actor.info()["ranks"])
+        on_cuda = any("cuda" in device for device in actor.info().devices)
         await actor.unload(force=force)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]

@@ -34,7 +34,7 @@ from neuron_trio.service.node import ModelExistsError, Node, find_last_forensics
 from neuron_trio.service.placement import ModelEstimate
 from neuron_trio.service.watchdog import Watchdog
 
-from .test_model_actor import FakeDeadman, FakeExecutor, FakeThreads
+from .fakes import FakeDeadman, FakeExecutor, FakeThreads
 
 GIB = 1 << 30
 
