@@ -30,7 +30,14 @@ from prometheus_client import CollectorRegistry
 
 from neuron_trio import failpoints
 from neuron_trio.config import NeuronConfig
-from neuron_trio.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, ConfigError, ModelLoadError
+from neuron_trio.errors import (
+    EX_CONFIG,
+    EX_OK,
+    EX_OSERR,
+    EX_UNAVAILABLE,
+    ConfigError,
+    ModelLoadError,
+)
 from neuron_trio.gpu.actor import GpuActor
 from neuron_trio.gpu.metrics import GpuCollector
 from neuron_trio.gpu.nvml import GpuProbe
@@ -40,7 +47,6 @@ from neuron_trio.service.signals import SignalWatcher, die_by_signal, flush_logs
 
 log = logging.getLogger(__name__)
 
-EX_OSERR = 71  # sysexits: the listener could not be bound (address in use, permission)
 EX_CRASH = 1  # an unexpected exception: a bug, logged with its traceback
 # After the in-flight wait: hypercorn closing its connections, then unloading the models.
 # Both are bounded so that a drain ends before systemd's TimeoutStopSec (120 s) kills it.

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
+    ApiError,
     ConfigError,
     ModelLoadError,
     ModelNotFoundError,
@@ -445,7 +446,7 @@ class Node:
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
-        except (ModelLoadError, RequestError, ConfigError):
+        except (ModelLoadError, ApiError, ConfigError):
             raise
         except Exception as exc:  # a GPU read, a torch error: still a failed load
             raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {exc}") from exc

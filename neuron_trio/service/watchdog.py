@@ -8,7 +8,7 @@ Here every blocking call runs on a worker thread the event loop does not wait fo
     run_step(fn)         fn on thread "neuron-step-<model>" under tp.step_timeout_s
       └─ past it         -> StepTimeoutError; the model is "recovering"
     recover(executor)    abort every rank's communicator on thread "nccl-abort-<model>"
-      ├─ wait_for_abort  returned / error / deadline (tp.abort_deadline_s from the wedge)
+      ├─ wait_for_return  returned / error / deadline (tp.abort_deadline_s from the wedge)
       ├─ deadline        -> deadman: forensics, exit 70 (never returns)
       └─ came back       -> wedged step thread back (bounded), recreate_comm (bounded),
                             probe (bounded) -> serving again; any of them failing -> exit 70
@@ -48,8 +48,8 @@ from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 __all__ = [
-    "AbortOutcome",
-    "AbortResult",
+    "ReturnOutcome",
+    "CallReturn",
     "InflightRequest",
     "LastWedge",
     "StepTimeoutError",
@@ -57,18 +57,18 @@ __all__ = [
     "Watchdog",
     "WatchdogStatistics",
     "run_in_thread",
-    "wait_for_abort",
+    "wait_for_return",
 ]
 
 log = logging.getLogger("neuron.watchdog")
 
 T = TypeVar("T")
-AbortOutcome = Literal["returned", "error", "deadline"]
+ReturnOutcome = Literal["returned", "error", "deadline"]
 InflightFn = Callable[[], "list[InflightRequest]"]  # the requests in flight, for forensics
 WatchdogState = Literal["idle", "stepping", "probing", "recovering", "aborting", "wedged"]
 
-# After the deadline fires, how many scheduling rounds (at the same clock instant) an abort
-# that completed at that instant gets to deliver its result. Each hop (thread runner ->
+# After the deadline fires, how many scheduling rounds (at the same clock instant) a call
+# that came back at that instant gets to deliver its result. Each hop (thread runner ->
 # abort task -> event) takes one round; checkpoints do not advance even a MockClock.
 _SAME_INSTANT_ROUNDS = 16
 
@@ -77,23 +77,22 @@ _SAME_INSTANT_ROUNDS = 16
 
 
 @dataclass
-class AbortResult:
-    """What came back from a blocking call watched by `wait_for_abort`: filled in, then
-    the paired event is set. `error` is None if it returned normally."""
+class CallReturn:
+    """How a blocking call watched by `wait_for_return` came back (an abort, the wedged step,
+    a re-creation, a probe): filled in, then the paired event is set. `error` is None if it
+    returned normally (as trio's `outcome` carries a value or an error)."""
 
     error: BaseException | None = None
     finished_at: float | None = None  # trio clock
 
 
-async def wait_for_abort(
-    abort_done: trio.Event, abort_result: AbortResult, deadline: float
-) -> AbortOutcome:
-    """Wait until `abort_done` is set or the trio clock reaches `deadline`; say which.
+async def wait_for_return(done: trio.Event, result: CallReturn, deadline: float) -> ReturnOutcome:
+    """Wait until `done` is set or the trio clock reaches `deadline`; say which.
 
-    "returned": it came back in time; "error": it came back in time with
-    `abort_result.error` set (it came back: a recovery can go on); "deadline": it did not.
+    "returned": the call came back in time; "error": it came back in time with
+    `result.error` set (it came back: a recovery can go on); "deadline": it did not.
 
-    An abort that lands an instant before the deadline, or exactly at it, is a recovery:
+    A call that comes back an instant before the deadline, or exactly at it, counts as back:
     when the deadline scope fires first, every task made runnable at that same instant is
     given its turn (a bounded number of checkpoints, which never move the clock) and the
     event is checked again before deciding. So the answer does not depend on the order in
@@ -102,14 +101,14 @@ async def wait_for_abort(
     Touches no thread: test it with MockClock and trio-native fakes.
     """
     with trio.move_on_at(deadline):
-        await abort_done.wait()
+        await done.wait()
     rounds = 0
-    while not abort_done.is_set() and rounds < _SAME_INSTANT_ROUNDS:
+    while not done.is_set() and rounds < _SAME_INSTANT_ROUNDS:
         await trio.lowlevel.cancel_shielded_checkpoint()
         rounds += 1
-    if not abort_done.is_set():
+    if not done.is_set():
         return "deadline"
-    return "error" if abort_result.error is not None else "returned"
+    return "error" if result.error is not None else "returned"
 
 
 # --- threads ---------------------------------------------------------------------------------
@@ -174,7 +173,7 @@ class _Watch:
     started: float  # trio clock
     started_wall: float
     done: trio.Event = field(default_factory=trio.Event)
-    result: AbortResult = field(default_factory=AbortResult)
+    result: CallReturn = field(default_factory=CallReturn)
     detected: float | None = None  # trio clock: when it ran past its deadline
 
     def mark(self, error: BaseException | None, now: float) -> None:
@@ -204,7 +203,7 @@ class LastWedge(msgspec.Struct):
     outcome: str  # "recovering", "recovered", "deadman: <reason>"
     inflight: list[InflightRequest] | None  # the requests in flight at the wedge
     inflight_error: str | msgspec.UnsetType = msgspec.UNSET  # reading them failed
-    abort: AbortOutcome | msgspec.UnsetType = msgspec.UNSET  # tp > 1 only
+    abort: ReturnOutcome | msgspec.UnsetType = msgspec.UNSET  # tp > 1 only
     abort_s: float | msgspec.UnsetType = msgspec.UNSET
     recovered_after_s: float | msgspec.UnsetType = msgspec.UNSET
 
@@ -400,7 +399,7 @@ class Watchdog:
                 if outcome == "deadline":
                     await self._fire("abort-deadline", watch, comms, "the communicator abort")
                 self._set_state("recovering")
-                back = await wait_for_abort(
+                back = await wait_for_return(
                     watch.done, watch.result, self._clock() + self.step_timeout_s
                 )
                 if back == "deadline":
@@ -410,7 +409,7 @@ class Watchdog:
                 await self._recovery_call(executor.recreate_comm, "recreate_comm", watch, comms)
             else:
                 # Nothing to abort: the step itself gets the abort deadline to come back.
-                back = await wait_for_abort(watch.done, watch.result, abort_deadline)
+                back = await wait_for_return(watch.done, watch.result, abort_deadline)
                 if back == "deadline":
                     await self._fire("step-deadline", watch, comms, "the step (tp = 1)")
             await self._recovery_call(executor.probe, "probe", watch, comms)
@@ -429,12 +428,12 @@ class Watchdog:
                 self._clock() - watch.started,
             )
 
-    async def _abort(self, executor: ModelExecutor, deadline: float) -> AbortOutcome:
+    async def _abort(self, executor: ModelExecutor, deadline: float) -> ReturnOutcome:
         """Abort every rank's communicator on a thread of its own; wait until `deadline`."""
         self._set_state("aborting")
         started = self._clock()
         done = trio.Event()
-        result = AbortResult()
+        result = CallReturn()
 
         async def abort_task() -> None:
             try:
@@ -453,7 +452,7 @@ class Watchdog:
         self._log.warning("watchdog: model %s: aborting the communicator", self.model_name)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(abort_task)
-            outcome = await wait_for_abort(done, result, deadline)
+            outcome = await wait_for_return(done, result, deadline)
             nursery.cancel_scope.cancel()  # deadline: abandon the abort's thread
         duration = (result.finished_at if outcome != "deadline" else None) or self._clock()
         duration -= started
@@ -485,7 +484,7 @@ class Watchdog:
     ) -> None:
         """One recovery step on a worker thread, bounded by step_timeout_s; failing -> exit 70."""
         done = trio.Event()
-        result = AbortResult()
+        result = CallReturn()
         on_step_thread = what == "probe"
 
         async def call() -> None:
@@ -505,7 +504,7 @@ class Watchdog:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(call)
-            outcome = await wait_for_abort(done, result, self._clock() + self.step_timeout_s)
+            outcome = await wait_for_return(done, result, self._clock() + self.step_timeout_s)
             nursery.cancel_scope.cancel()
         if outcome == "returned":
             return

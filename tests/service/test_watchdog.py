@@ -159,7 +159,7 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
 @pytest.mark.parametrize("margin", [1e-9, 0.0])
 def test_tp3_abort_landing_at_the_last_instant_is_a_recovery(margin: float) -> None:
     for seed in range(20):
-        from tests.service.test_wait_for_abort import trio_seed
+        from tests.service.test_wait_for_return import trio_seed
 
         def lands(executor: ScriptedExecutor) -> float:
             # The same arithmetic as the watchdog's deadline: detected + abort_deadline_s.
