@@ -48,10 +48,10 @@ from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 __all__ = [
-    "ReturnOutcome",
     "CallReturn",
     "InflightRequest",
     "LastWedge",
+    "ReturnOutcome",
     "StepTimeoutError",
     "ThreadRunner",
     "Watchdog",
@@ -530,10 +530,10 @@ class Watchdog:
                 "abort_deadline_s": self.abort_deadline_s,
             },
             comms=comms,
+            inflight_at_wedge=None if last is None else last.inflight,
             details={
                 "model": self.model_name,
                 "detail": detail,
-                "inflight_at_wedge": None if last is None else last.inflight,
                 "watchdog": self.statistics(),
             },
         )

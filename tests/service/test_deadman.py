@@ -78,7 +78,8 @@ def test_fire_sync_writes_logs_and_exits_70(tmp_path: Path, no_nvidia_smi: None)
                 what="model m: step",
                 since=time.time() - 5,
                 deadlines_s={"step_timeout_s": 2.0, "abort_deadline_s": 3.0},
-                details={"model": "m", "inflight_at_wedge": [{"id": "r0", "age_s": 9.0}]},
+                inflight_at_wedge=[{"id": "r0", "age_s": 9.0}],
+                details={"model": "m"},
             )
         assert exits.codes == [70]
         assert deadman.firing and deadman.reason == "abort-deadline"

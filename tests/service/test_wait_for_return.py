@@ -19,7 +19,7 @@ import trio.testing
 from trio._core import _run as trio_run_internals
 
 from neuron_trio.errors import CommError
-from neuron_trio.service.watchdog import ReturnOutcome, CallReturn, wait_for_return
+from neuron_trio.service.watchdog import CallReturn, ReturnOutcome, wait_for_return
 
 DEADLINE_S = 60.0
 REPEATS = 100

@@ -141,9 +141,7 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
         assert fired["since"] == start  # wall clock is the virtual clock here
         assert fired["deadlines_s"] == {"step_timeout_s": STEP_S, "abort_deadline_s": ABORT_S}
         assert fired["comms"] == [executor.comm]
-        assert fired["details"]["inflight_at_wedge"] == [
-            InflightRequest("m", 1, "running", 1.0, 5, 2)
-        ]
+        assert fired["inflight_at_wedge"] == [InflightRequest("m", 1, "running", 1.0, 5, 2)]
         assert watchdog.state == "wedged"
         assert "recreate" not in executor.names()
 
