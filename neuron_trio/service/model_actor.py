@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 import trio
@@ -67,6 +67,15 @@ def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
     )
 
 
+class ModelMemory(msgspec.Struct, frozen=True):
+    """What placement estimated for a model, and the devices it chose (`/v1/node`)."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    total_bytes: int
+    devices: list[str]
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     """A model's entry in `/v1/node` (and the answer to a run-time load)."""
 
@@ -86,7 +95,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_queue: int
     ranks: list[RankInfo]
     devices: list[str]
-    memory: dict[str, Any]
+    memory: ModelMemory | None
     loaded_at: float | None  # unix seconds
     steps: int
     step_failures: int
@@ -189,14 +198,14 @@ class ModelActor:
         metrics: ModelMetrics | None = None,
         stream_capacity: int = 64,
         source_path: str | None = None,
-        memory: dict[str, Any] | None = None,
+        memory: ModelMemory | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.name
         self.max_queue = max_queue
         self.probe_interval_s = probe_interval_s
         self.source_path = source_path
-        self.memory = dict(memory or {})
+        self.memory = memory
         self.loaded_at: float | None = None  # unix seconds
         self.executor: ModelExecutor | None = None
         self.watchdog = watchdog

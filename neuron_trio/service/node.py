@@ -48,7 +48,7 @@ from neuron_trio.errors import (
 from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
-from neuron_trio.service.model_actor import EventStream, ModelActor
+from neuron_trio.service.model_actor import EventStream, ModelActor, ModelInfo, ModelMemory
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
@@ -58,7 +58,7 @@ from neuron_trio.service.placement import (
 )
 from neuron_trio.service.sources import resolve_source
 from neuron_trio.service.timefmt import utc_iso
-from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.watchdog import Watchdog, WatchdogStatistics
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,47 @@ def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEsti
     return estimate_model_bytes(spec, path, on_gpu=on_gpu)
 
 
-def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
+class LastForensics(msgspec.Struct, frozen=True):
+    """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
+
+    path: str
+    report: Any  # as written; {"unreadable": why} if it could not be read
+
+
+class NodeWatchdog(msgspec.Struct, frozen=True):
+    """`/v1/node` `watchdog`: the deadlines, the deadman, and each model's watchdog."""
+
+    step_timeout_s: float
+    abort_deadline_s: float
+    probe_interval_s: float
+    deadman_firing: bool
+    deadman_reason: str | None
+    models: dict[str, WatchdogStatistics]
+
+
+class FailpointsInfo(msgspec.Struct, frozen=True):
+    configured: dict[str, str]  # name -> action, as NEURON_FAILPOINTS set them
+    fired: list[str]
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """The `/v1/node` document (DESIGN.md)."""
+
+    hostname: str
+    boot_id: str
+    started_at: str
+    starts: int
+    status: str
+    draining: bool
+    config: str  # the config file read, or "<built-in default>"
+    gpus: Any  # a live NVML snapshot, or {"available": false, "error": why}
+    models: list[ModelInfo]
+    watchdog: NodeWatchdog
+    last_forensics: LastForensics | None
+    failpoints: FailpointsInfo
+
+
+def find_last_forensics(state_dir: Path) -> LastForensics | None:
     """The newest forensics report under `state_dir/forensics/`, with its path, or None."""
     folder = state_dir / "forensics"
     try:
@@ -133,7 +173,7 @@ def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
         report: Any = json.loads(newest.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         report = {"unreadable": f"{type(exc).__name__}: {exc}"}
-    return {"path": str(newest), "report": report}
+    return LastForensics(path=str(newest), report=report)
 
 
 class Node:
@@ -176,7 +216,7 @@ class Node:
         self._serving = False
         self._draining = False
         self._closed = trio.Event()
-        self._last_forensics: dict[str, Any] | None = None
+        self._last_forensics: LastForensics | None = None
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -229,36 +269,36 @@ class Node:
             except Exception as exc:
                 gpus = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
         health = self.health()
-        document = {
-            "hostname": self.hostname,
-            "boot_id": health.boot_id,
-            "started_at": health.started_at,
-            "starts": health.starts,
-            "status": health.status,
-            "draining": self._draining,
-            "config": self.config.source_path,
-            "gpus": gpus,
-            "models": [actor.info() for actor in self._actors.values()],
-            "watchdog": {
-                "step_timeout_s": self.config.tp.step_timeout_s,
-                "abort_deadline_s": self.config.tp.abort_deadline_s,
-                "probe_interval_s": self.config.tp.probe_interval_s,
-                "deadman_firing": self.deadman.firing,
-                "deadman_reason": self.deadman.reason,
-                "models": {
+        tp = self.config.tp
+        document = NodeInfo(
+            hostname=self.hostname,
+            boot_id=health.boot_id,
+            started_at=health.started_at,
+            starts=health.starts,
+            status=health.status,
+            draining=self._draining,
+            config=self.config.source_path,
+            gpus=gpus,
+            models=[actor.info() for actor in self._actors.values()],
+            watchdog=NodeWatchdog(
+                step_timeout_s=tp.step_timeout_s,
+                abort_deadline_s=tp.abort_deadline_s,
+                probe_interval_s=tp.probe_interval_s,
+                deadman_firing=self.deadman.firing,
+                deadman_reason=self.deadman.reason,
+                models={
                     name: actor.watchdog.statistics()
                     for name, actor in self._actors.items()
                     if actor.watchdog is not None
                 },
-            },
-            "last_forensics": self._last_forensics,
-            "failpoints": {
-                "configured": {k: str(v) for k, v in self.failpoints.configured.items()},
-                "fired": list(self.failpoints.fired),
-            },
-        }
-        # The typed parts (model entries, watchdog statistics) as plain JSON values: what
-        # the HTTP layer encodes, and what tests and `neuron status` read.
+            ),
+            last_forensics=self._last_forensics,
+            failpoints=FailpointsInfo(
+                configured={k: str(v) for k, v in self.failpoints.configured.items()},
+                fired=list(self.failpoints.fired),
+            ),
+        )
+        # As plain JSON values: what the HTTP layer encodes, and what tests and tools read.
         return msgspec.to_builtins(document)  # type: ignore[no-any-return]
 
     @asynccontextmanager
@@ -310,7 +350,7 @@ class Node:
             find_last_forensics, self.config.state_path
         )
         if self._last_forensics is not None:
-            log.warning("last forensics report: %s", self._last_forensics["path"])
+            log.warning("last forensics report: %s", self._last_forensics.path)
         failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -438,7 +478,12 @@ class Node:
                 watchdog=self._watchdog_factory(spec),
                 metrics=self._metrics.for_model(spec.name),
                 source_path=str(path),
-                memory={**estimate.to_dict(), "devices": [str(d) for d in devices]},
+                memory=ModelMemory(
+                    weights_bytes=estimate.weights_bytes,
+                    kv_cache_bytes=estimate.kv_cache_bytes,
+                    total_bytes=estimate.total_bytes,
+                    devices=[str(d) for d in devices],
+                ),
             )
             self._actors[spec.name] = actor
             try:

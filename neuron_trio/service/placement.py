@@ -56,13 +56,6 @@ class ModelEstimate:
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_cache_bytes
 
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "weights_bytes": self.weights_bytes,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "total_bytes": self.total_bytes,
-        }
-
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
