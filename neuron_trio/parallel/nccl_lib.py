@@ -47,9 +47,6 @@ DTYPES = {
 }
 SUM = 0  # ncclRedOp_t ncclSum
 SUCCESS = 0
-IN_PROGRESS = 7  # ncclInProgress: a nonblocking call still running
-CONFIG_MAGIC = 0xCAFEBEEF
-CONFIG_VERSION = 21400  # >= 2.14, or `blocking` is ignored
 
 _lock = threading.Lock()
 _library: NcclLibrary | None = None
@@ -150,11 +147,6 @@ class NcclLibrary:
 
     # Thin wrappers: each checks its result. All may block; none belongs on an event loop.
 
-    def get_unique_id(self) -> Any:
-        uid = self.ffi.new("ncclUniqueId *")
-        self.check("ncclGetUniqueId", self.lib.ncclGetUniqueId(uid))
-        return uid[0]
-
     def comm_init_all(self, device_ordinals: list[int]) -> list[Any]:
         """One communicator per CUDA device ordinal, all driven by this process."""
         n = len(device_ordinals)
@@ -162,25 +154,6 @@ class NcclLibrary:
         devlist = self.ffi.new("int[]", device_ordinals)
         self.check("ncclCommInitAll", self.lib.ncclCommInitAll(comms, n, devlist))
         return [comms[i] for i in range(n)]
-
-    def comm_init_rank(
-        self, nranks: int, unique_id: Any, rank: int, *, blocking: bool | None = None
-    ) -> Any:
-        """ncclCommInitRank, or ncclCommInitRankConfig when `blocking` is given."""
-        comm = self.ffi.new("ncclComm_t *")
-        if blocking is None:
-            rc = self.lib.ncclCommInitRank(comm, nranks, unique_id, rank)
-            self.check("ncclCommInitRank", rc)
-        else:
-            config = self.ffi.new("ncclConfig_t *")
-            config.size = self.ffi.sizeof("ncclConfig_t")  # the prefix we declare
-            config.magic = CONFIG_MAGIC
-            config.version = CONFIG_VERSION
-            config.blocking = 1 if blocking else 0
-            rc = self.lib.ncclCommInitRankConfig(comm, nranks, unique_id, rank, config)
-            if rc != IN_PROGRESS:  # nonblocking init: poll comm_async_error
-                self.check("ncclCommInitRankConfig", rc)
-        return comm[0]
 
     def all_reduce(
         self, ptr: int, count: int, dtype: str, comm: Any, stream: int, *, op: int = SUM

@@ -116,28 +116,6 @@ class Deadman:
             report = self._minimal(fired, f"gathering overran {self._gather_timeout_s:g} s")
         self._finish(report)
 
-    def fire_sync(
-        self,
-        reason: str,
-        *,
-        what: str,
-        since: float | None,
-        deadlines_s: dict[str, float] | None = None,
-        comms: Iterable[Any] = (),
-        inflight_at_wedge: list[Any] | None = None,
-        details: dict[str, Any] | None = None,
-    ) -> NoReturn:
-        """Fire from any thread, trio or not; blocks the caller while gathering (bounded)."""
-        self._mark(reason)
-        fired = _Firing(reason, what, since, deadlines_s, list(comms), inflight_at_wedge, details)
-        try:
-            report = forensics.bounded(
-                lambda: self._gather(fired), self._gather_timeout_s, name="neuron-deadman"
-            )
-        except Exception as exc:
-            report = self._minimal(fired, f"{type(exc).__name__}: {exc}")
-        self._finish(report)
-
     # --- inside ---------------------------------------------------------------------------
 
     def _mark(self, reason: str) -> None:
