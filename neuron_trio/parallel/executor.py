@@ -69,7 +69,6 @@ class Executor:
         self.tp = len(models)
         self._failpoints = fp.REGISTRY if failpoints is None else failpoints
         self._lock = threading.Lock()  # recreate/close against each other
-        self.comm_generation = 0  # how many times the communicator was re-created
         self.closed = False
 
     @property
@@ -117,7 +116,6 @@ class Executor:
             assert isinstance(runner, TPRunner)  # a communicator exists only with tp > 1
             runner.rebind(new)
             self.comm = new
-            self.comm_generation += 1
 
     def close(self) -> None:
         """Cancel every sequence, destroy the communicator, free the models. May block."""

@@ -22,7 +22,7 @@ How the model actor uses it (one Watchdog per model, one Deadman per process):
         events = await watchdog.run_step(executor.step, inflight=actor.inflight)
         # idle for probe_interval_s instead: await watchdog.run_idle_probe(executor.probe)
     except StepTimeoutError:
-        fail in-flight requests with 503 (watchdog.recovering is True now)
+        fail in-flight requests with 503 (watchdog.state is "recovering" now)
         await watchdog.recover(executor)      # returns only once serving again
 
 Steps, probes and recovery of one model are serialised by one lock (the engine is not
@@ -273,11 +273,6 @@ class Watchdog:
     @property
     def state(self) -> WatchdogState:
         return "wedged" if self._deadman.firing else self._state
-
-    @property
-    def recovering(self) -> bool:
-        """True from a step's timeout until recovery ends (or the deadman fires)."""
-        return self.state in ("recovering", "aborting", "wedged")
 
     def statistics(self) -> WatchdogStatistics:
         last = self._last_wedge

@@ -93,7 +93,7 @@ def test_wedged_collective_abort_recreate_probe_serve(tiny: Path) -> None:
     executor.engine.cancel_all()
     old = executor.comm
     executor.recreate_comm()
-    assert executor.comm is not old and executor.comm_generation == 1
+    assert executor.comm is not old
     assert executor.runner.comm is executor.comm
     executor.probe()
     assert _generate(executor, PROMPTS[:1]) == expected  # serves again, same tokens
