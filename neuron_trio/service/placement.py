@@ -31,6 +31,8 @@ class GpuMemoryReading(Protocol):
     @property
     def index(self) -> int: ...
     @property
+    def uuid(self) -> str: ...
+    @property
     def memory_free_bytes(self) -> int: ...
     @property
     def memory_total_bytes(self) -> int: ...
@@ -43,6 +45,8 @@ class GpuSnapshotLike(Protocol):
     def available(self) -> bool: ...
     @property
     def gpus(self) -> Sequence[GpuMemoryReading]: ...
+    @property
+    def reason(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def cuda_ordinals(gpus: Sequence[GpuMemoryReading], visible: str | None) -> dict
     """
     if visible is None:
         return {g.index: g.index for g in gpus}
-    by_uuid = {str(getattr(g, "uuid", "")): g.index for g in gpus if getattr(g, "uuid", "")}
+    by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
     present = {g.index for g in gpus}
     ordinals: dict[int, int] = {}
     for entry in (e.strip() for e in visible.split(",")):
@@ -132,7 +136,7 @@ def place(
         return [torch.device("cuda", ordinal[i]) for i in spec.devices]
     # "auto"
     if not gpus:
-        why = getattr(gpus_snapshot, "reason", None) or "no GPU found"
+        why = (gpus_snapshot.reason if gpus_snapshot else None) or "no GPU found"
         log.info("model %s: %s; placing %d rank(s) on the CPU", spec.name, why, tp)
         return [torch.device("cpu")] * tp
     per_rank = -(-model_bytes_estimate // tp)

@@ -45,6 +45,7 @@ class Reading:
     memory_free_bytes: int
     memory_total_bytes: int = 80 * GIB
     error: str | None = None
+    uuid: str = ""
 
 
 @dataclass
