@@ -226,3 +226,20 @@ def test_n_cancel_frees_every_choice_and_n_is_bounded(tiny_path: Path) -> None:
 def _run_one(engine: Engine, prompt: list[int], params: SamplingParams) -> list[SequenceEvent]:
     seq_id = engine.add(prompt, params, chat=False)
     return _run(engine)[seq_id]
+
+
+def test_tools_go_through_a_template_that_knows_them_else_as_text(tiny_path: Path) -> None:
+    from neuron_trio.engine.chat import ChatTemplate
+    from neuron_trio.engine.types import ToolFunction
+
+    engine = _engine(tiny_path)
+    tool = ToolFunction("get_weather", "Weather", '{"type":"object"}')
+    messages = [{"role": "user", "content": "Weather?"}]
+    plain = engine.render_chat(messages, [tool])  # the tiny model's template knows no tools
+    assert "<tools>" in plain and '"get_weather"' in plain
+    engine.chat_template = ChatTemplate(
+        "{% if tools %}{% for t in tools %}[TOOL {{ t.function.name }}]{% endfor %}{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    )
+    assert engine.render_chat(messages, [tool]) == "[TOOL get_weather]<user>Weather?<assistant>"
+    assert engine.render_chat(messages) == "<user>Weather?<assistant>"

@@ -229,3 +229,12 @@ def test_a_refused_token_leaves_the_state_in_error_and_the_row_unmasked() -> Non
     assert state.error
     mask = fill_masks([state], V)
     assert mask is not None and bool(allowed_tokens(mask, V, torch.device("cpu")).all())
+
+
+def test_tool_format_follows_the_template() -> None:
+    tok = CharTokenizer()
+    assert detect_tool_format(tok, "{{ '<|python_tag|>' }}<|eot_id|>").style == "llama3"
+    hermes = detect_tool_format(tok, "{% if tools %}<tool_call>{% endif %}")
+    assert hermes.style == "hermes" and hermes.open_token_id is None  # not a special token here
+    tok.special_ids = tok.special_ids | {VOCAB.index("<tool_call>")}
+    assert detect_tool_format(tok, None).open_token_id == VOCAB.index("<tool_call>")
