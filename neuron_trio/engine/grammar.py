@@ -197,10 +197,14 @@ class GrammarCompiler:
         try:
             grammar = _lark_of(constraint, self.tool_format)
         except ValueError as exc:
-            raise RequestError(f"{param}: invalid JSON schema: {exc}", param=param) from None
+            raise RequestError(
+                f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
+            ) from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise RequestError(f"{param}: {_short(matcher.get_error())}", param=param)
+            raise RequestError(
+                f"{param}: {_short(matcher.get_error())}", param=param, code="invalid_schema"
+            )
         return matcher
 
 

@@ -177,7 +177,7 @@ def test_bad_or_unenforceable_schemas_are_400s_naming_the_problem(schema: str, w
         _compiler().compile(Constraint("json", schema=schema))
     assert err.value.param == "response_format"
     assert words in err.value.message
-    assert err.value.status == 400
+    assert err.value.status == 400 and err.value.code == "invalid_schema"
 
 
 def test_compiled_grammars_are_cached_by_constraint() -> None:

@@ -353,6 +353,7 @@ def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[To
             raise RequestError(
                 f"tool_choice: no function named {choice.function.name!r} in tools",
                 param="tool_choice",
+                code="unknown_function",
             )
         return Constraint("tool_call", tools=(chosen[0],)), tools
     if choice == "required":
