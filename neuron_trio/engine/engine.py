@@ -10,6 +10,13 @@ by `probe`, so a probe never disturbs a running sequence.
 
 A step that raises (a failed or aborted forward) leaves no sequence half-advanced: state is
 changed only after the forwards returned. The caller then usually calls `cancel_all`.
+
+Structured output: a sequence with a `Constraint` holds a grammar state; each step fills the
+masks of the rows it samples (on a thread beside the forward) and applies them to the logits
+the runner returns, which under tensor parallelism are already gathered. A request of n
+choices is n sequences: the first prefills the prompt, the others (FORKING until then) copy
+its K/V rows and sample their first token from the same logits; every event carries the
+first one's id and the choice's `index`.
 """
 
 from __future__ import annotations
