@@ -184,3 +184,25 @@ def test_n_choices_with_indexes_and_usage_over_all() -> None:
             assert chunks[-1]["usage"]["completion_tokens"] == 5
 
     run(body)
+
+
+def test_completions_take_n_too() -> None:
+    async def body() -> None:
+        node = FakeNode()
+        node.script = _n_script()
+        async with serving(node) as srv, h2_client(srv.url) as client:
+            doc = {"model": "fake-model", "prompt": "p", "n": 2, "max_tokens": 3}
+            r = await client.post("/v1/completions", json=doc)
+            choices = r.json()["choices"]
+            assert [(c["index"], c["text"], c["finish_reason"]) for c in choices] == [
+                (0, "abc", "length"),
+                (1, "xy", "stop"),
+            ]
+            r = await client.post("/v1/completions", json={**doc, "stream": True})
+            texts: dict[int, str] = {}
+            for chunk in sse_events(r.text)[:-1]:
+                for c in chunk["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            assert texts == {0: "abc", 1: "xy"}
+
+    run(body)
