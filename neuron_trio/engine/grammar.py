@@ -7,7 +7,7 @@ that was sampled. Rows without a constraint get an all-ones row, so constrained 
 (and rows with different grammars) share one batch, one forward and one sampler call.
 
 Why llguidance (1.9) rather than xgrammar (0.2): measured on the built-in model's 49 152-token
-vocabulary (bench/bench_grammar.py), both are far below a decode step (xgrammar ~5 µs per mask
+vocabulary (issue 14's closing note), both are far below a decode step (xgrammar ~5 µs per mask
 after a 1-5 ms compile; llguidance ~15-30 µs per mask, no ahead-of-time compile, <1 ms per
 schema); but xgrammar's wheel requires torch, transformers, triton and pydantic (an unpinned
 torch may pull a CUDA build of several GB: STACK-NOTES), while llguidance is one 8 MB wheel
