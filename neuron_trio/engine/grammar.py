@@ -11,9 +11,9 @@ vocabulary (issue 14's closing note), both are far below a decode step (xgrammar
 after a 1-5 ms compile; llguidance ~15-30 µs per mask, no ahead-of-time compile, <1 ms per
 schema); but xgrammar's wheel requires torch, transformers, triton and pydantic (an unpinned
 torch may pull a CUDA build of several GB: STACK-NOTES), while llguidance is one 8 MB wheel
-with no dependencies. llguidance also refuses schema keywords it cannot enforce (a 400 naming
-them, as DESIGN.md asks) instead of ignoring them, and its Lark grammars embed JSON Schemas
-(`%json {...}`), which is what a tool call in a model's own format needs.
+with no dependencies. llguidance also refuses schema keywords it cannot enforce (`if`/`then`,
+an unknown `format`: a 400 naming them, as DESIGN.md asks), and its Lark grammars embed JSON
+Schemas (`%json {...}`), which is what a tool call in a model's own format needs.
 
 Compilation (`GrammarCompiler.compile`) parses the grammar once per distinct constraint and
 caches the resulting matcher in its initial state; each sequence gets a deep copy (µs). It runs
