@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from neuron_trio.config import load_config
+from neuron_trio.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNIT = DEPLOY / "neuron.service"
@@ -124,8 +125,29 @@ def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
     assert proc.returncode != 0
 
 
-def test_example_config_loads() -> None:
-    config = load_config(DEPLOY / "neuron.toml", environ={})
+def test_example_config_is_not_open_as_shipped(tmp_path: Path) -> None:
+    # It names key files, so it does not load until they exist; and without the API key it
+    # would be refused, not served openly.
+    text = (DEPLOY / "neuron.toml").read_text()
+    with pytest.raises(ConfigError, match="api_key_file"):
+        load_config(DEPLOY / "neuron.toml", environ={})
+    assert "\nallow_unauthenticated = false" in text
+    keyless = tmp_path / "keyless.toml"
+    keyless.write_text(text.replace('\napi_key_file = "', '\n# api_key_file = "'))
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        load_config(keyless, environ={"NEURON_SERVER_ADMIN_KEY_FILE": str(_key(tmp_path))})
+
+
+def _key(tmp_path: Path) -> Path:
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    return key
+
+
+def test_example_config_loads(tmp_path: Path) -> None:
+    key = str(_key(tmp_path))
+    environ = {"NEURON_SERVER_API_KEY_FILE": key, "NEURON_SERVER_ADMIN_KEY_FILE": key}
+    config = load_config(DEPLOY / "neuron.toml", environ=environ)
     assert config.server.listen == ["0.0.0.0:8080"]
     assert config.server.drain_timeout_s < 120  # below TimeoutStopSec
     assert config.node.state_dir == "/var/lib/neuron"

@@ -39,6 +39,7 @@ from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
     ConfigError,
+    ModelFileError,
     ModelLoadError,
     ModelNotFoundError,
     RequestError,
@@ -54,7 +55,7 @@ from neuron_trio.service.placement import (
     estimate_model_bytes,
     place,
 )
-from neuron_trio.service.sources import resolve_source
+from neuron_trio.service.sources import HubLimits, resolve_source
 from neuron_trio.service.watchdog import Watchdog
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
@@ -62,6 +63,19 @@ log = logging.getLogger(__name__)
 
 ExecutorFactory = Callable[..., ExecutorLike]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
+
+
+class TooManyModelsError(RequestError):
+    """Raised by a runtime load if `node.max_models` models are already loaded (409)."""
+
+    status = 409
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"{limit} models are loaded, the most this node holds (node.max_models); "
+            "unload one first",
+            code="too_many_models",
+        )
 
 
 class ModelExistsError(RequestError):
@@ -291,7 +305,10 @@ class Node:
         """
         if self._draining or self._nursery is None:
             raise UnavailableError("the node is not taking new models now", code="draining")
-        actor = await self._start_model(spec)
+        loaded = len(self._actors) + len(self._reserved)
+        if loaded >= self.config.node.max_models and spec.name not in self._actors:
+            raise TooManyModelsError(self.config.node.max_models)
+        actor = await self._start_model(spec, hub_limits=HubLimits.from_config(self.config))
         return actor.info()
 
     async def unload_model(self, name: str) -> None:
@@ -408,21 +425,34 @@ class Node:
         snapshot: GpuSnapshotLike = await self._gpus.live()
         return snapshot
 
-    async def _start_model(self, spec: ModelConfig) -> ModelActor:
+    async def _start_model(
+        self, spec: ModelConfig, *, hub_limits: HubLimits | None = None
+    ) -> ModelActor:
         if spec.name in self._actors or spec.name in self._reserved:
             raise ModelExistsError(spec.name)
         assert self._nursery is not None
         self._reserved.add(spec.name)
         try:
             path = await trio.to_thread.run_sync(
-                partial(resolve_source, spec.source, self.config, progress=self._status),
+                partial(
+                    resolve_source,
+                    spec.source,
+                    self.config,
+                    progress=self._status,
+                    limits=hub_limits,
+                ),
                 abandon_on_cancel=True,
             )
             snapshot = await self._live_gpus(spec)
             on_gpu = spec.devices != "cpu" and bool(snapshot and snapshot.gpus)
-            estimate = await trio.to_thread.run_sync(
-                self._estimator, spec, path, on_gpu, abandon_on_cancel=True
-            )
+            try:
+                estimate = await trio.to_thread.run_sync(
+                    self._estimator, spec, path, on_gpu, abandon_on_cancel=True
+                )
+            except ModelFileError as exc:
+                # Name the file as the client did: where a source resolves to is not theirs.
+                detail = str(exc).replace(str(path), spec.source)
+                raise type(exc)(f"model {spec.name!r}: {detail}") from None
             devices = place(
                 spec,
                 estimate.total_bytes,
