@@ -181,7 +181,9 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:8080", "[::]:8080", "10.1.2.3:80", "node7:8080"])
-def test_an_exposed_listener_needs_a_key_or_an_explicit_opt_out(tmp_path: Path, listen: str) -> None:
+def test_an_exposed_listener_needs_a_key_or_an_explicit_opt_out(
+    tmp_path: Path, listen: str
+) -> None:
     path = _write(tmp_path, f'[server]\nlisten = ["127.0.0.1:1", "{listen}"]\n')
     message = _error(path, {})
     assert "server.listen" in message and listen in message and "api_key_file" in message

@@ -81,7 +81,9 @@ def check_header_size(path: Path, pos: int) -> None:
         raise _fail(path, f"the GGUF header is larger than {MAX_HEADER_BYTES} bytes")
 
 
-def check_array(path: Path, sub_type: int, count: int, depth: int, pos: int, file_size: int) -> None:
+def check_array(
+    path: Path, sub_type: int, count: int, depth: int, pos: int, file_size: int
+) -> None:
     """An array of `count` elements of `sub_type` at nesting `depth` (1: a top-level array)."""
     if depth > MAX_ARRAY_DEPTH:
         raise _fail(path, f"metadata arrays nested deeper than {MAX_ARRAY_DEPTH} at byte {pos}")
@@ -94,7 +96,8 @@ def check_array(path: Path, sub_type: int, count: int, depth: int, pos: int, fil
         raise _fail(path, f"unknown GGUF array element type {sub_type} at byte {pos}")
     if count * size > file_size - pos:
         raise _fail(
-            path, f"a metadata array of {count} elements at byte {pos} runs past the end of the file"
+            path,
+            f"a metadata array of {count} elements at byte {pos} runs past the end of the file",
         )
 
 
@@ -119,7 +122,9 @@ def check_alignment(path: Path, align: Any) -> int:
         or not 1 <= align <= MAX_ALIGNMENT
         or align & (align - 1)
     ):
-        raise _fail(path, f"general.alignment {align!r} is not a power of two up to {MAX_ALIGNMENT}")
+        raise _fail(
+            path, f"general.alignment {align!r} is not a power of two up to {MAX_ALIGNMENT}"
+        )
     return align
 
 
@@ -137,7 +142,9 @@ def check_shape_metadata(path: Path, metadata: Mapping[str, Any], n_tensors: int
         values = value if isinstance(value, list) else [value]
         for v in values:
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= cap:
-                raise _fail(path, f"metadata {key} = {_short(value)} is not an integer from 1 to {cap}")
+                raise _fail(
+                    path, f"metadata {key} = {_short(value)} is not an integer from 1 to {cap}"
+                )
     blocks = metadata.get(f"{arch}.block_count")
     if isinstance(blocks, int) and blocks > n_tensors:
         raise _fail(

@@ -22,6 +22,12 @@
 4. A connection limit. With `max_connections` on the config, a connection accepted beyond
    it is closed at once (before any byte is read), so descriptors stay well below the
    process's limit and accept(2) never meets EMFILE.
+5. A connection the client closed is closed at once. On EOF hypercorn closes the streams,
+   which restarts the connection's idle timer, and the connection's task group then waits
+   for that timer: the socket stayed open for `keep_alive_timeout` (75 s here) after the
+   peer had gone, so a client that reconnects often held dozens of dead descriptors. Once
+   the read loop has ended the timer is stopped and not restarted (the app tasks' last
+   `Updated(idle=True)` arrives after it, in an order trio does not fix).
 
 Each is applied only if hypercorn still has the shape it was written against; otherwise it
 logs and leaves hypercorn alone.
@@ -101,10 +107,14 @@ def apply_hypercorn_fixes() -> None:
     original_send = getattr(H2Protocol, "stream_send", None)
     original_events = getattr(H2Protocol, "_handle_events", None)
     original_run = getattr(TCPServer, "run", None)
+    original_read = getattr(TCPServer, "_read_data", None)
+    original_idle = getattr(TCPServer, "_idle_timeout", None)
     if (
-        original_send is None
+        original_idle is None
+        or original_send is None
         or original_events is None
         or original_run is None
+        or original_read is None
         or not hasattr(StreamBuffer, "complete")
         or not hasattr(H2Protocol, "_flush")
     ):
@@ -125,9 +135,7 @@ def apply_hypercorn_fixes() -> None:
     def _drop_data(self: Any, event: Any) -> None:
         """DATA for a stream whose response has ended: acknowledge it, reset the stream."""
         try:
-            self.connection.acknowledge_received_data(
-                event.flow_controlled_length, event.stream_id
-            )
+            self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         except h2.exceptions.ProtocolError:
             pass
         try:
@@ -183,7 +191,23 @@ def apply_hypercorn_fixes() -> None:
         finally:
             gate.leave()
 
+    async def _read_data(self: Any) -> None:
+        await original_read(self)
+        # The peer is gone: do not wait keep_alive_timeout to close. A timer (re)started
+        # from now on returns at once; the one running now is cancelled.
+        self._neuron_peer_gone = True
+        idle = getattr(self, "idle_task", None)
+        if idle is not None:
+            await idle.stop()
+
+    async def _idle_timeout(self: Any) -> None:
+        if getattr(self, "_neuron_peer_gone", False):
+            return
+        await original_idle(self)
+
     H2Protocol.stream_send = stream_send  # type: ignore[method-assign]
+    TCPServer._read_data = _read_data  # type: ignore[method-assign]
+    TCPServer._idle_timeout = _idle_timeout  # type: ignore[method-assign]
     H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
     TCPServer.run = run  # type: ignore[method-assign]
     _APPLIED = True

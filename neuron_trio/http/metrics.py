@@ -21,6 +21,7 @@ KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPT
 def method_label(method: str) -> str:
     return method if method in KNOWN_METHODS else "other"
 
+
 # Seconds. Covers a /health answer (sub-ms) up to a long non-streaming generation.
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any
 
 T_UINT32, T_FLOAT32, T_STRING, T_ARRAY, T_UINT64 = 4, 6, 8, 9, 10
 F32 = 0
@@ -36,7 +35,9 @@ def kv_str(key: str, value: str) -> bytes:
     return kv(key, T_STRING, enc_string(value))
 
 
-def tensor_info(name: str, dims_torch_order: tuple[int, ...], offset: int, qtype: int = F32) -> bytes:
+def tensor_info(
+    name: str, dims_torch_order: tuple[int, ...], offset: int, qtype: int = F32
+) -> bytes:
     dims = tuple(reversed(dims_torch_order))  # GGUF stores the innermost dimension first
     out = enc_string(name) + struct.pack("<I", len(dims))
     out += b"".join(struct.pack("<Q", d) for d in dims)
@@ -62,7 +63,10 @@ def raw_gguf(
             n *= d
         offset += (n * 4 + 31) // 32 * 32
     head = b"GGUF" + struct.pack(
-        "<IQQ", 3, len(tensors) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv
+        "<IQQ",
+        3,
+        len(tensors) if n_tensors is None else n_tensors,
+        len(kvs) if n_kv is None else n_kv,
     )
     body = head + b"".join(kvs) + b"".join(infos)
     pad = (-len(body)) % 32 if tensors else 0
@@ -71,7 +75,13 @@ def raw_gguf(
 
 
 def llama_kvs(
-    *, blocks: int = 1, dim: int = 8, heads: int = 2, kv_heads: int = 1, ffn: int = 16, **extra: Any
+    *,
+    blocks: int = 1,
+    dim: int = 8,
+    heads: int = 2,
+    kv_heads: int = 1,
+    ffn: int = 16,
+    extra: dict[str, int | float] | None = None,
 ) -> list[bytes]:
     """The metadata of a tiny llama (no tokenizer: the GGUF reader does not need one)."""
     kvs = [
@@ -82,12 +92,18 @@ def llama_kvs(
         kv_u32("llama.attention.head_count_kv", kv_heads),
         kv_u32("llama.feed_forward_length", ffn),
     ]
-    kvs += [kv_u32(k, v) if isinstance(v, int) else kv_f32(k, v) for k, v in extra.items()]
+    kvs += [kv_u32(k, v) if isinstance(v, int) else kv_f32(k, v) for k, v in (extra or {}).items()]
     return kvs
 
 
 def llama_tensors(
-    *, blocks: int = 1, dim: int = 8, heads: int = 2, kv_heads: int = 1, ffn: int = 16, vocab: int = 16
+    *,
+    blocks: int = 1,
+    dim: int = 8,
+    heads: int = 2,
+    kv_heads: int = 1,
+    ffn: int = 16,
+    vocab: int = 16,
 ) -> list[tuple[str, tuple[int, ...]]]:
     hd = dim // heads
     out: list[tuple[str, tuple[int, ...]]] = [

@@ -97,7 +97,11 @@ def test_deeply_nested_arrays_are_refused_not_a_recursion_error(tmp_path: Path) 
     ],
 )
 def test_shape_numbers_out_of_range(tmp_path: Path, key: str, value: int) -> None:
-    path = raw_gguf(tmp_path / "zero.gguf", llama_kvs(**{key: value}), llama_tensors())
+    shape = {"dim": 8, "heads": 2, "kv_heads": 1, "ffn": 16} | {key: value}
+    kvs = llama_kvs(
+        dim=shape["dim"], heads=shape["heads"], kv_heads=shape["kv_heads"], ffn=shape["ffn"]
+    )
+    path = raw_gguf(tmp_path / "zero.gguf", kvs, llama_tensors())
     _refused(path, "is not an integer from 1 to")
 
 
@@ -108,7 +112,7 @@ def test_a_zero_alignment(tmp_path: Path) -> None:
 
 def test_rope_base_must_be_positive(tmp_path: Path) -> None:
     path = raw_gguf(
-        tmp_path / "rope.gguf", llama_kvs(**{"llama.rope.freq_base": -1.0}), llama_tensors()
+        tmp_path / "rope.gguf", llama_kvs(extra={"llama.rope.freq_base": -1.0}), llama_tensors()
     )
     _refused(path, "rope.freq_base")
 
@@ -145,5 +149,7 @@ def test_empty_and_garbage_files(tmp_path: Path) -> None:
 
 
 def test_unknown_value_type(tmp_path: Path) -> None:
-    path = raw_gguf(tmp_path / "type.gguf", [kv_str("general.architecture", "llama"), kv("x", 99, b"")])
+    path = raw_gguf(
+        tmp_path / "type.gguf", [kv_str("general.architecture", "llama"), kv("x", 99, b"")]
+    )
     _refused(path, "unknown GGUF value type 99")
