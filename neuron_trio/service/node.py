@@ -53,6 +53,7 @@ from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,
     estimate_model_bytes,
+    host_memory_available,
     place,
 )
 from neuron_trio.service.sources import HubLimits, resolve_source
@@ -178,6 +179,7 @@ class Node:
         failpoints: fp.Failpoints | None = None,
         executor_factory: ExecutorFactory | None = None,
         estimator: Estimator | None = None,
+        host_memory: Callable[[], int | None] | None = None,
         watchdog_factory: Callable[[ModelConfig], Watchdog | None] | None = None,
         hostname: str | None = None,
     ) -> None:
@@ -190,6 +192,7 @@ class Node:
         self._notifier = notifier
         self._factory = executor_factory or _default_factory
         self._estimator = estimator or _default_estimator
+        self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
         self._registry = CollectorRegistry()
         self._metrics = NodeMetrics(self._registry, self._model_statistics)
@@ -458,6 +461,7 @@ class Node:
                 estimate.total_bytes,
                 snapshot,
                 cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                host_available_bytes=await trio.to_thread.run_sync(self._host_memory),
             )
             log.info(
                 "model %s: %s on %s (estimate %.2f GiB)",

@@ -23,7 +23,9 @@ from tests.http.http_harness import run
 
 
 @asynccontextmanager
-async def bare_node(models: Path, **node: Any) -> AsyncIterator[str]:
+async def bare_node(
+    models: Path, host_memory: int | None = None, **node: Any
+) -> AsyncIterator[str]:
     from neuron_trio.service.node import Node
 
     config = NeuronConfig(
@@ -31,7 +33,7 @@ async def bare_node(models: Path, **node: Any) -> AsyncIterator[str]:
         node=NodeConfig(state_dir=str(models.parent), model_dirs=[str(models)], **node),
         default_models=[],
     )
-    n = Node(config)
+    n = Node(config, host_memory=None if host_memory is None else lambda: host_memory)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(n.run)
@@ -94,5 +96,27 @@ def test_runtime_hub_loads_are_limited_to_the_allowed_repos(tmp_path: Path) -> N
             assert r.status_code == 400
             message = r.json()["error"]["message"]
             assert "someone/evil" in message and "node.hf_allow_repos: trusted/*" in message
+
+    run(body)
+
+
+def test_a_cpu_model_beyond_memavailable_is_507_with_the_numbers(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    raw_gguf(models / "tiny.gguf", llama_kvs(), llama_tensors())
+    spec = {"name": "m", "source": "tiny.gguf", "devices": "cpu"}
+
+    async def body() -> None:
+        async with (
+            bare_node(models, host_memory=1 << 30) as url,
+            httpx.AsyncClient(base_url=url) as http,
+        ):
+            # max_batch 256 x context 1M: gigabytes of KV cache for 1 GiB available.
+            big = {**spec, "max_batch": 256, "context": 1_048_576}
+            r = await http.post("/v1/models", json=big)
+            assert r.status_code == 507, r.text
+            message = r.json()["error"]["message"]
+            assert "host memory" in message and "1.00 GiB available (MemAvailable)" in message
+            assert (await http.get("/v1/models")).json()["data"] == []
 
     run(body)

@@ -144,6 +144,7 @@ class World:
             failpoints=self.failpoints,
             executor_factory=self.factory,
             estimator=self.estimator,
+            host_memory=lambda: 1 << 40,  # the fake estimates are not this machine's
             watchdog_factory=self.watchdog,
             hostname="node-1",
         )
