@@ -158,8 +158,9 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 
 class _Routes:
-    def __init__(self, node: NodeService) -> None:
+    def __init__(self, node: NodeService, *, max_messages: int) -> None:
         self.node = node
+        self.max_messages = max_messages
         self._metrics_limiter: trio.CapacityLimiter | None = None
 
     def _refuse_while_draining(self) -> None:
@@ -226,6 +227,14 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         self._refuse_while_draining()
         parsed = parse_chat_request(await request.body())
+        count = len(parsed.job.messages or ())
+        if count > self.max_messages:
+            raise RequestError(
+                f"messages: {count} messages; at most {self.max_messages} "
+                "(server.max_messages) in one request",
+                param="messages",
+                code="too_many_messages",
+            )
         return await self._generate(request, parsed)
 
     async def completions(self, request: Request) -> Response:
@@ -279,7 +288,7 @@ def _route_resolver(routes: list[Route]) -> Any:
 
 def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
     """The ASGI app serving `node`. Raises ConfigError if `api_key_file` is unusable."""
-    r = _Routes(node)
+    r = _Routes(node, max_messages=config.server.max_messages)
     routes = [
         Route("/health", r.health, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),

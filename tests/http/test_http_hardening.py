@@ -476,3 +476,23 @@ def test_deeply_nested_json_in_an_unknown_field_is_a_400() -> None:
             assert r.status_code == 400, r.text
 
     run(body)
+
+
+# --- 6. a cap on messages --------------------------------------------------------------------
+
+
+def test_more_messages_than_max_messages_is_a_400() -> None:
+    node = FakeNode()
+
+    async def body() -> None:
+        async with serving(node, make_config(max_messages=100)) as srv, h2_client(srv.url) as http:
+            many = [{"role": "user", "content": ""}] * 101
+            r = await http.post("/v1/chat/completions", json=chat_body(messages=many))
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "too_many_messages"
+            assert r.json()["error"]["param"] == "messages"
+            assert node.jobs == []
+            r = await http.post("/v1/chat/completions", json=chat_body(messages=many[:100]))
+            assert r.status_code == 200
+
+    run(body)

@@ -6,6 +6,7 @@ runner (`FakeThreads`) that the test can hold, and time is a MockClock moved by 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -45,10 +46,12 @@ class FakeEngine:
         self.seqs: dict[int, list[Any]] = {}  # seq_id -> [params, produced, prompt_len]
         self.next_id = 1
         self.added: list[list[int]] = []
+        self.rendered_on: list[bool] = []  # True: on the trio (main) thread
         self.cancelled: list[int] = []
         self.steps = 0
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
+        self.rendered_on.append(threading.current_thread() is threading.main_thread())
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
@@ -333,6 +336,30 @@ def test_bad_requests_are_refused_before_queueing() -> None:
                 pass
         assert h.engine.added == [] and h.actor.queued == 0
         assert h.metric("neuron_model_requests_total", outcome="rejected_invalid") == 2
+
+    run_actor(test)
+
+
+def test_many_messages_render_off_the_event_loop_and_far_too_long_is_refused_first() -> None:
+    async def test(h: Harness) -> None:
+        def chat(n: int, content: str = "") -> GenerationJob:
+            messages = tuple(ChatMessage("user", content) for _ in range(n))
+            return GenerationJob(model="m", params=SamplingParams(max_tokens=1), messages=messages)
+
+        with pytest.raises(ContextLengthError):  # rendered, then too long for context 64
+            async with h.actor.generate(chat(2000)):
+                pass
+        async with h.actor.generate(chat(2)):
+            pass
+        # Empty messages count: 2000 of them went to a worker thread, 2 stayed inline.
+        assert h.engine.rendered_on == [False, True]
+        # Beyond context x 64 characters: refused before the template ever runs.
+        huge = "y" * (4096 * 64 + 1)
+        with pytest.raises(ContextLengthError, match="characters") as err:
+            async with h.actor.generate(chat(1, huge)):
+                pass
+        assert err.value.param == "messages"
+        assert h.engine.rendered_on == [False, True]
 
     run_actor(test)
 
