@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
+from neuron_trio.engine.chat_probe import probe_gguf_chat_template
 from neuron_trio.errors import (
     ConfigError,
     ModelFileError,
@@ -125,7 +126,11 @@ def _default_factory(
 
 
 def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
-    return estimate_model_bytes(spec, path, on_gpu=on_gpu)
+    """The header's size estimate, after the chat template has rendered a probe conversation
+    in time (both read only the header: a file refused here costs no weights)."""
+    estimate = estimate_model_bytes(spec, path, on_gpu=on_gpu)
+    probe_gguf_chat_template(path, str(path))
+    return estimate
 
 
 def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ import trio
 
 from neuron_trio.config import NeuronConfig, NodeConfig, ServerConfig
 from neuron_trio.http import BoundAddress, create_app, serve_http
-from tests.engine.hostile_gguf import llama_kvs, llama_tensors, raw_gguf
+from tests.engine.hostile_gguf import kv_str, llama_kvs, llama_tensors, raw_gguf
 from tests.http.http_harness import run
 
 
@@ -118,5 +118,21 @@ def test_a_cpu_model_beyond_memavailable_is_507_with_the_numbers(tmp_path: Path)
             message = r.json()["error"]["message"]
             assert "host memory" in message and "1.00 GiB available (MemAvailable)" in message
             assert (await http.get("/v1/models")).json()["data"] == []
+
+    run(body)
+
+
+def test_a_chat_template_that_loops_is_422_at_load(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    loop = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    kvs = [*llama_kvs(), kv_str("tokenizer.chat_template", loop)]
+    raw_gguf(models / "loop.gguf", kvs, llama_tensors())
+
+    async def body() -> None:
+        async with bare_node(models) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            r = await http.post("/v1/models", json={"name": "m", "source": "loop.gguf"})
+            assert r.status_code == 422, r.text
+            assert "chat template did not render" in r.json()["error"]["message"]
 
     run(body)
