@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Scope
 
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
+    ApiError,
     ConfigError,
     ModelFileError,
     ModelLoadError,
@@ -88,8 +89,8 @@ def _error_response(
 # --- exception handlers --------------------------------------------------------------------
 
 
-async def _on_request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError)
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
     headers = None
     if isinstance(exc, QueueFullError | UnavailableError):
         headers = {"Retry-After": str(max(1, int(exc.retry_after_s)))}
@@ -314,7 +315,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         exception_handlers={
             HTTPException: _on_http_exception,
             ClientDisconnect: _on_client_disconnect,
-            RequestError: _on_request_error,
+            ApiError: _on_api_error,
             ModelLoadError: _on_load_error,
             ConfigError: _on_config_error,
             msgspec.DecodeError: _on_decode_error,
