@@ -30,6 +30,7 @@ from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
+    ContextLengthError,
     ModelLoadError,
     NeuronError,
     QueueFullError,
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread
+# ... and chats of more messages: the template's cost grows with the count, not the text
+# (34,000 empty messages stalled the event loop 446 ms when only characters were counted).
+INLINE_ENCODE_MESSAGES = 32
+# No tokenizer packs more characters than this into one token on average, so a prompt with
+# more than context x this many characters cannot fit: refused before it is rendered.
+MAX_CHARS_PER_TOKEN = 64
 WARM_UP_MIN_S = 120.0  # the least time a model's first (warm-up) forward gets
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
 
@@ -364,6 +371,14 @@ class ModelActor:
         assert self.executor is not None
         engine: ServingEngine = self.executor.engine
         size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
+        n_messages = len(job.messages or ())
+        if size > self.spec.context * MAX_CHARS_PER_TOKEN:
+            self._count("rejected_invalid")
+            raise ContextLengthError(
+                f"the prompt has {size} characters, far more than model {self.name!r}'s "
+                f"context of {self.spec.context} tokens can hold",
+                param="messages" if job.messages is not None else "prompt",
+            )
 
         def encode() -> tuple[list[int], bool]:
             if job.prompt_ids is not None:
@@ -377,8 +392,14 @@ class ModelActor:
             return engine.encode_prompt(job.prompt or "", chat=False), False
 
         try:
-            # A grammar may take milliseconds (seconds for a huge schema) to compile.
-            if size > INLINE_ENCODE_CHARS or job.params.constraint is not None:
+            # A grammar may take milliseconds (seconds for a huge schema) to compile, and
+            # tools are rendered into the prompt as JSON of any size.
+            if (
+                size > INLINE_ENCODE_CHARS
+                or n_messages > INLINE_ENCODE_MESSAGES
+                or job.params.constraint is not None
+                or job.params.tools
+            ):
                 ids, chat = await trio.to_thread.run_sync(encode, abandon_on_cancel=True)
             else:
                 ids, chat = encode()

@@ -216,7 +216,7 @@ def _validation_error(
 def _all_unknown_fields(body: bytes, cls: type[msgspec.Struct]) -> list[str]:
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return []
     if not isinstance(data, dict):
         return []
@@ -231,6 +231,8 @@ def decode_struct(body: bytes, cls: type[S]) -> S:
         raise _validation_error(exc, body, cls) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth limit, e.g. in a field nobody reads
+        raise RequestError("request body is nested too deeply", code="invalid_json") from None
 
 
 # --- requests -> jobs -----------------------------------------------------------------------
