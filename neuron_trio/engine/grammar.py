@@ -38,6 +38,7 @@ from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
 
 __all__ = [
+    "MAX_PARALLEL_TOOL_CALLS",
     "GrammarCompiler",
     "GrammarState",
     "ToolCallFormat",
@@ -53,6 +54,11 @@ CACHE_SIZE = 64
 
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
+
+# Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
+# small model asked for `required` repeats calls until max_tokens and the last one is cut off
+# mid-JSON; at the bound the grammar allows only the end of the turn.
+MAX_PARALLEL_TOOL_CALLS = 4
 
 
 class _TokenizerLike(Protocol):
@@ -108,7 +114,7 @@ class ToolCallFormat:
             )
             call = f'{opening} "\\n" {body} "\\n</tool_call>"'
             sep = '"\\n"'
-        start = f"call ({sep} call)*" if parallel else "call"
+        start = f"call ({sep} call){{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}" if parallel else "call"
         return f"start: {start}\ncall: {call}\n"
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.grammar import (
+    MAX_PARALLEL_TOOL_CALLS,
     GrammarCompiler,
     ToolCallFormat,
     allowed_tokens,
@@ -214,6 +215,19 @@ def test_a_tool_call_grammar_forces_the_hermes_wrapper_and_the_arguments() -> No
         assert token in _allowed(state), (text[: i + 1],)
         state.accept(token)
         i += 1
+    assert _allowed(state) <= {EOS, IM_END}
+
+
+def test_parallel_calls_stop_at_the_bound() -> None:
+    state = _compiler().compile(Constraint("tool_call", tools=(WEATHER,), parallel=True))
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"rome"}}\n</tool_call>'
+    text = "\n".join([call] * MAX_PARALLEL_TOOL_CALLS)
+    for i, ch in enumerate(text):
+        assert VOCAB.index(ch) in _allowed(state), (i, text[: i + 1])
+        state.accept(VOCAB.index(ch))
+        if text[: i + 1].endswith("</tool_call>") and i + 1 < len(text):
+            assert VOCAB.index("\n") in _allowed(state)  # another call may follow
+    # after the last call allowed, only the end of the turn
     assert _allowed(state) <= {EOS, IM_END}
 
 
