@@ -9,17 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
-import trio
 
 from neuron_trio.config import NeuronConfig, NodeConfig, ServerConfig
-from neuron_trio.http import BoundAddress, create_app, serve_http
 from tests.engine.hostile_gguf import kv_str, llama_kvs, llama_tensors, raw_gguf
-from tests.http.http_harness import run
+from tests.http.http_harness import run, serving_node
 
 
 @asynccontextmanager
@@ -34,18 +31,8 @@ async def bare_node(
         default_models=[],
     )
     n = Node(config, host_memory=None if host_memory is None else lambda: host_memory)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(n.run)
-        bound: list[BoundAddress] = await nursery.start(
-            partial(serve_http, create_app(n, config), config, shutdown_trigger=stop.wait)
-        )
-        n.mark_serving()
-        try:
-            yield bound[0].url
-        finally:
-            stop.set()
-            nursery.cancel_scope.cancel()
+    async with serving_node(n, config) as url:
+        yield url
 
 
 def test_hostile_files_are_422_naming_the_problem_not_the_resolved_path(tmp_path: Path) -> None:
