@@ -137,7 +137,10 @@ def _load(
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         layer.wqkv = linear(qkv, qkv_shapes)
         if c.qkv_bias:  # qwen2
-            biases = [get(n.replace(".weight", ".bias"), (s[0],)) for n, s in zip(qkv, qkv_shapes)]
+            biases = [
+                get(n.replace(".weight", ".bias"), (s[0],))
+                for n, s in zip(qkv, qkv_shapes, strict=True)
+            ]
             layer.qkv_bias = torch.cat(biases).to(device=device, dtype=act)
         if c.qk_norm:  # one weight per head dim, the same for every head: [H + KV, D]
             q_norm = get(p + "attn_q_norm.weight", (hd,)).expand(c.n_heads, hd)
