@@ -82,7 +82,7 @@ FAMILIES: dict[str, Family] = {
             "<|eot_id|>",
             "<|start_header_id|>",
             "<|end_header_id|>",
-        ),  # fmt: skip
+        ),
         bos=0,
         eos=1,
         add_bos=True,
@@ -134,7 +134,7 @@ FAMILIES: dict[str, Family] = {
             "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0,
             "attention.sliding_window": 8,
-        },  # fmt: skip
+        },
     ),
     "gemma3": Family(
         "gemma3",
