@@ -55,7 +55,19 @@ _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # which sampling at temperature 1 would feel: off by default.
 AUTO_INT4_HEAD = False
 HEAD_REFINE = 64  # candidates per row recomputed exactly
-_FOUR_BIT = frozenset({quant.QType.Q4_0, quant.QType.Q4_1, quant.QType.Q4_K})
+# Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
+# every other format (Q5_x, Q6_K, Q8_0, floats) takes the int8 kernel.
+_FOUR_BIT = frozenset(
+    {
+        quant.QType.Q4_0,
+        quant.QType.Q4_1,
+        quant.QType.Q4_K,
+        quant.QType.IQ4_NL,
+        quant.QType.IQ4_XS,
+        quant.QType.Q3_K,
+        quant.QType.Q2_K,
+    }
+)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
