@@ -1,0 +1,58 @@
+"""The real Gemma 3 270M (Q4_K_M) against transformers' float32 reference (slow).
+
+The reference (tests/engine/data/gemma3_270m_reference.json) is transformers' own output for
+this file, recorded by bench/gemma_reference.py: running transformers here would take minutes
+(see that script). neuron runs live: the file's tokenizer, float32 weights, greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.tokenizer import Tokenizer
+from tests.gemma_model import PROMPTS, gemma_path
+
+pytestmark = pytest.mark.slow
+
+REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_reference.json"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(REFERENCE.read_text())
+    assert [c["prompt"] for c in doc["cases"]] == PROMPTS
+    return doc
+
+
+def test_gemma3_greedy_text_and_tokens_equal_transformers(reference: dict[str, Any]) -> None:
+    path = gemma_path()
+    with GGUFFile(path) as gf:
+        assert gf.config.arch == "gemma3" and gf.config.sliding_window == 512
+        tokenizer = Tokenizer.from_metadata(gf.metadata)
+        model = load_transformer(gf, dtype="float32", device="cpu")
+    runner = SingleRunner(model, slots=1, context=128)
+    n = reference["tokens"]
+    identical = 0
+    for case in reference["cases"]:
+        ids = tokenizer.encode(case["prompt"], add_special_tokens=True)
+        assert ids == case["prompt_ids"], case["prompt"]  # the count, and the very tokens
+        logits = runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]))[0]
+        top = torch.tensor(case["top_ids"])
+        torch.testing.assert_close(
+            logits[top], torch.tensor(case["top_logits"]), rtol=1e-4, atol=1e-3
+        )
+        out = [int(logits.argmax())]
+        for i in range(n - 1):
+            step = runner.forward(
+                torch.tensor([[out[-1]]]), torch.tensor([len(ids) + i]), torch.tensor([0])
+            )
+            out.append(int(step.argmax()))
+        identical += tokenizer.decode(out) == case["greedy_text"]
+    assert identical >= 6, f"{identical} of {len(PROMPTS)} greedy texts equal transformers'"
