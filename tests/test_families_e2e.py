@@ -65,7 +65,7 @@ def test_gemma3_loads_at_run_time_and_serves(tmp_path: Path) -> None:
     async def body() -> None:
         async with (
             empty_node(tmp_path / "state", path.parent) as url,
-            httpx.AsyncClient(base_url=url, http2=True, timeout=120) as client,
+            httpx.AsyncClient(base_url=url, http2=True, timeout=300) as client,
         ):
             spec = {"name": "gemma3", "source": str(path), "devices": "cpu",
                         "dtype": "float32", "context": 512, "max_batch": 2}  # fmt: skip
@@ -89,7 +89,7 @@ def test_gemma3_loads_at_run_time_and_serves(tmp_path: Path) -> None:
             assert r.status_code == 422, r.text
             assert "architecture 'mamba' is not supported" in r.json()["error"]["message"]
 
-    run(body, timeout=300)
+    run(body, timeout=600)
 
 
 def test_unsupported_default_model_exits_69_naming_it(tmp_path: Path) -> None:
