@@ -210,3 +210,42 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     path = write_tiny_llama(tmp_path / "m.gguf", arch="mamba")
     with pytest.raises(UnsupportedModelError, match=r"architecture 'mamba' is not supported"):
         GGUFFile(path)
+
+
+def test_linear_rope_scaling_equals_transformers(tmp_path: Path) -> None:
+    from tests.engine.tiny_gguf import write_tiny_llama
+
+    path = write_tiny_llama(
+        tmp_path / "linear.gguf",
+        rope_base=500.0,
+        extra_metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+    )
+    model = load_transformer(path, dtype="float32", device="cpu")
+    assert model.config.rope_scale == 4.0
+    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, config=config, dtype=torch.float32
+    ).eval()
+    ids = prompt_ids(model.config.vocab_size, 24, seed=3)
+    got = logits_of(model, ids)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"llama.rope.scaling.type": "yarn"}, r"RoPE scaling 'yarn' is not supported"),
+        ({"llama.attention.value_length": 8}, r"key length 16 != value length 8"),
+    ],
+)
+def test_unsupported_variants_are_named(
+    tmp_path: Path, metadata: dict[str, Any], message: str
+) -> None:
+    from tests.engine.tiny_gguf import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "m.gguf", extra_metadata=metadata)
+    with pytest.raises(UnsupportedModelError, match=message):
+        GGUFFile(path)
