@@ -25,12 +25,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, is_dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import torch
 import trio
 from prometheus_client import CollectorRegistry
@@ -38,15 +38,17 @@ from prometheus_client import CollectorRegistry
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
+    ApiError,
     ConfigError,
     ModelLoadError,
     ModelNotFoundError,
     RequestError,
     UnavailableError,
 )
+from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
-from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
+from neuron_trio.service.model_actor import EventStream, ModelActor, ModelInfo, ModelMemory
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
@@ -55,12 +57,13 @@ from neuron_trio.service.placement import (
     place,
 )
 from neuron_trio.service.sources import resolve_source
-from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.timefmt import utc_iso
+from neuron_trio.service.watchdog import Watchdog, WatchdogStatistics
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
 
-ExecutorFactory = Callable[..., ExecutorLike]  # (spec, path, devices, *, failpoints)
+ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
 
 
@@ -77,10 +80,14 @@ class ModelExistsError(RequestError):
         )
 
 
+class LiveGpuSnapshot(GpuSnapshotLike, Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 class GpuSource(Protocol):
     """What the node needs of `gpu.actor.GpuActor`: a live NVML read."""
 
-    async def live(self) -> Any: ...
+    async def live(self) -> LiveGpuSnapshot: ...
 
 
 class StatusSink(Protocol):
@@ -97,13 +104,12 @@ class _Identity:
 
 
 def _ephemeral_identity() -> _Identity:
-    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return _Identity(boot_id=uuid.uuid4().hex, started_at=now, starts=1)
+    return _Identity(boot_id=uuid.uuid4().hex, started_at=utc_iso(time.time()), starts=1)
 
 
 def _default_factory(
     spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
-) -> ExecutorLike:
+) -> ModelExecutor:
     from neuron_trio.parallel.executor import build_executor
 
     return build_executor(spec, path, devices, failpoints=failpoints)
@@ -113,7 +119,47 @@ def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEsti
     return estimate_model_bytes(spec, path, on_gpu=on_gpu)
 
 
-def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
+class LastForensics(msgspec.Struct, frozen=True):
+    """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
+
+    path: str
+    report: Any  # as written; {"unreadable": why} if it could not be read
+
+
+class NodeWatchdog(msgspec.Struct, frozen=True):
+    """`/v1/node` `watchdog`: the deadlines, the deadman, and each model's watchdog."""
+
+    step_timeout_s: float
+    abort_deadline_s: float
+    probe_interval_s: float
+    deadman_firing: bool
+    deadman_reason: str | None
+    models: dict[str, WatchdogStatistics]
+
+
+class FailpointsInfo(msgspec.Struct, frozen=True):
+    configured: dict[str, str]  # name -> action, as NEURON_FAILPOINTS set them
+    fired: list[str]
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """The `/v1/node` document (DESIGN.md)."""
+
+    hostname: str
+    boot_id: str
+    started_at: str
+    starts: int
+    status: str
+    draining: bool
+    config: str  # the config file read, or "<built-in default>"
+    gpus: Any  # a live NVML snapshot, or {"available": false, "error": why}
+    models: list[ModelInfo]
+    watchdog: NodeWatchdog
+    last_forensics: LastForensics | None
+    failpoints: FailpointsInfo
+
+
+def find_last_forensics(state_dir: Path) -> LastForensics | None:
     """The newest forensics report under `state_dir/forensics/`, with its path, or None."""
     folder = state_dir / "forensics"
     try:
@@ -127,22 +173,7 @@ def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
         report: Any = json.loads(newest.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         report = {"unreadable": f"{type(exc).__name__}: {exc}"}
-    return {"path": str(newest), "report": report}
-
-
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
+    return LastForensics(path=str(newest), report=report)
 
 
 class Node:
@@ -185,7 +216,7 @@ class Node:
         self._serving = False
         self._draining = False
         self._closed = trio.Event()
-        self._last_forensics: dict[str, Any] | None = None
+        self._last_forensics: LastForensics | None = None
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -234,38 +265,41 @@ class Node:
         gpus: Any = None
         if self._gpus is not None:
             try:
-                gpus = _jsonable(await self._gpus.live())
+                gpus = (await self._gpus.live()).to_dict()
             except Exception as exc:
                 gpus = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
         health = self.health()
-        return {
-            "hostname": self.hostname,
-            "boot_id": health.boot_id,
-            "started_at": health.started_at,
-            "starts": health.starts,
-            "status": health.status,
-            "draining": self._draining,
-            "config": self.config.source_path,
-            "gpus": gpus,
-            "models": [actor.info() for actor in self._actors.values()],
-            "watchdog": {
-                "step_timeout_s": self.config.tp.step_timeout_s,
-                "abort_deadline_s": self.config.tp.abort_deadline_s,
-                "probe_interval_s": self.config.tp.probe_interval_s,
-                "deadman_firing": self.deadman.firing,
-                "deadman_reason": self.deadman.reason,
-                "models": {
-                    name: actor.watchdog.statistics().as_dict()
+        tp = self.config.tp
+        document = NodeInfo(
+            hostname=self.hostname,
+            boot_id=health.boot_id,
+            started_at=health.started_at,
+            starts=health.starts,
+            status=health.status,
+            draining=self._draining,
+            config=self.config.source_path,
+            gpus=gpus,
+            models=[actor.info() for actor in self._actors.values()],
+            watchdog=NodeWatchdog(
+                step_timeout_s=tp.step_timeout_s,
+                abort_deadline_s=tp.abort_deadline_s,
+                probe_interval_s=tp.probe_interval_s,
+                deadman_firing=self.deadman.firing,
+                deadman_reason=self.deadman.reason,
+                models={
+                    name: actor.watchdog.statistics()
                     for name, actor in self._actors.items()
-                    if isinstance(actor.watchdog, Watchdog)
+                    if actor.watchdog is not None
                 },
-            },
-            "last_forensics": self._last_forensics,
-            "failpoints": {
-                "configured": {k: str(v) for k, v in self.failpoints.configured.items()},
-                "fired": list(self.failpoints.fired),
-            },
-        }
+            ),
+            last_forensics=self._last_forensics,
+            failpoints=FailpointsInfo(
+                configured={k: str(v) for k, v in self.failpoints.configured.items()},
+                fired=list(self.failpoints.fired),
+            ),
+        )
+        # As plain JSON values: what the HTTP layer encodes, and what tests and tools read.
+        return msgspec.to_builtins(document)  # type: ignore[no-any-return]
 
     @asynccontextmanager
     async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
@@ -292,7 +326,7 @@ class Node:
         if self._draining or self._nursery is None:
             raise UnavailableError("the node is not taking new models now", code="draining")
         actor = await self._start_model(spec)
-        return actor.info()
+        return msgspec.to_builtins(actor.info())  # type: ignore[no-any-return]
 
     async def unload_model(self, name: str) -> None:
         """Wait for `name`'s in-flight requests, then free it. Raises ModelNotFoundError."""
@@ -316,7 +350,7 @@ class Node:
             find_last_forensics, self.config.state_path
         )
         if self._last_forensics is not None:
-            log.warning("last forensics report: %s", self._last_forensics["path"])
+            log.warning("last forensics report: %s", self._last_forensics.path)
         failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -444,19 +478,20 @@ class Node:
                 watchdog=self._watchdog_factory(spec),
                 metrics=self._metrics.for_model(spec.name),
                 source_path=str(path),
-                memory={**estimate.to_dict(), "devices": [str(d) for d in devices]},
+                memory=ModelMemory(
+                    weights_bytes=estimate.weights_bytes,
+                    kv_cache_bytes=estimate.kv_cache_bytes,
+                    total_bytes=estimate.total_bytes,
+                    devices=[str(d) for d in devices],
+                ),
             )
-            if isinstance(actor.watchdog, Watchdog) and actor.watchdog.inflight_fn is None:
-                # The wedge snapshot in forensics: the requests that were in flight when the
-                # step hung (they are failed with 503 before the deadman ever runs).
-                actor.watchdog.inflight_fn = actor.inflight
             self._actors[spec.name] = actor
             try:
                 await self._nursery.start(actor.run)
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
-        except (ModelLoadError, RequestError, ConfigError):
+        except (ModelLoadError, ApiError, ConfigError):
             raise
         except Exception as exc:  # a GPU read, a torch error: still a failed load
             raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {exc}") from exc
@@ -465,7 +500,7 @@ class Node:
         return actor
 
     async def _unload(self, actor: ModelActor, *, force: bool = False) -> None:
-        on_cuda = any("cuda" in str(r.get("device")) for r in actor.info()["ranks"])
+        on_cuda = any("cuda" in device for device in actor.info().devices)
         await actor.unload(force=force)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
