@@ -21,8 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from neuron_trio.engine.loader import SingleRunner, load_transformer
-from neuron_trio.engine.tokenizer import Tokenizer
-from tests.engine.test_families import TEXTS, greedy, hf_model, prompt_ids
+from tests.engine.test_families import TEXTS, greedy, hf_model, prompt_ids, tokenizer_of
 from tests.engine.tiny_families import FAMILIES, write_tiny_family
 from tests.parallel.test_family_tp import run_both
 
@@ -55,7 +54,7 @@ def main() -> None:
             diff = float((got - want).abs().max())
             ours = greedy(runner, ids, 32)
             same = sum(a == b for a, b in zip(ours, hf_out, strict=True))
-            tok = Tokenizer.from_gguf(path)
+            tok = tokenizer_of(path)
             htok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=path.name)
             counts = [
                 (len(tok.encode(t, add_special_tokens=True)), len(htok(t)["input_ids"]))

@@ -65,6 +65,11 @@ def hf_model(directory: Path, family: str) -> Any:
     ).eval()
 
 
+def tokenizer_of(path: Path) -> Tokenizer:
+    with GGUFFile(path) as gf:
+        return Tokenizer.from_gguf(gf)
+
+
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, vocab, size=n).tolist()
 
@@ -111,7 +116,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family_dir: Path, family: s
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_prompt_tokens_equal_transformers(family_dir: Path, family: str) -> None:
     path = family_dir / f"{family}.gguf"
-    ours = Tokenizer.from_gguf(path)
+    ours = tokenizer_of(path)
     theirs = transformers.AutoTokenizer.from_pretrained(family_dir, gguf_file=path.name)
     for text in TEXTS:
         want = theirs(text)["input_ids"]
@@ -124,7 +129,7 @@ def test_prompt_tokens_equal_transformers(family_dir: Path, family: str) -> None
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chat_template_renders_and_ends_turns(family_dir: Path, family: str) -> None:
     path = family_dir / f"{family}.gguf"
-    tokenizer = Tokenizer.from_gguf(path)
+    tokenizer = tokenizer_of(path)
     template = ChatTemplate(
         tokenizer.chat_template,
         bos_token=tokenizer.token_text(tokenizer.bos_id or 0),
