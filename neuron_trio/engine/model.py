@@ -1,4 +1,8 @@
-"""The Llama transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or separate head.
+"""The Llama transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or separate head,
+and what its relatives add, switched on by `LlamaConfig` (never by a family's name): Q/K/V
+biases, QK-norm, post-attention/post-FFN norms, GELU-tanh, scaled embeddings, soft-capped
+attention scores and logits, sliding-window layers (a mask over the full KV rows) with their
+own RoPE tables, Llama 3.x's per-frequency RoPE factors.
 
 Built on the meta device by `engine.loader`, which then assigns every weight (fused QKV and
 fused gate/up projections, dense or weight-only int4/int8). The forward pass is a generator,
