@@ -102,8 +102,11 @@ class FakeEngine:
         self.cancelled: list[int] = []
         self.steps = 0
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = ()) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def compile_constraint(self, constraint: Any) -> object:
+        return constraint
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         return [ord(c) for c in text]
