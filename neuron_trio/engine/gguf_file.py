@@ -1,4 +1,5 @@
-"""A GGUF file: metadata as plain Python values, `LlamaConfig`, tensors memory-mapped.
+"""A GGUF file: metadata as plain Python values, its `LlamaConfig` (engine.families), tensors
+memory-mapped.
 
 The header is parsed here directly (a few hundred thousand vocabulary strings take a fraction
 of a second this way, against seconds through `gguf.GGUFReader`). The file is mapped
@@ -6,8 +7,9 @@ copy-on-write, so each tensor's bytes are a zero-copy torch view of the page cac
 only copy made is the dequantised result.
 
 llama.cpp's converter stores the Q and K projections of Llama models permuted for its RoPE,
-which rotates adjacent pairs; `weight()` undoes that, so every caller sees the logical
-(Hugging Face) layout, in which RoPE rotates the two halves of each head.
+which rotates adjacent pairs; `weight()` undoes that, and splits phi3's fused projections, so
+every caller sees the logical (Hugging Face) layout, in which RoPE rotates the two halves of
+each head.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuron_trio.engine import gguf_checks, quant
+from neuron_trio.engine import families, gguf_checks, quant
 from neuron_trio.engine.llama_config import LlamaConfig
 from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
+expected_tensor_names = families.expected_tensor_names
 
 # GGUF metadata value types → struct format (scalars), and numpy dtypes (numeric arrays).
 _T_STRING, _T_ARRAY = 8, 9
@@ -129,6 +132,7 @@ class GGUFFile:
             raise ModelLoadError(f"cannot open model file {self.path}: {e}") from e
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self._fused_cache: tuple[str, torch.Tensor] | None = None
         try:
             self._parse()
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
@@ -183,13 +187,6 @@ class GGUFFile:
                 raise ModelFileError(f"{self.path}: tensor {name} lies past the end of the file")
 
     def _make_config(self) -> LlamaConfig:
-        md = self.metadata
-        arch = md.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{self.path}: architecture {arch!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
         for info in self.tensors.values():
             if info.qtype not in quant.SUPPORTED:
                 raise UnsupportedModelError(
@@ -197,52 +194,10 @@ class GGUFFile:
                     f"which is not supported (supported: "
                     f"{', '.join(sorted(t.name for t in quant.SUPPORTED))})"
                 )
-
-        def key(name: str, default: Any = None) -> Any:
-            value = md.get(f"{arch}.{name}", default)
-            if value is None:
-                raise UnsupportedModelError(f"{self.path}: metadata {arch}.{name} is missing")
-            if isinstance(value, list):
-                raise UnsupportedModelError(
-                    f"{self.path}: per-layer {arch}.{name} is not supported"
-                )
-            return value
-
-        dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", dim // n_heads))
-        scaling = md.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", "") or "rope_freqs.weight" in self.tensors:
-            raise UnsupportedModelError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
-        if "token_embd.weight" not in self.tensors:
-            raise UnsupportedModelError(f"{self.path}: tensor token_embd.weight is missing")
-        vocab = md.get(f"{arch}.vocab_size") or self.tensors["token_embd.weight"].shape[0]
-        config = LlamaConfig(
-            n_layers=int(key("block_count")),
-            dim=dim,
-            n_heads=n_heads,
-            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-            head_dim=head_dim,
-            ffn_dim=int(key("feed_forward_length")),
-            vocab_size=int(vocab),
-            rope_base=float(key("rope.freq_base", 10000.0)),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
-            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            context_length=int(key("context_length", 2048)),
-            tied_output="output.weight" not in self.tensors,
+        shapes = {name: info.shape for name, info in self.tensors.items()}
+        return families.config_from_metadata(
+            self.metadata, shapes, lambda name: self.dequantize(name).tolist(), str(self.path)
         )
-        if config.rope_dim != config.head_dim:
-            raise UnsupportedModelError(
-                f"{self.path}: partial RoPE ({config.rope_dim} of {head_dim} dims) is not supported"
-            )
-        if config.n_heads % config.n_kv_heads:
-            raise UnsupportedModelError(
-                f"{self.path}: {config.n_heads} heads are not a multiple of "
-                f"{config.n_kv_heads} KV heads"
-            )
-        missing = [n for n in expected_tensor_names(config) if n not in self.tensors]
-        if missing:
-            raise UnsupportedModelError(f"{self.path}: tensor {missing[0]} is missing")
-        return config
 
     # ---- tensors -----------------------------------------------------------------------
 
@@ -263,16 +218,54 @@ class GGUFFile:
         return quant.dequantize(self.raw(name), quant.QType(info.qtype), info.shape)
 
     def weight(self, name: str) -> torch.Tensor:
-        """The tensor in its logical layout: float32, Q and K projections un-permuted."""
+        """The tensor in its logical layout: float32, Q and K projections un-permuted (for the
+        architectures llama.cpp permutes), phi3's fused tensors split: `blk.N.attn_q/k/v` are
+        row ranges of `attn_qkv`, `blk.N.ffn_gate/up` the two halves of its `ffn_up`."""
+        fused = self._fused_part(name)
+        if fused is not None:
+            return fused
         w = self.dequantize(name)
+        if self.config.arch not in families.PERMUTED_QK:
+            return w
         if name.endswith(".attn_q.weight"):
             return unpermute_qk(w, self.config.n_heads)
         if name.endswith(".attn_k.weight"):
             return unpermute_qk(w, self.config.n_kv_heads)
         return w
 
+    def storage_name(self, name: str) -> str:
+        """The tensor in the file that holds logical tensor `name` (see `weight`)."""
+        source = self._fused_source(name)
+        return source[0] if source else name
+
+    def _fused_source(self, name: str) -> tuple[str, int, int] | None:
+        """(fused tensor, first row, rows) when `name` is a part of a fused tensor."""
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight":
+            return None
+        c, prefix, part = self.config, f"blk.{parts[1]}.", parts[2]
+        if part in ("attn_q", "attn_k", "attn_v") and name not in self.tensors:
+            q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            start, rows = {"attn_q": (0, q), "attn_k": (q, kv), "attn_v": (q + kv, kv)}[part]
+            return prefix + "attn_qkv.weight", start, rows
+        if part in ("ffn_gate", "ffn_up") and prefix + "ffn_gate.weight" not in self.tensors:
+            up = self.tensors.get(prefix + "ffn_up.weight")
+            if up is not None and up.shape[0] == 2 * c.ffn_dim:
+                return prefix + "ffn_up.weight", (0 if part == "ffn_gate" else c.ffn_dim), c.ffn_dim
+        return None
+
+    def _fused_part(self, name: str) -> torch.Tensor | None:
+        source = self._fused_source(name)
+        if source is None:
+            return None
+        fused, start, rows = source
+        if self._fused_cache is None or self._fused_cache[0] != fused:
+            self._fused_cache = (fused, self.dequantize(fused))  # the parts are asked in a row
+        return self._fused_cache[1].narrow(0, start, rows).clone()
+
     def close(self) -> None:
         """Unmap the file. Tensors already dequantised stay valid (they are copies)."""
+        self._fused_cache = None
         try:
             self._mmap.close()
         except BufferError:
@@ -283,29 +276,6 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def expected_tensor_names(config: LlamaConfig) -> list[str]:
-    """Every tensor a Llama GGUF file must hold for `config`."""
-    names = ["token_embd.weight", "output_norm.weight"]
-    if not config.tied_output:
-        names.append("output.weight")
-    for i in range(config.n_layers):
-        names += [
-            f"blk.{i}.{part}.weight"
-            for part in (
-                "attn_norm",
-                "attn_q",
-                "attn_k",
-                "attn_v",
-                "attn_output",
-                "ffn_norm",
-                "ffn_gate",
-                "ffn_up",
-                "ffn_down",
-            )
-        ]
-    return names
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -55,7 +55,19 @@ _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # which sampling at temperature 1 would feel: off by default.
 AUTO_INT4_HEAD = False
 HEAD_REFINE = 64  # candidates per row recomputed exactly
-_FOUR_BIT = frozenset({quant.QType.Q4_0, quant.QType.Q4_1, quant.QType.Q4_K})
+# Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
+# every other format (Q5_x, Q6_K, Q8_0, floats) takes the int8 kernel.
+_FOUR_BIT = frozenset(
+    {
+        quant.QType.Q4_0,
+        quant.QType.Q4_1,
+        quant.QType.Q4_K,
+        quant.QType.IQ4_NL,
+        quant.QType.IQ4_XS,
+        quant.QType.Q3_K,
+        quant.QType.Q2_K,
+    }
+)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
@@ -125,18 +137,30 @@ def _load(
 
     def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
-        four_bit = all(gf.tensors[n].qtype in _FOUR_BIT for n in names)
+        four_bit = all(gf.tensors[gf.storage_name(n)].qtype in _FOUR_BIT for n in names)
         return make_linear(w, scheme, device, four_bit=four_bit)
 
     c, hd = local, local.head_dim
+    qkv_shapes = [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)]
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
         layer.attn_norm = vector(p + "attn_norm.weight")
         layer.ffn_norm = vector(p + "ffn_norm.weight")
-        layer.wqkv = linear(
-            [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-            [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)],
-        )
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        layer.wqkv = linear(qkv, qkv_shapes)
+        if c.qkv_bias:  # qwen2
+            biases = [
+                get(n.replace(".weight", ".bias"), (s[0],))
+                for n, s in zip(qkv, qkv_shapes, strict=True)
+            ]
+            layer.qkv_bias = torch.cat(biases).to(device=device, dtype=act)
+        if c.qk_norm:  # one weight per head dim, the same for every head: [H + KV, D]
+            q_norm = get(p + "attn_q_norm.weight", (hd,)).expand(c.n_heads, hd)
+            k_norm = get(p + "attn_k_norm.weight", (hd,)).expand(c.n_kv_heads, hd)
+            layer.qk_norm = torch.cat((q_norm, k_norm)).to(device=device, dtype=act)
+        if c.post_norms:  # gemma
+            layer.post_attn_norm = vector(p + "post_attention_norm.weight")
+            layer.post_ffn_norm = vector(p + "post_ffw_norm.weight")
         layer.wo = linear([p + "attn_output.weight"], [(c.dim, c.n_heads * hd)])
         layer.w_gate_up = linear(
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]

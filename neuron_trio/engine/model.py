@@ -1,4 +1,8 @@
-"""The Llama transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or separate head.
+"""The Llama transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or separate head,
+and what its relatives add, switched on by `LlamaConfig` (never by a family's name): Q/K/V
+biases, QK-norm, post-attention/post-FFN norms, GELU-tanh, scaled embeddings, soft-capped
+attention scores and logits, sliding-window layers (a mask over the full KV rows) with their
+own RoPE tables, Llama 3.x's per-frequency RoPE factors.
 
 Built on the meta device by `engine.loader`, which then assigns every weight (fused QKV and
 fused gate/up projections, dense or weight-only int4/int8). The forward pass is a generator,
@@ -13,6 +17,7 @@ L attended positions, V vocabulary.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 
 import torch
@@ -151,19 +156,39 @@ def _meta_linear(out_f: int, in_f: int) -> Linear:
 
 
 class Block(nn.Module):
-    """One transformer layer. Its projections are assigned by the loader."""
+    """One transformer layer. Its projections and norms are assigned by the loader.
+
+    Optional parts (None when the family has none, see LlamaConfig): `qkv_bias` `[(H + 2KV)·D]`,
+    `qk_norm` `[H + KV, D]` (each Q head's weight, then each K head's), `post_attn_norm` and
+    `post_ffn_norm` `[dim]`.
+    """
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor | None
+    post_ffn_norm: torch.Tensor | None
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
         c = config
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.dim, self.eps = c.dim, c.rms_eps
+        self.sliding = c.is_sliding(index)
+        self.scale = c.attn_scale or None  # None: SDPA's 1 / sqrt(D)
+        self.softcap = c.attn_softcap
+        self.gelu = c.activation == "gelu_tanh"
         self.register_buffer("attn_norm", torch.empty(c.dim, device=META))
         self.register_buffer("ffn_norm", torch.empty(c.dim, device=META))
         qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        self.register_buffer("qkv_bias", torch.empty(qkv_out, device=META) if c.qkv_bias else None)
+        qk_heads = c.n_heads + c.n_kv_heads
+        qk_norm = torch.empty(qk_heads, c.head_dim, device=META) if c.qk_norm else None
+        self.register_buffer("qk_norm", qk_norm)
+        post = torch.empty(c.dim, device=META) if c.post_norms else None
+        self.register_buffer("post_attn_norm", post)
+        self.register_buffer("post_ffn_norm", None if post is None else torch.empty_like(post))
         self.wqkv: nn.Module = _meta_linear(qkv_out, c.dim)
         self.wo: nn.Module = _meta_linear(c.dim, c.n_heads * c.head_dim)
         self.w_gate_up: nn.Module = _meta_linear(2 * c.ffn_dim, c.dim)
@@ -184,7 +209,15 @@ class Block(nn.Module):
         # lookup, 6 per layer and step.
         mods, bufs, shape = self._modules, self._buffers, (self.dim,)
         hn = F.rms_norm(x, shape, bufs["attn_norm"], self.eps).to(act)
-        qkv = mods["wqkv"].forward(hn).view(n, h + 2 * kv, d)  # type: ignore[union-attr]
+        qkv = mods["wqkv"].forward(hn)  # type: ignore[union-attr]
+        bias = bufs["qkv_bias"]
+        if bias is not None:
+            qkv = qkv + bias
+        qkv = qkv.view(n, h + 2 * kv, d)
+        qk_norm = bufs["qk_norm"]
+        if qk_norm is not None:  # RMSNorm over each Q and K head, before RoPE
+            qk = F.rms_norm(qkv[:, : h + kv], (d,), eps=self.eps) * qk_norm
+            qkv = torch.cat((qk.to(qkv.dtype), qkv[:, h + kv :]), dim=1)
         # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
         cos, sin = rope
         qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
@@ -199,29 +232,68 @@ class Block(nn.Module):
         if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
             kv_rows = kv_rows.to(act)
         keys, values = kv_rows[:, :kv], kv_rows[:, kv:]
+        mask, causal = at.mask, at.causal
+        if self.sliding and at.window_mask is not None:  # keys past the window are masked
+            mask, causal = at.window_mask, False
         if at.t == 1:
             # Decode: the H / KV query heads of a group attend to the same keys, so they stand
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
             q = qkv[:, :h].reshape(n, kv, h // kv, d)
-            o = F.scaled_dot_product_attention(q, keys, values, at.mask).reshape(n, h * d)
+            o = self._attend(q, keys, values, mask, False).reshape(n, h * d)
         else:
             q = qkv[:, :h].view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=at.mask, is_causal=at.causal, enable_gqa=kv != h
-            )  # [B, H, T, D]
+            if kv != h and self.softcap:
+                keys = keys.repeat_interleave(h // kv, dim=1)
+                values = values.repeat_interleave(h // kv, dim=1)
+            o = self._attend(q, keys, values, mask, causal)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(n, h * d)
         o = mods["wo"].forward(o)  # type: ignore[union-attr]  # [N, dim]
         if partial:
             o = yield o
+        post = bufs["post_attn_norm"]
+        if post is not None:  # on the whole sum: after the all-reduce
+            o = F.rms_norm(o.to(x.dtype), shape, post, self.eps)
         x = x + o
         hn = F.rms_norm(x, shape, bufs["ffn_norm"], self.eps).to(act)
         gate_up = mods["w_gate_up"].forward(hn)  # type: ignore[union-attr]  # [N, 2 · ffn]
         ffn = gate_up.shape[-1] // 2
-        y = mods["w_down"].forward(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:])  # type: ignore[union-attr]
+        gate = gate_up[:, :ffn]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        y = mods["w_down"].forward(gate * gate_up[:, ffn:])  # type: ignore[union-attr]
         if partial:
             y = yield y
+        post = bufs["post_ffn_norm"]
+        if post is not None:
+            y = F.rms_norm(y.to(x.dtype), shape, post, self.eps)
         return x + y
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [B, H, T, D], or decode's [B, KV, H/KV, D]
+        keys: torch.Tensor,  # [B, KV, L, D] (or [B, H, L, D] when expanded)
+        values: torch.Tensor,
+        mask: torch.Tensor | None,  # bool (True = attend) or additive, broadcast to the scores
+        causal: bool,
+    ) -> torch.Tensor:
+        if not self.softcap:
+            gqa = q.shape[1] != keys.shape[1]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+            )
+        # Soft-capped scores (gemma2): cap · tanh(s / cap) before the mask; SDPA cannot.
+        scale = self.scale or 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [.., T, L]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            t, length = scores.shape[-2:]
+            mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        probs = scores.float().softmax(dim=-1).to(values.dtype)
+        return torch.matmul(probs, values)
 
 
 class _Placement:
@@ -229,6 +301,7 @@ class _Placement:
 
     __slots__ = (
         "b", "causal", "length", "mask", "p0", "positions", "read", "real", "rows", "slot", "t",
+        "window_mask",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -245,6 +318,9 @@ class _Placement:
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
         self.causal = False
+        # Sliding layers: bool [B, 1, T, L], True where a key lies within the window of the
+        # query (and is attended at all); None when no query's window excludes a key.
+        self.window_mask: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -259,6 +335,8 @@ class Transformer(nn.Module):
     norm: torch.Tensor
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    rope_cos_local: torch.Tensor
+    rope_sin_local: torch.Tensor
 
     def __init__(
         self,
@@ -279,9 +357,9 @@ class Transformer(nn.Module):
         )
         self.register_buffer("norm", torch.empty(config.dim, device=META))
         self.output: nn.Module = _meta_linear(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.register_buffer("rope_cos", torch.empty(0, config.head_dim, device=META))
-        self.register_buffer("rope_sin", torch.empty(0, config.head_dim, device=META))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
+            self.register_buffer(name, torch.empty(0, config.head_dim, device=META))
 
     @property
     def device(self) -> torch.device:
@@ -297,11 +375,22 @@ class Transformer(nn.Module):
         if self.rope_cos.device == self.device and self.rope_cos.shape[0] >= positions:
             return
         half = c.head_dim // 2
-        inv = 1.0 / (c.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
+        exponents = torch.arange(half, dtype=torch.float64) / half
+        inv = 1.0 / (c.rope_base**exponents)  # [D/2]
+        if c.rope_freq_factors:  # Llama 3.x: each frequency divided by its factor
+            inv = inv / torch.tensor(c.rope_freq_factors, dtype=torch.float64)
+        self.rope_cos, self.rope_sin = self._rope_table(inv / c.rope_scale, positions)
+        if c.has_local_rope:  # gemma3's sliding layers: their own base, unscaled
+            inv_local = 1.0 / ((c.rope_base_local or c.rope_base) ** exponents)
+            self.rope_cos_local, self.rope_sin_local = self._rope_table(inv_local, positions)
+
+    def _rope_table(self, inv: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]  # [P, D/2]
         cos, sin = ang.cos(), ang.sin()
-        self.rope_cos = torch.cat((cos, cos), dim=-1).to(self.act_dtype).to(self.device)
-        self.rope_sin = torch.cat((-sin, sin), dim=-1).to(self.act_dtype).to(self.device)
+        return (
+            torch.cat((cos, cos), dim=-1).to(self.act_dtype).to(self.device),
+            torch.cat((-sin, sin), dim=-1).to(self.act_dtype).to(self.device),
+        )
 
     def forward_steps(
         self,
@@ -364,18 +453,34 @@ class Transformer(nn.Module):
                 at.mask = torch.zeros(attend.shape, dtype=self.act_dtype, device=dev)
                 at.mask.masked_fill_(~attend, float("-inf"))
                 at.mask = at.mask[:, None, None]  # [B, 1, 1, L]
-        rope = self._rope_rows(positions)
+        if c.sliding_window and length > c.sliding_window:
+            # [B, T] query positions: each query sees keys pos - W < k <= pos (its last W)
+            qpos = positions.view(b, -1)
+            cols = torch.arange(length, device=dev)
+            at.window_mask = (
+                (cols <= qpos[..., None]) & (cols > qpos[..., None] - c.sliding_window)
+            )[:, None]  # [B, 1, T, L]
+        rope = self._rope_rows(positions, self.rope_cos, self.rope_sin)
+        rope_local = rope
+        if c.has_local_rope:
+            rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
         x = F.embedding(input_ids.to(dev).reshape(-1), self.tok_embeddings)  # [N, dim]
         x = x.to(self.residual_dtype)
+        if c.embed_scale != 1.0:  # gemma; in the residual dtype, as transformers rounds it
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         act, partial = self.act_dtype, self.partial_sums
         for i, layer in enumerate(self.layers):
-            x = yield from layer.steps(x, rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
+            layer_rope = rope_local if layer.sliding else rope
+            x = yield from layer.steps(x, layer_rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
         x = x.view(b, t, c.dim)
         if not all_logits:  # each row's last real token: [B, dim]
             last = None if lengths is None else lengths.to(dev) - 1
             x = x[:, -1] if last is None else x[torch.arange(b, device=dev), last]
         x = F.rms_norm(x, (c.dim,), self.norm, c.rms_eps).to(act)
-        return self.output(x).float()
+        logits = self.output(x).float()
+        if c.final_softcap:  # gemma2
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     def _place_packed(
         self, at: _Placement, start_pos: torch.Tensor, slots: torch.Tensor, lens: list[int]
@@ -404,15 +509,17 @@ class Transformer(nn.Module):
         at.mask = (cols <= pos[:, :, None])[:, None]  # [B, 1, T, L]
         return pos.reshape(-1)
 
-    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(
+        self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for rows at `positions` [N], over all heads: [N, H + 2KV, D].
 
         Q and K heads rotate; the V heads (the last KV) get cos = 1, sin = 0.
         """
         c = self.config
         n, qk_heads = positions.shape[0], c.n_heads + c.n_kv_heads
-        cos = self.rope_cos[positions][:, None].expand(n, qk_heads, c.head_dim)
-        sin = self.rope_sin[positions][:, None].expand(n, qk_heads, c.head_dim)
+        cos = cos_table[positions][:, None].expand(n, qk_heads, c.head_dim)
+        sin = sin_table[positions][:, None].expand(n, qk_heads, c.head_dim)
         ones = cos.new_ones(n, c.n_kv_heads, c.head_dim)
         zeros = sin.new_zeros(n, c.n_kv_heads, c.head_dim)
         return torch.cat((cos, ones), dim=1), torch.cat((sin, zeros), dim=1)

@@ -389,6 +389,14 @@ def _build_sentencepiece(
     )
     backend = HFTokenizer(model)
     add_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    if add_space and metadata.get("general.architecture") != "phi3":
+        # As transformers' GGUF loader builds Llama 2 / Mistral vocabularies (Metaspace, so
+        # that token counts equal its own): "▁" in front of the text's first piece unless it
+        # already starts with a space ("  hi" is ▁▁hi; llama.cpp and phi3 say ▁▁▁hi).
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(  # type: ignore[assignment]
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
+        return backend, token_bytes, add_space
     norm: list[normalizers.Normalizer] = []
     if add_space:
         norm.append(normalizers.Prepend("\u2581"))

@@ -32,6 +32,7 @@ from neuron_trio.errors import (
     RequestError,
     SourceError,
     UnavailableError,
+    UnsupportedModelError,
 )
 from neuron_trio.http.access_log import access_info
 from neuron_trio.http.generation import ClientGone, SSEResponse, complete
@@ -110,6 +111,8 @@ async def _on_load_error(request: Request, exc: Exception) -> Response:
         return _error_response(400, str(exc), code="invalid_source", param="source")
     if isinstance(exc, PlacementError):
         return _error_response(507, str(exc), error_type="server_error", code="insufficient_memory")
+    if isinstance(exc, UnsupportedModelError):  # a well-formed file neuron cannot run
+        return _error_response(422, str(exc), code="unsupported_model", param="source")
     if isinstance(exc, ModelFileError):
         return _error_response(422, str(exc), code="invalid_model_file", param="source")
     return _error_response(500, str(exc), error_type="server_error", code="model_load_failed")

@@ -11,6 +11,10 @@ Weights arrive in torch's `[out_features, in_features]` layout (as `F.linear` ta
 | `blk.N.ffn_down`                           | row-wise: input columns of its slice |
 | norms, `token_embd`, `output`              | replicated                         |
 
+When `tp` exceeds the KV heads and is a multiple of them, KV heads are replicated (as vLLM
+does): each rank holds the one KV head its query heads use. Norms of a head's dimension
+(`attn_q_norm`, `attn_k_norm`) and post-norms are replicated like the others.
+
 Heads are contiguous blocks of `head_dim` rows, so llama.cpp's per-head Q/K permutation
 (rows within a head) is unaffected by the split. A row-parallel layer's bias (Llama has
 none) is kept by rank 0 only, so the all-reduced sum adds it once.
@@ -33,13 +37,15 @@ _ROW_FFN = ("ffn_down",)
 
 
 def check_tp(config: LlamaConfig, tp: int) -> None:
-    """Raise ConfigError unless `tp` splits heads, KV heads and the FFN evenly."""
+    """Raise ConfigError unless `tp` splits heads and the FFN evenly, and either splits the KV
+    heads evenly or is a multiple of them (each rank then holds a copy of one KV head)."""
     if tp < 1:
         raise ConfigError(f"tp = {tp} must be at least 1")
-    if config.n_heads % tp or config.n_kv_heads % tp:
+    kv = config.n_kv_heads
+    if config.n_heads % tp or (kv % tp and tp % kv):
         raise ConfigError(
             f"tp = {tp} does not divide {config.n_heads} attention heads / "
-            f"{config.n_kv_heads} KV heads"
+            f"{kv} KV heads (and is not a multiple of the {kv} KV heads)"
         )
     if config.ffn_dim % tp:
         raise ConfigError(f"tp = {tp} does not divide the FFN width {config.ffn_dim}")
@@ -65,11 +71,15 @@ def shard_fn(
         raise ValueError(f"rank {rank} out of range for tp = {tp}")
     hd = config.head_dim
     q_rows = config.n_heads // tp * hd
-    kv_rows = config.n_kv_heads // tp * hd
+    local_kv = config.shard(tp).n_kv_heads
+    kv_rows = local_kv * hd
+    # KV heads replicated (tp a multiple of them): rank r's query heads all use KV head
+    # r // (tp / KV), so that is the one it holds.
+    kv_index = rank // (tp // config.n_kv_heads) if config.n_kv_heads < tp else rank
     ffn_rows = config.ffn_dim // tp
 
-    def column(t: torch.Tensor, size: int) -> torch.Tensor:
-        return t.narrow(0, rank * size, size).contiguous()
+    def column(t: torch.Tensor, size: int, index: int = rank) -> torch.Tensor:
+        return t.narrow(0, index * size, size).contiguous()
 
     def row(t: torch.Tensor, size: int, kind: str) -> torch.Tensor:
         if kind == "bias":  # added once, after the all-reduce sums the ranks
@@ -83,7 +93,7 @@ def shard_fn(
         if layer in _COLUMN_HEADS:
             return column(tensor, q_rows)
         if layer in _COLUMN_KV_HEADS:
-            return column(tensor, kv_rows)
+            return column(tensor, kv_rows, kv_index)
         if layer in _COLUMN_FFN:
             return column(tensor, ffn_rows)
         if layer in _ROW_HEADS:
@@ -98,4 +108,5 @@ def shard_fn(
 def rank_shapes(config: LlamaConfig, tp: int) -> list[dict[str, int]]:
     """Per rank: the attention heads and KV heads it holds (for /v1/node `ranks`)."""
     check_tp(config, tp)
-    return [{"heads": config.n_heads // tp, "kv_heads": config.n_kv_heads // tp} for _ in range(tp)]
+    local = config.shard(tp)
+    return [{"heads": local.n_heads, "kv_heads": local.n_kv_heads} for _ in range(tp)]

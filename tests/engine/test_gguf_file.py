@@ -106,6 +106,12 @@ def _random_blocks(qtype: quant.QType, n_blocks: int, rng: np.random.Generator) 
         quant.QType.Q4_K: [0, 2],
         quant.QType.Q5_K: [0, 2],
         quant.QType.Q6_K: [208],
+        quant.QType.Q5_0: [0],
+        quant.QType.Q5_1: [0, 2],
+        quant.QType.IQ4_NL: [0],
+        quant.QType.IQ4_XS: [0],
+        quant.QType.Q2_K: [80, 82],
+        quant.QType.Q3_K: [108],
     }[qtype]
     for off in f16_fields:
         scales = rng.uniform(-0.05, 0.05, size=n_blocks).astype(np.float16)
@@ -113,7 +119,11 @@ def _random_blocks(qtype: quant.QType, n_blocks: int, rng: np.random.Generator) 
     return blocks
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize(
+    "name",
+    ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL",
+     "IQ4_XS"],
+)  # fmt: skip
 def test_block_formats_match_gguf_reference(name: str) -> None:
     qtype = quant.QType[name]
     block, _ = quant.BLOCK_SIZES[qtype]
@@ -154,9 +164,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 def test_unsupported_tensor_type_names_tensor(tmp_path: Path) -> None:
     path = write_tiny_llama(
-        tmp_path / "q5.gguf", **SHAPE, overrides={"blk.1.ffn_up.weight": "Q5_0"}
+        tmp_path / "mxfp4.gguf", **SHAPE, overrides={"blk.1.ffn_up.weight": "MXFP4"}
     )
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight.*Q5_0"):
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight.*MXFP4"):
         GGUFFile(path)
 
 
@@ -167,3 +177,32 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         GGUFFile(bad)
     with pytest.raises(ModelLoadError, match="cannot open"):
         GGUFFile(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("Q5_0", "Int8Linear"), ("Q5_1", "Int8Linear"), ("IQ4_NL", "Int4Linear"),
+     ("Q2_K", "Int4Linear"), ("Q3_K", "Int4Linear"), ("IQ4_XS", "Int4Linear")],
+)  # fmt: skip
+def test_auto_on_cpu_keeps_new_formats_quantised(tmp_path: Path, name: str, kind: str) -> None:
+    """`dtype = "auto"` on CPU: 4-bit-or-fewer formats take the int4 kernel, 5-bit ones int8; the
+    layer's dense copy equals the file's float32 dequantisation (to bfloat16)."""
+    from neuron_trio.engine.loader import load_transformer
+
+    shape = {**SHAPE, "dim": 256, "ffn_dim": 256}  # K-quants need rows of 256
+    qtype = quant.QType[name]
+    block, _ = quant.BLOCK_SIZES[qtype]
+    blocks = _random_blocks(qtype, 256 * 256 // block, np.random.default_rng(0))
+    path = write_tiny_llama(
+        tmp_path / f"{name}.gguf",
+        **shape,
+        raw_blocks={"blk.0.ffn_down.weight": (name, blocks.reshape(256, -1))},
+    )
+    if not quant.int4_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    model = load_transformer(path, dtype="auto", device="cpu")
+    layer = model.layers[0].w_down
+    assert type(layer).__name__ == kind
+    with GGUFFile(path) as gf:
+        want = gf.weight("blk.0.ffn_down.weight")
+    torch.testing.assert_close(layer.dense.float(), want.to(torch.bfloat16).float())

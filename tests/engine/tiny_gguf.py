@@ -149,6 +149,7 @@ def write_tiny_llama(
     extra_metadata: dict[str, Any] | None = None,
     overrides: dict[str, str] | None = None,
     arch: str = "llama",
+    raw_blocks: dict[str, tuple[str, np.ndarray]] | None = None,
 ) -> Path:
     """Write a tiny random llama GGUF file at `path` and return the path.
 
@@ -158,6 +159,8 @@ def write_tiny_llama(
     vocabulary has `len(tiny_vocab()[0])` tokens. `extra_metadata` adds string/int/float keys;
     `overrides` maps tensor names to another format (any that `gguf.quants.quantize` writes);
     `arch` other than "llama" writes an unsupported architecture (for error tests).
+    `raw_blocks` maps tensor names to (format, uint8 blocks `[rows, bytes per row]`), written
+    as they are (for formats the `gguf` package cannot quantise, e.g. IQ4_NL or Q3_K).
     """
     path = Path(path)
     tokens, token_types, merges = tiny_vocab()
@@ -214,6 +217,10 @@ def write_tiny_llama(
             w = _permute(w, n_kv_heads)
         if w.ndim == 1:
             writer.add_tensor(name, w)
+            continue
+        if raw_blocks and name in raw_blocks:
+            fmt, blocks = raw_blocks[name]
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[fmt])
             continue
         t = qt
         if name == "token_embd.weight" and qtype in block_formats:

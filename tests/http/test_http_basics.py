@@ -16,6 +16,7 @@ from neuron_trio.errors import (
     QueueFullError,
     SourceError,
     UnavailableError,
+    UnsupportedModelError,
 )
 from neuron_trio.http import create_app
 from tests.http.fake_node import FakeNode
@@ -100,7 +101,11 @@ def test_node_info_and_models_routes() -> None:
 
 @pytest.mark.parametrize(
     ("error", "status"),
-    [(SourceError("not under model_dirs"), 400), (PlacementError("needs 9 GiB, 3 free"), 507)],
+    [
+        (SourceError("not under model_dirs"), 400),
+        (PlacementError("needs 9 GiB, 3 free"), 507),
+        (UnsupportedModelError("m.gguf: architecture 'mamba' is not supported"), 422),
+    ],
 )
 def test_load_errors_map_to_statuses(error: Exception, status: int) -> None:
     async def body() -> None:
