@@ -35,6 +35,7 @@ import torch
 import trio
 from prometheus_client import CollectorRegistry
 
+import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
@@ -48,6 +49,7 @@ from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus,
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
+from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,
@@ -124,10 +126,14 @@ def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
         return None
     newest = reports[-1]
     try:
-        report: Any = json.loads(newest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        report = {"unreadable": f"{type(exc).__name__}: {exc}"}
-    return {"path": str(newest), "report": report}
+        written = newest.stat().st_mtime
+        try:
+            report: Any = json.loads(newest.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            report = {"unreadable": f"{type(exc).__name__}: {exc}"}
+    except OSError:
+        return None
+    return {"path": str(newest), "written_unix": written, "report": report}
 
 
 def _jsonable(value: Any) -> Any:
@@ -179,6 +185,7 @@ class Node:
         self._watchdog_factory = watchdog_factory or self._make_watchdog
         self._registry = CollectorRegistry()
         self._metrics = NodeMetrics(self._registry, self._model_statistics)
+        self._registry.register(NodeCollector(self))
         self._actors: dict[str, ModelActor] = {}
         self._reserved: set[str] = set()  # names being loaded
         self._nursery: trio.Nursery | None = None
@@ -383,11 +390,27 @@ class Node:
                 self._notifier.status(text)
 
     def _make_watchdog(self, spec: ModelConfig) -> Watchdog:
+        metrics = WatchdogMetrics.for_registry(self._registry)
+        metrics.zero(spec.name)
         return Watchdog(
-            model_name=spec.name,
-            tp=self.config.tp,
-            deadman=self.deadman,
-            metrics=WatchdogMetrics.for_registry(self._registry),
+            model_name=spec.name, tp=self.config.tp, deadman=self.deadman, metrics=metrics
+        )
+
+    def node_statistics(self) -> NodeStatistics:
+        """For `/metrics` (service.node_metrics): identity, health, the last deadman exit."""
+        try:
+            started = datetime.fromisoformat(str(self.identity.started_at)).timestamp()
+        except ValueError:
+            started = 0.0
+        forensics = self._last_forensics or {}
+        return NodeStatistics(
+            boot_id=str(self.identity.boot_id),
+            hostname=self.hostname,
+            version=neuron_trio.__version__,
+            starts=int(self.identity.starts),
+            started_at_unix=started,
+            status=self.health().status,
+            last_forensics_unix=forensics.get("written_unix"),
         )
 
     def _model_statistics(self) -> list[ModelActorStatistics]:
