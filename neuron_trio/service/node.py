@@ -49,7 +49,7 @@ from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus,
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
-from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics
+from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,
@@ -61,6 +61,8 @@ from neuron_trio.service.watchdog import Watchdog
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
+
+TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
 
 ExecutorFactory = Callable[..., ExecutorLike]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
@@ -193,6 +195,7 @@ class Node:
         self._draining = False
         self._closed = trio.Event()
         self._last_forensics: dict[str, Any] | None = None
+        self._token_rates: dict[str, RateWindow] = {}
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -254,7 +257,10 @@ class Node:
             "draining": self._draining,
             "config": self.config.source_path,
             "gpus": gpus,
-            "models": [actor.info() for actor in self._actors.values()],
+            "models": [
+                {**actor.info(), "generated_tokens_per_s_1m": self._tokens_per_s(name)}
+                for name, actor in self._actors.items()
+            ],
             "watchdog": {
                 "step_timeout_s": self.config.tp.step_timeout_s,
                 "abort_deadline_s": self.config.tp.abort_deadline_s,
@@ -327,6 +333,7 @@ class Node:
         failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._sample_token_rates)
             try:
                 await self._load_defaults()
             except (ModelLoadError, ConfigError) as exc:
@@ -412,6 +419,27 @@ class Node:
             status=self.health().status,
             last_forensics_unix=forensics.get("written_unix"),
         )
+
+    async def _sample_token_rates(self) -> None:
+        """Every TOKEN_RATE_SAMPLE_S, each model's generated tokens into its 1-minute window."""
+        while True:
+            now = trio.current_time()
+            totals = {
+                sample.labels["model"]: sample.value
+                for family in self._metrics.generated_tokens.collect()
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            }
+            for name in list(self._actors):
+                self._token_rates.setdefault(name, RateWindow()).add(now, totals.get(name, 0.0))
+            for gone in set(self._token_rates) - set(self._actors):
+                del self._token_rates[gone]
+            await trio.sleep(TOKEN_RATE_SAMPLE_S)
+
+    def _tokens_per_s(self, model: str) -> float | None:
+        window = self._token_rates.get(model)
+        rate = window.rate() if window is not None else None
+        return round(rate, 2) if rate is not None else None
 
     def _model_statistics(self) -> list[ModelActorStatistics]:
         return [actor.statistics() for actor in list(self._actors.values())]

@@ -17,6 +17,7 @@ Read at scrape time from the node (no state of its own), like the model gauges.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -81,3 +82,30 @@ class NodeCollector(Collector):
         )
         forensics.add_metric([], s.last_forensics_unix or 0.0)
         yield from (starts, started, info, status, forensics)
+
+
+class RateWindow:
+    """The rate of a counter over the last `window_s`, from samples taken every few seconds.
+
+    For "tokens/s over the last minute" in `/v1/node` (and `neuron status`), which a single
+    read of a counter cannot give. Bounded: samples older than the window are dropped.
+    """
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, at: float, value: float) -> None:
+        if self._samples and value < self._samples[-1][1]:
+            self._samples.clear()  # the counter was reset (the model was reloaded)
+        self._samples.append((at, value))
+        # Keep one sample at or before the window's start, so the rate spans the whole window.
+        while len(self._samples) > 2 and self._samples[1][0] <= at - self.window_s:
+            self._samples.popleft()
+
+    def rate(self) -> float | None:
+        """Per second, between the oldest sample in the window and the newest; None before two."""
+        if len(self._samples) < 2:
+            return None
+        (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else None

@@ -446,6 +446,7 @@ def test_node_info_document(tmp_path: Path) -> None:
         assert info["watchdog"]["step_timeout_s"] == 30
         assert info["last_forensics"] == {
             "path": str(newest),
+            "written_unix": newest.stat().st_mtime,
             "report": {"reason": "abort-deadline"},
         }
         assert info["failpoints"]["configured"] == {"engine.step": "hang"}
