@@ -47,6 +47,7 @@ from neuron_trio.errors import (
 )
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
+from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
@@ -88,9 +89,12 @@ class GpuSource(Protocol):
 
 
 class StatusSink(Protocol):
-    """What the node needs of `service.notifier.Notifier`: STATUS= lines."""
+    """What the node needs of `service.notifier.Notifier`: STATUS= lines, and more time for
+    the start while a default model downloads (EXTEND_TIMEOUT_USEC=)."""
 
     def status(self, text: str) -> Any: ...
+
+    def extend_timeout(self, seconds: float, status: str | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -350,7 +354,10 @@ class Node:
     async def _load_defaults(self) -> None:
         models = self.config.default_models
         for i, spec in enumerate(models, 1):
-            self._status(f"loading {spec.name} ({i}/{len(models)}) from {spec.source}…")
+            self._status(
+                f"loading {spec.name} ({i}/{len(models)}) from {spec.source}…",
+                extend_s=LOAD_SILENCE_S,
+            )
             started = time.monotonic()
             await self._start_model(spec)
             self._status(f"loaded {spec.name} in {time.monotonic() - started:.1f} s")
@@ -390,11 +397,23 @@ class Node:
 
     # ---- inside ---------------------------------------------------------------------------
 
-    def _status(self, text: str) -> None:
+    def _status(self, text: str, *, extend_s: float | None = None) -> None:
+        """Log `text` and show it as STATUS=; with `extend_s`, also ask systemd for that much
+        more time to start (a default model's load is progress, not silence)."""
         log.info("%s", text)
         if self._notifier is not None:
             with contextlib.suppress(Exception):
-                self._notifier.status(text)
+                if extend_s is None:
+                    self._notifier.status(text)
+                else:
+                    self._notifier.extend_timeout(extend_s, text)
+
+    def _download_progress(self, spec: ModelConfig) -> DownloadProgress | None:
+        """Bytes and percent to systemd while a default model downloads, each report with more
+        time for the start. Not for run-time loads: the node is started by then."""
+        if self._notifier is None or self._serving:
+            return None
+        return DownloadProgress(self._notifier, f"{spec.name} ({spec.source})")
 
     def _make_watchdog(self, spec: ModelConfig) -> Watchdog:
         metrics = WatchdogMetrics.for_registry(self._registry)
@@ -466,7 +485,13 @@ class Node:
         self._reserved.add(spec.name)
         try:
             path = await trio.to_thread.run_sync(
-                partial(resolve_source, spec.source, self.config, progress=self._status),
+                partial(
+                    resolve_source,
+                    spec.source,
+                    self.config,
+                    progress=self._status,
+                    on_bytes=self._download_progress(spec),
+                ),
                 abandon_on_cancel=True,
             )
             snapshot = await self._live_gpus(spec)

@@ -18,6 +18,7 @@ from pathlib import Path
 from neuron_trio.config import NeuronConfig
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
+from neuron_trio.service.download_progress import ByteProgress, reporting_tqdm
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,17 @@ def check_cache_dir(cache_dir: Path) -> None:
     os.unlink(probe)
 
 
-def resolve_hub(source: str, *, progress: Progress | None = None, quiet: bool = False) -> Path:
-    """Download `hf:REPO/FILE.gguf` into the hub cache (or find it there); return its path."""
+def resolve_hub(
+    source: str,
+    *,
+    progress: Progress | None = None,
+    quiet: bool = False,
+    on_bytes: ByteProgress | None = None,
+) -> Path:
+    """Download `hf:REPO/FILE.gguf` into the hub cache (or find it there); return its path.
+
+    `on_bytes(done, total)` follows the download (service.download_progress).
+    """
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub import errors as hub_errors
 
@@ -119,15 +129,8 @@ def resolve_hub(source: str, *, progress: Progress | None = None, quiet: bool = 
         where = "the hub cache (HF_HUB_OFFLINE)" if offline else constants.ENDPOINT
         progress(f"fetching {hub} from {where} into {cache_dir}")
     tqdm_class = None
-    if quiet:
-        from tqdm import tqdm as _tqdm
-
-        class _Silent(_tqdm):  # type: ignore[misc,type-arg]
-            def __init__(self, *args: object, **kwargs: object) -> None:
-                kwargs["disable"] = True
-                super().__init__(*args, **kwargs)
-
-        tqdm_class = _Silent
+    if quiet or on_bytes is not None:
+        tqdm_class = reporting_tqdm(on_bytes or (lambda done, total: None), quiet=quiet)
     try:
         path = hf_hub_download(
             hub.repo_id,
@@ -160,7 +163,13 @@ def resolve_hub(source: str, *, progress: Progress | None = None, quiet: bool = 
     return Path(str(path))
 
 
-def resolve_source(source: str, config: NeuronConfig, *, progress: Progress | None = None) -> Path:
+def resolve_source(
+    source: str,
+    config: NeuronConfig,
+    *,
+    progress: Progress | None = None,
+    on_bytes: ByteProgress | None = None,
+) -> Path:
     """The local GGUF file for `source`; blocking (may download). Raises SourceError.
 
     `progress`, when given, receives one-line human messages (for STATUS= and the log).
@@ -168,7 +177,7 @@ def resolve_source(source: str, config: NeuronConfig, *, progress: Progress | No
     if source.startswith("builtin:"):
         return builtin_model_path(source.removeprefix("builtin:"))
     if source.startswith("hf:"):
-        return resolve_hub(source, progress=progress, quiet=True)
+        return resolve_hub(source, progress=progress, quiet=True, on_bytes=on_bytes)
     return resolve_local(source, config.model_dir_paths)
 
 

@@ -71,8 +71,16 @@ class FakeGpus:
 class FakeNotifier:
     lines: list[str] = field(default_factory=list)
 
+    extended: list[tuple[float, str | None]] = field(default_factory=list)
+
     def status(self, text: str) -> bool:
         self.lines.append(text)
+        return True
+
+    def extend_timeout(self, seconds: float, status: str | None = None) -> bool:
+        self.extended.append((seconds, status))
+        if status is not None:
+            self.lines.append(status)
         return True
 
 
