@@ -256,7 +256,12 @@ def render(status: NodeStatus, *, url: str, now: float | None = None) -> str:
     lines = [
         f"neuron on {node.get('hostname', '?')} ({url}): {verdict}",
         f"boot      {node.get('boot_id', '?')}, start {node.get('starts', '?')} in this state "
-        f"dir, up {_uptime(node.get('started_at'), now)} (since {node.get('started_at', '?')})",
+        f"dir, up {_uptime(node.get('started_at'), now)} (since {node.get('started_at', '?')})"
+        + (
+            "; the process before did NOT stop cleanly"
+            if node.get("previous_stop_clean") is False
+            else ""
+        ),
         f"watchdog  step timeout {wd.get('step_timeout_s', '?')} s, abort deadline "
         f"{wd.get('abort_deadline_s', '?')} s, probe every {wd.get('probe_interval_s', '?')} s"
         + (f"; DEADMAN FIRING: {wd.get('deadman_reason')}" if wd.get("deadman_firing") else ""),

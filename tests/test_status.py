@@ -182,6 +182,7 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
         "hostname": "gpu-7",
         "boot_id": "abc",
         "starts": 5,
+        "previous_stop_clean": False,
         "started_at": "2026-01-01T00:00:00Z",
         "status": "recovering",
         "gpus": {
@@ -243,6 +244,7 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
     text = render(status, url="http://127.0.0.1:8080", now=1767229200.0)  # 01:00 UTC
     assert "NOT SERVING (recovering)" in text
     assert "start 5 in this state dir, up 1h 0m" in text
+    assert "the process before did NOT stop cleanly" in text
     assert "gpu 0     H100: 40.0/80.0 GiB, util 97%" in text
     assert (
         "forensics 2025-12-31T23:00:00Z: abort-deadline: step wedged for 90.1 s, 3 requests" in text

@@ -102,6 +102,7 @@ class _Identity:
     boot_id: str
     started_at: str
     starts: int
+    previous_stop_clean: bool = True
 
 
 def _ephemeral_identity() -> _Identity:
@@ -257,6 +258,7 @@ class Node:
             "boot_id": health.boot_id,
             "started_at": health.started_at,
             "starts": health.starts,
+            "previous_stop_clean": bool(self.identity.previous_stop_clean),
             "status": health.status,
             "draining": self._draining,
             "config": self.config.source_path,
@@ -437,6 +439,7 @@ class Node:
             started_at_unix=started,
             status=self.health().status,
             last_forensics_unix=forensics.get("written_unix"),
+            previous_stop_clean=bool(self.identity.previous_stop_clean),
         )
 
     async def _sample_token_rates(self) -> None:

@@ -10,7 +10,9 @@ from what the state directory remembers:
 - `neuron_node_info{boot_id,hostname,version}`: 1; the boot id changes on every start;
 - `neuron_node_status{status}`: 1 for the `/health` status now (ok, starting, ...);
 - `neuron_node_last_forensics_timestamp_seconds`: when the newest forensics report (written
-  just before a deadman exit 70) was written, 0 when there is none.
+  just before a deadman exit 70) was written, 0 when there is none;
+- `neuron_node_previous_stop_clean`: 0 when the process before this one did not stop cleanly
+  (crash, kill, OOM, exit 70, failed start), 1 otherwise (a drain that ended in exit 0).
 
 Read at scrape time from the node (no state of its own), like the model gauges.
 """
@@ -39,6 +41,7 @@ class NodeStatistics:
     started_at_unix: float
     status: str
     last_forensics_unix: float | None
+    previous_stop_clean: bool = True
 
 
 class HasNodeStatistics(Protocol):
@@ -81,7 +84,12 @@ class NodeCollector(Collector):
             "When the newest forensics report (a deadman exit 70) was written; 0: none",
         )
         forensics.add_metric([], s.last_forensics_unix or 0.0)
-        yield from (starts, started, info, status, forensics)
+        clean = GaugeMetricFamily(
+            "neuron_node_previous_stop_clean",
+            "0 when the process before this one did not stop cleanly (crash, kill, exit 70)",
+        )
+        clean.add_metric([], 1.0 if s.previous_stop_clean else 0.0)
+        yield from (starts, started, info, status, forensics, clean)
 
 
 class RateWindow:

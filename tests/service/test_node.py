@@ -89,6 +89,7 @@ class Identity:
     boot_id: str = "b00t"
     started_at: str = "2026-01-01T00:00:00Z"
     starts: int = 3
+    previous_stop_clean: bool = False
 
 
 def make_config(
