@@ -286,7 +286,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         config = load_config(path)
         key = status.api_key(config)
-    except (ConfigError, status.StatusError) as exc:
+    except ConfigError as exc:
         print(f"neuron: {exc}", file=sys.stderr)
         return EX_CONFIG
     url = args.url or status.default_url(config)

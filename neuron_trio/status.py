@@ -17,7 +17,6 @@ import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -61,18 +60,11 @@ def default_url(config: NeuronConfig) -> str:
 
 
 def api_key(config: NeuronConfig) -> str | None:
-    """The first key in `server.api_key_file` (None when unset). Raises StatusError."""
-    path = config.server.api_key_file
-    if path is None:
-        return None
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StatusError(f"server.api_key_file: cannot read {path}: {exc}") from None
-    keys = [line.strip() for line in text.splitlines() if line.strip()]
-    if not keys:
-        raise StatusError(f"server.api_key_file: {path} holds no key")
-    return keys[0]
+    """The first key in `server.api_key_file` (None when unset). Raises ConfigError."""
+    from neuron_trio.http.app import read_api_keys  # the daemon's own reading of the file
+
+    keys = read_api_keys(config.server.api_key_file)
+    return keys[0].decode() if keys else None
 
 
 def _tls_context(config: NeuronConfig | None) -> ssl.SSLContext:

@@ -255,3 +255,13 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
     assert (
         "watchdog aborting: wedges 1" in text and "last wedge: step at 2026-01-01T00:59:00Z" in text
     )
+
+
+def test_an_unreadable_api_key_file_is_78(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "neuron.toml"
+    config.write_text(f'[server]\napi_key_file = "{tmp_path / "missing"}"\n')
+    code, out, err = run_status(capsys, "--config", str(config))
+    assert code == 78 and out == ""
+    assert "api_key_file" in err
