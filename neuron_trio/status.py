@@ -196,10 +196,12 @@ def _model_lines(model: dict[str, Any], metrics: dict[str, float]) -> list[str]:
         )
         last = wd.get("last_wedge")
         if last:
-            lines.append(
-                f"    last wedge: {last.get('what')} at {last.get('at')}, "
-                f"abort {last.get('abort', '?')} after {last.get('abort_s', '?')} s"
+            abort = (
+                f", abort {last['abort']} after {last.get('abort_s', '?')} s"
+                if last.get("abort")
+                else ""
             )
+            lines.append(f"    last wedge: {last.get('what')} at {last.get('at')}{abort}")
     if model.get("last_error"):
         lines.append(f"    last error: {model['last_error']}")
     return lines
@@ -260,9 +262,12 @@ def render(status: NodeStatus, *, url: str, now: float | None = None) -> str:
         *_gpu_lines(node),
         *_forensics_lines(node),
     ]
-    fired = (node.get("failpoints") or {}).get("configured")
-    if fired:
-        lines.append(f"FAILPOINTS {json.dumps(fired)} (fault injection: never in production)")
+    failpoints = node.get("failpoints") or {}
+    if failpoints.get("configured") or failpoints.get("fired"):
+        lines.append(
+            f"FAILPOINTS {json.dumps(failpoints.get('configured') or {})}, fired "
+            f"{json.dumps(failpoints.get('fired') or [])} (fault injection: never in production)"
+        )
     models = node.get("models") or []
     lines.append(f"models    {len(models)}")
     for model in models:

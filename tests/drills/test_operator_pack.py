@@ -176,7 +176,7 @@ def test_status_of_the_serving_daemon(node: Node) -> None:
     assert "SERVING" in human.stdout and "NOT SERVING" not in human.stdout
     assert f"boot      {health['boot_id']}, start 1 in this state dir" in human.stdout
     assert f"  {MODEL}" in human.stdout and "slots 0/2" in human.stdout
-    assert 'FAILPOINTS {"engine.step": "hang"}' in human.stdout
+    assert 'FAILPOINTS {"engine.step": "hang"}, fired []' in human.stdout
     as_json = node.status("--json")
     assert as_json.returncode == 0
     doc = json.loads(as_json.stdout)
@@ -289,7 +289,7 @@ def test_prometheus_scrapes_evaluates_and_sees_the_wedge(
     status = node.status()
     assert status.returncode == 69, status.stdout + status.stderr
     assert "NOT SERVING (recovering)" in status.stdout or "NOT SERVING (wedged)" in status.stdout
-    assert "wedges 1" in status.stdout
+    assert "wedges 1" in status.stdout and 'fired ["engine.step"]' in status.stdout
 
 
 def _rules() -> list[tuple[str, dict[str, Any]]]:
