@@ -100,7 +100,7 @@ def environment() -> None:
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info("gpus", names)
-    status = nccl_lib.nccl_status()
+    status = nccl_lib.describe()
     record("nccl.library", "version" in status, status)
 
 

@@ -7,9 +7,7 @@ writes a plain Python file, and `nccl.h` (which includes `cuda_runtime.h`) is ne
 
 Only the calls neuron makes are declared. Enums are declared `int` (what they are in the C
 ABI): `ncclRedOp_t` cannot be pasted from the header, and `ncclResult_t`/`ncclDataType_t`
-stay consistent with it. `ncclConfig_t` is declared as its stable prefix only
-`{size, magic, version, blocking}`; the caller sets `size = sizeof(prefix)` and NCCL copies
-min(size, its own sizeof), so the declaration works across NCCL versions.
+stay consistent with it.
 """
 
 from __future__ import annotations
@@ -28,33 +26,17 @@ typedef int ncclResult_t;
 typedef int ncclDataType_t;
 typedef int ncclRedOp_t;
 typedef struct ncclComm *ncclComm_t;
-typedef struct { char internal[128]; } ncclUniqueId;
-
-/* The stable prefix of ncclConfig_t (NCCL >= 2.14). */
-typedef struct {
-    size_t size;
-    unsigned int magic;
-    unsigned int version;
-    int blocking;
-} ncclConfig_t;
 
 ncclResult_t ncclGetVersion(int *version);
 const char *ncclGetErrorString(ncclResult_t result);
 const char *ncclGetLastError(ncclComm_t comm);
-ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId);
-ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank);
 ncclResult_t ncclCommInitAll(ncclComm_t *comm, int ndev, const int *devlist);
-ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId,
-                                    int rank, ncclConfig_t *config);
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                            void *stream);
-ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, int root, ncclComm_t comm, void *stream);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);
-ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 """

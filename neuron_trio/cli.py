@@ -183,7 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def nccl_status() -> dict[str, Any]:
     try:
-        from neuron_trio.parallel.nccl_lib import nccl_status as describe
+        from neuron_trio.parallel.nccl_lib import describe
 
         return dict(describe())
     except Exception as exc:

@@ -26,10 +26,18 @@ from functools import partial
 from typing import Any, Protocol
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from neuron_trio import failpoints
 from neuron_trio.config import NeuronConfig
-from neuron_trio.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, ConfigError, ModelLoadError
+from neuron_trio.errors import (
+    EX_CONFIG,
+    EX_OK,
+    EX_OSERR,
+    EX_UNAVAILABLE,
+    ConfigError,
+    ModelLoadError,
+)
 from neuron_trio.gpu.actor import GpuActor
 from neuron_trio.gpu.metrics import GpuCollector
 from neuron_trio.gpu.nvml import GpuProbe
@@ -39,7 +47,6 @@ from neuron_trio.service.signals import SignalWatcher, die_by_signal, flush_logs
 
 log = logging.getLogger(__name__)
 
-EX_OSERR = 71  # sysexits: the listener could not be bound (address in use, permission)
 EX_CRASH = 1  # an unexpected exception: a bug, logged with its traceback
 # After the in-flight wait: hypercorn closing its connections, then unloading the models.
 # Both are bounded so that a drain ends before systemd's TimeoutStopSec (120 s) kills it.
@@ -49,6 +56,10 @@ UNLOAD_TIMEOUT_S = 10.0
 
 class DaemonNode(Protocol):
     """What the daemon asks of `service.node.Node` (beyond the HTTP layer's NodeService)."""
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """Where `/metrics` reads from; the daemon adds the GPU collector to it."""
 
     async def run(self, *, task_status: Any = ...) -> None:
         """Load `config.default_models` (progress as STATUS= lines through the notifier),
@@ -170,9 +181,7 @@ class Daemon:
         self.node = node = self.wiring.make_node(
             config, identity=identity, gpus=gpus, notifier=self.notifier
         )
-        registry = getattr(node, "metrics_registry", None)
-        if registry is not None:
-            registry.register(GpuCollector(gpus))
+        node.metrics_registry.register(GpuCollector(gpus))
         await root.start(node.run)
         app = self.wiring.create_app(node, config)
         serve_http = self.wiring.serve_http or _default_serve_http()

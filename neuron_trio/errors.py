@@ -9,8 +9,9 @@ from __future__ import annotations
 # sysexits(3) codes of the CLI contract (DESIGN.md).
 EX_OK = 0
 EX_USAGE = 64
-EX_UNAVAILABLE = 69
-EX_SOFTWARE = 70
+EX_UNAVAILABLE = 69  # a default model cannot be loaded
+EX_SOFTWARE = 70  # the deadman: a wedge that could not be recovered
+EX_OSERR = 71  # the listener could not be bound (address in use, permission)
 EX_CONFIG = 78
 
 
@@ -45,17 +46,29 @@ class PlacementError(ModelLoadError):
     """Raised by placement if no device (set) can hold the model; the message has the numbers."""
 
 
-class RequestError(NeuronError):
-    """Raised for a request that is wrong: becomes a 4xx naming the offending field."""
+class ApiError(NeuronError):
+    """Base of the errors that become an API error response: `status`, OpenAI's error
+    `type`, the message, and the `param` and `code` it names.
 
-    status = 400
-    error_type = "invalid_request_error"
+    RequestError (4xx: the request is wrong) and UnavailableError (503: the node cannot take
+    it now) are its kinds; the HTTP layer turns any of them into its response.
+    """
+
+    status = 500
+    error_type = "server_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+
+
+class RequestError(ApiError):
+    """Raised for a request that is wrong: becomes a 4xx naming the offending field."""
+
+    status = 400
+    error_type = "invalid_request_error"
 
 
 class ContextLengthError(RequestError):
@@ -85,7 +98,7 @@ class QueueFullError(RequestError):
         self.retry_after_s = retry_after_s
 
 
-class UnavailableError(RequestError):
+class UnavailableError(ApiError):
     """Raised if the node or the model cannot take work now: draining, recovering, wedged (503)."""
 
     status = 503

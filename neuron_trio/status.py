@@ -165,9 +165,8 @@ def _sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     )
 
 
-def _model_lines(model: dict[str, Any], metrics: dict[str, float]) -> list[str]:
+def _model_lines(model: dict[str, Any], metrics: dict[str, float], rate: Any) -> list[str]:
     name = str(model.get("name"))
-    rate = model.get("generated_tokens_per_s_1m")
     tokens = f"{rate:.1f} tok/s (1 min)" if isinstance(rate, int | float) else "- tok/s (1 min)"
     devices = ",".join(str(d) for d in model.get("devices") or []) or "?"
     lines = [
@@ -270,8 +269,9 @@ def render(status: NodeStatus, *, url: str, now: float | None = None) -> str:
         )
     models = node.get("models") or []
     lines.append(f"models    {len(models)}")
+    rates = node.get("generated_tokens_per_s_1m") or {}
     for model in models:
-        lines.extend(_model_lines(model, status.metrics))
+        lines.extend(_model_lines(model, status.metrics, rates.get(model.get("name"))))
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
+from prometheus_client import CollectorRegistry
 
 from neuron_trio import daemon, failpoints
 from neuron_trio.config import NeuronConfig, config_from_mapping
@@ -40,6 +41,7 @@ class FakeNode:
         self.in_flight = 0
         self.idle = trio.Event()
         self.notifier: Any = None
+        self.metrics_registry = CollectorRegistry()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.events.append("node.load")

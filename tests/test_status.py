@@ -208,6 +208,7 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
                 "inflight_count": 3,
             },
         },
+        "generated_tokens_per_s_1m": {"llama": 812.5},
         "models": [
             {
                 "name": "llama",
@@ -219,7 +220,6 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
                 "slots_total": 8,
                 "queued": 5,
                 "max_queue": 64,
-                "generated_tokens_per_s_1m": 812.5,
                 "steps": 100,
                 "step_failures": 1,
                 "watchdog": {

@@ -39,7 +39,7 @@ class Engine:
     def __init__(
         self,
         runner: Runner,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         max_batch: int,
         context: int,
@@ -63,7 +63,7 @@ class Engine:
         self.sampler = Sampler(token_text=tokenizer.token_text)
         if chat_template is None or isinstance(chat_template, str):
             chat_template = ChatTemplate(
-                chat_template or getattr(tokenizer, "chat_template", None),
+                chat_template or tokenizer.chat_template,
                 bos_token=_token_text(tokenizer, tokenizer.bos_id),
                 eos_token=_token_text(tokenizer, tokenizer.eos_id),
             )
@@ -89,13 +89,15 @@ class Engine:
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
-        `context` (tokens per slot) is capped at the context the model was trained for.
+        The one way to build an unsharded engine: the daemon's `build_executor` calls it for
+        tp = 1. `context` (tokens per slot) is capped at the context the model was trained
+        for. The file is parsed once (weights and tokenizer) and closed before this returns.
         """
-        gguf_file = GGUFFile(path)
-        context = min(context, gguf_file.config.context_length)
-        model = load_transformer(gguf_file, dtype=dtype, device=torch.device(device))
+        with GGUFFile(path) as gguf:
+            context = min(context, gguf.config.context_length)
+            model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
+            tokenizer = Tokenizer.from_gguf(gguf)
         runner = SingleRunner(model, slots=max_batch + 1, context=context)
-        tokenizer = Tokenizer.from_gguf(path)
         return cls(
             runner, tokenizer, max_batch=max_batch, context=context, prefill_chunk=prefill_chunk
         )
@@ -117,8 +119,7 @@ class Engine:
         del chat  # a rendered chat template carries its own specials, BOS included or not
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         bos = self.tokenizer.bos_id
-        wants_bos = getattr(self.tokenizer, "add_bos", False) and bos is not None
-        if wants_bos and (not ids or ids[0] != bos):
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
 

@@ -45,10 +45,6 @@ class Sequence:
         return len(self.output_ids)
 
     @property
-    def prefill_remaining(self) -> int:
-        return self.num_prompt - self.prefilled
-
-    @property
     def last_token(self) -> int:
         """The token a decode step feeds: the last one sampled."""
         return self.output_ids[-1]

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from neuron_trio.errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from neuron_trio.engine.gguf_file import GGUFFile
 
 # llama.cpp's token types (llama_token_type / gguf.TokenType).
 TOKEN_NORMAL = 1
@@ -106,37 +108,6 @@ _BYTE_TO_CHAR = _byte_alphabet()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
-def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
-    """The `tokenizer.*` keys of a GGUF file as plain Python values (strings, ints, lists)."""
-    import gguf  # local: the reader pulls numpy, and only loading needs it
-
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-        out: dict[str, Any] = {}
-        for name, field in reader.fields.items():
-            if name.startswith("tokenizer.") or name == "general.architecture":
-                out[name] = _field_value(field)
-    except Exception as e:  # a truncated or foreign file fails in many ways inside the reader
-        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
-    return out
-
-
-def _field_value(field: Any) -> Any:
-    import gguf
-
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        inner = types[1] if len(types) > 1 else None
-        if inner == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return field.parts[field.data[0]].tolist()[0]
-
-
 class Tokenizer:
     """Text to token ids and back, for one model. Build it with `from_gguf` or `from_metadata`.
 
@@ -175,19 +146,20 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | Path, *, pre: str | None = None) -> Tokenizer:
-        """Read the tokenizer of GGUF file `path`; ModelLoadError if it has none we support.
+    def from_gguf(cls, gguf: GGUFFile, *, pre: str | None = None) -> Tokenizer:
+        """The tokenizer of a GGUF file already parsed (its metadata is not read again);
+        ModelLoadError naming the file if it has none we support.
 
         `pre` overrides the file's pre-tokenizer name (`tokenizer.ggml.pre`), e.g. "gpt2" to
         split as transformers' GGUF loader does for names it does not know (see from_metadata).
         """
-        metadata = read_tokenizer_metadata(path)
+        metadata = dict(gguf.metadata)
         if pre is not None:
             metadata["tokenizer.ggml.pre"] = pre
         try:
             return cls.from_metadata(metadata)
         except ModelLoadError as e:
-            raise type(e)(f"{path}: {e}") from None
+            raise type(e)(f"{gguf.path}: {e}") from None
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -301,9 +273,6 @@ class Tokenizer:
             if self.add_eos and self._eos_id is not None:
                 ids.append(self._eos_id)
         return ids
-
-    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
-        return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
     def ids_to_bytes(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> bytes:
         special = self.special_ids if skip_special_tokens else frozenset()

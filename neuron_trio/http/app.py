@@ -21,11 +21,11 @@ from starlette.types import ASGIApp, Scope
 
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
+    ApiError,
     ConfigError,
     ModelLoadError,
     PlacementError,
     QueueFullError,
-    RequestError,
     SourceError,
     UnavailableError,
 )
@@ -85,8 +85,8 @@ def _error_response(
 # --- exception handlers --------------------------------------------------------------------
 
 
-async def _on_request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError)
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
     headers = None
     if isinstance(exc, QueueFullError | UnavailableError):
         headers = {"Retry-After": str(max(1, int(exc.retry_after_s)))}
@@ -274,7 +274,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         routes=routes,
         exception_handlers={
             HTTPException: _on_http_exception,
-            RequestError: _on_request_error,
+            ApiError: _on_api_error,
             ModelLoadError: _on_load_error,
             ConfigError: _on_config_error,
             msgspec.DecodeError: _on_decode_error,

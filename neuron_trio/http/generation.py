@@ -18,7 +18,7 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from neuron_trio.errors import RequestError, UnavailableError
+from neuron_trio.errors import ApiError, UnavailableError
 from neuron_trio.http.access_log import AccessInfo, access_info
 from neuron_trio.http.openai import (
     SSE_DONE,
@@ -42,7 +42,7 @@ T = TypeVar("T")
 _FINISHED = ("stop", "length")
 
 
-class GenerationFailedError(RequestError):
+class GenerationFailedError(ApiError):
     """Raised if the engine ended a sequence with an error (500, its reason in the message)."""
 
     status = 500
@@ -54,7 +54,7 @@ class GenerationFailedError(RequestError):
         )
 
 
-def _finish_error(t: Transcript) -> RequestError | None:
+def _finish_error(t: Transcript) -> ApiError | None:
     """The error a finished sequence ended with, if it did not end normally."""
     if t.finish_reason in _FINISHED:
         return None
@@ -204,7 +204,7 @@ class SSEResponse(Response):
                     return
                 tail = writer.usage(transcript) if parsed.include_usage else b""
                 await send(_body(tail + SSE_DONE, False))
-            except RequestError as exc:
+            except ApiError as exc:
                 # A model that wedges mid-stream (UnavailableError) and the like.
                 await send(_body(_error_event(exc), False))
             except Exception:
@@ -221,7 +221,7 @@ class SSEResponse(Response):
                 )
 
 
-def _error_event(exc: RequestError) -> bytes:
+def _error_event(exc: ApiError) -> bytes:
     return sse_data(
         error_body(exc.message, error_type=exc.error_type, code=exc.code, param=exc.param)
     )

@@ -16,6 +16,11 @@ class Communicator(Protocol):
     world_size: int
     devices: list[torch.device]  # one per rank
 
+    @property
+    def aborted(self) -> bool:
+        """True once `abort` was called: results of a collective since may be garbage."""
+        ...
+
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
         """Sum one tensor per rank, in place, on every rank (a grouped call across ranks).
 

@@ -19,17 +19,25 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
+from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.model import Transformer
+from neuron_trio.engine.runner import Runner
+from neuron_trio.engine.tokenizer import Tokenizer
 from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.errors import CommError, ConfigError
+from neuron_trio.parallel.api import ModelExecutor, RankInfo
 from neuron_trio.parallel.comm import Communicator
 from neuron_trio.parallel.sharding import check_tp, rank_shapes, shard_fn
+from neuron_trio.parallel.tp_runner import TPRunner
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +50,13 @@ class Executor:
     def __init__(
         self,
         *,
-        engine: Any,
-        models: list[Any],
+        engine: Engine,
+        models: list[Transformer],
         devices: list[torch.device],
         comm: Communicator | None,
         comm_factory: CommFactory | None,
         dtype: str,
-        ranks: list[dict[str, object]],
+        ranks: list[RankInfo],
         failpoints: fp.Failpoints | None = None,
     ) -> None:
         self.engine = engine
@@ -61,11 +69,10 @@ class Executor:
         self.tp = len(models)
         self._failpoints = fp.REGISTRY if failpoints is None else failpoints
         self._lock = threading.Lock()  # recreate/close against each other
-        self.comm_generation = 0  # how many times the communicator was re-created
         self.closed = False
 
     @property
-    def runner(self) -> Any:
+    def runner(self) -> Runner:
         return self.engine.runner
 
     def step(self) -> list[SequenceEvent]:
@@ -105,22 +112,10 @@ class Executor:
             except BaseException:
                 self.comm = old  # aborting it again is harmless; a step must not see None
                 raise
-            self.runner.rebind(new)
+            runner = self.runner
+            assert isinstance(runner, TPRunner)  # a communicator exists only with tp > 1
+            runner.rebind(new)
             self.comm = new
-            self.comm_generation += 1
-
-    def async_error(self) -> str | None:
-        comm = self.comm
-        return None if comm is None else comm.async_error()
-
-    def describe(self) -> dict[str, object]:
-        return {
-            "tp": self.tp,
-            "dtype": self.dtype,
-            "ranks": self.ranks,
-            "comm": None if self.comm is None else self.comm.describe(),
-            "comm_generation": self.comm_generation,
-        }
 
     def close(self) -> None:
         """Cancel every sequence, destroy the communicator, free the models. May block."""
@@ -189,18 +184,32 @@ def build_executor(
     ConfigError if `tp` does not split the model, ModelLoadError if it cannot be loaded,
     CommError (NcclError) if the communicator cannot be made.
     """
-    from neuron_trio.engine.engine import Engine
-    from neuron_trio.engine.loader import SingleRunner, load_transformer
-    from neuron_trio.engine.tokenizer import Tokenizer
-    from neuron_trio.parallel.tp_runner import TPRunner
-
     failpoints = fp.REGISTRY if failpoints is None else failpoints
     tp = spec.tp
     rank_devices = _rank_devices(devices, tp)
-    slots = spec.max_batch + 1  # one scratch row for probes
-    # One mapping for every rank's load; with tp > 1 each weight is also dequantised once and
-    # sliced per rank (dequantising is most of a load's time).
-    with (_SharedWeights if tp > 1 else GGUFFile)(model_path) as gguf:
+    if tp == 1:
+        engine = Engine.from_gguf(
+            model_path,
+            dtype=spec.dtype,
+            device=rank_devices[0],
+            max_batch=spec.max_batch,
+            context=spec.context,
+        )
+        single = engine.runner
+        assert isinstance(single, SingleRunner)
+        return Executor(
+            engine=engine,
+            models=[single.model],
+            devices=rank_devices,
+            comm=None,
+            comm_factory=None,
+            dtype=single.model.scheme,
+            ranks=_ranks(single.config, rank_devices),
+            failpoints=failpoints,
+        )
+    # One mapping for every rank's load, and each weight dequantised once and sliced per rank
+    # (dequantising is most of a load's time).
+    with _SharedWeights(model_path) as gguf:
         config = gguf.config
         try:
             check_tp(config, tp)
@@ -213,40 +222,37 @@ def build_executor(
                 gguf,
                 dtype=spec.dtype,
                 device=rank_devices[rank],
-                shard=shard_fn(config, rank, tp) if tp > 1 else None,
+                shard=shard_fn(config, rank, tp),
                 tp=tp,
             )
             for rank in range(tp)
         ]
-    comm: Communicator | None = None
-    factory: CommFactory | None = None
-    runner: Any
-    if tp == 1:
-        runner = SingleRunner(models[0], slots=slots, context=context)
-    else:
-        factory = make_comm_factory(rank_devices, failpoints)
-        comm = factory()
-        try:
-            runner = TPRunner(models, comm, slots=slots, context=context, config=config)
-        except BaseException:
-            _destroy_quietly(comm)
-            raise
-    tokenizer = Tokenizer.from_gguf(model_path)
+        tokenizer = Tokenizer.from_gguf(gguf)
+    factory = make_comm_factory(rank_devices, failpoints)
+    comm = factory()
+    try:
+        runner = TPRunner(
+            models, comm, slots=spec.max_batch + 1, context=context, config=config
+        )  # one scratch row for probes
+    except BaseException:
+        _destroy_quietly(comm)
+        raise
     engine = Engine(runner, tokenizer, max_batch=spec.max_batch, context=context)
-    ranks: list[dict[str, object]] = [
-        {"device": str(d), **shape}
-        for d, shape in zip(rank_devices, rank_shapes(config, tp), strict=True)
-    ]
     return Executor(
         engine=engine,
         models=models,
         devices=rank_devices,
         comm=comm,
         comm_factory=factory,
-        dtype=_dtype_name(models[0], spec.dtype),
-        ranks=ranks,
+        dtype=models[0].scheme,
+        ranks=_ranks(config, rank_devices),
         failpoints=failpoints,
     )
+
+
+def _ranks(config: LlamaConfig, rank_devices: list[torch.device]) -> list[RankInfo]:
+    shapes = rank_shapes(config, len(rank_devices))
+    return [RankInfo(device=str(d), **shape) for d, shape in zip(rank_devices, shapes, strict=True)]
 
 
 class _SharedWeights(GGUFFile):
@@ -278,12 +284,6 @@ def _destroy_quietly(comm: Communicator) -> None:
         log.warning("destroying a communicator after a failed load: %s", exc)
 
 
-def _dtype_name(model: Any, requested: str) -> str:
-    """What the weights really are (e.g. "auto" resolved), for /v1/node."""
-    for attr in ("scheme", "dtype_name", "dtype"):
-        value = getattr(model, attr, None)
-        if isinstance(value, str):
-            return value
-        if isinstance(value, torch.dtype):
-            return str(value).removeprefix("torch.")
-    return requested
+if TYPE_CHECKING:
+    # mypy checks the real class against the one protocol the service layer uses.
+    _: type[ModelExecutor] = Executor

@@ -47,9 +47,6 @@ DTYPES = {
 }
 SUM = 0  # ncclRedOp_t ncclSum
 SUCCESS = 0
-IN_PROGRESS = 7  # ncclInProgress: a nonblocking call still running
-CONFIG_MAGIC = 0xCAFEBEEF
-CONFIG_VERSION = 21400  # >= 2.14, or `blocking` is ignored
 
 _lock = threading.Lock()
 _library: NcclLibrary | None = None
@@ -150,11 +147,6 @@ class NcclLibrary:
 
     # Thin wrappers: each checks its result. All may block; none belongs on an event loop.
 
-    def get_unique_id(self) -> Any:
-        uid = self.ffi.new("ncclUniqueId *")
-        self.check("ncclGetUniqueId", self.lib.ncclGetUniqueId(uid))
-        return uid[0]
-
     def comm_init_all(self, device_ordinals: list[int]) -> list[Any]:
         """One communicator per CUDA device ordinal, all driven by this process."""
         n = len(device_ordinals)
@@ -162,25 +154,6 @@ class NcclLibrary:
         devlist = self.ffi.new("int[]", device_ordinals)
         self.check("ncclCommInitAll", self.lib.ncclCommInitAll(comms, n, devlist))
         return [comms[i] for i in range(n)]
-
-    def comm_init_rank(
-        self, nranks: int, unique_id: Any, rank: int, *, blocking: bool | None = None
-    ) -> Any:
-        """ncclCommInitRank, or ncclCommInitRankConfig when `blocking` is given."""
-        comm = self.ffi.new("ncclComm_t *")
-        if blocking is None:
-            rc = self.lib.ncclCommInitRank(comm, nranks, unique_id, rank)
-            self.check("ncclCommInitRank", rc)
-        else:
-            config = self.ffi.new("ncclConfig_t *")
-            config.size = self.ffi.sizeof("ncclConfig_t")  # the prefix we declare
-            config.magic = CONFIG_MAGIC
-            config.version = CONFIG_VERSION
-            config.blocking = 1 if blocking else 0
-            rc = self.lib.ncclCommInitRankConfig(comm, nranks, unique_id, rank, config)
-            if rc != IN_PROGRESS:  # nonblocking init: poll comm_async_error
-                self.check("ncclCommInitRankConfig", rc)
-        return comm[0]
 
     def all_reduce(
         self, ptr: int, count: int, dtype: str, comm: Any, stream: int, *, op: int = SUM
@@ -191,15 +164,6 @@ class NcclLibrary:
             buf, buf, count, DTYPES[dtype], op, comm, self.ffi.cast("void *", stream)
         )
         self.check("ncclAllReduce", rc, comm)
-
-    def broadcast(
-        self, ptr: int, count: int, dtype: str, root: int, comm: Any, stream: int
-    ) -> None:
-        buf = self.ffi.cast("void *", ptr)
-        rc = self.lib.ncclBroadcast(
-            buf, buf, count, DTYPES[dtype], root, comm, self.ffi.cast("void *", stream)
-        )
-        self.check("ncclBroadcast", rc, comm)
 
     def group_start(self) -> None:
         self.check("ncclGroupStart", self.lib.ncclGroupStart())
@@ -212,9 +176,6 @@ class NcclLibrary:
         result = self.ffi.new("ncclResult_t *")
         self.check("ncclCommGetAsyncError", self.lib.ncclCommGetAsyncError(comm, result), comm)
         return int(result[0])
-
-    def comm_finalize(self, comm: Any) -> None:
-        self.check("ncclCommFinalize", self.lib.ncclCommFinalize(comm), comm)
 
     def comm_destroy(self, comm: Any) -> None:
         self.check("ncclCommDestroy", self.lib.ncclCommDestroy(comm))
@@ -252,11 +213,6 @@ def load_nccl() -> NcclLibrary:
         return _library
 
 
-def check(call: str, rc: int, comm: Any = None) -> None:
-    """Module-level `NcclLibrary.check` on the process's library."""
-    load_nccl().check(call, rc, comm)
-
-
 def describe() -> dict[str, object]:
     """`{"version", "library"}`, or `{"error": why}`: never raises."""
     try:
@@ -265,8 +221,3 @@ def describe() -> dict[str, object]:
         return {"error": exc.last_error or str(exc)}
     except Exception as exc:  # a broken library must not break `neuron gpus`
         return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def nccl_status() -> dict[str, object]:
-    """The `"nccl"` entry of `neuron gpus --json` (same as describe())."""
-    return describe()

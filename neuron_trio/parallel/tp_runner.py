@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import replace
-from typing import Any
 
 import torch
 
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.engine.model import Transformer
 from neuron_trio.errors import CommAbortedError
 from neuron_trio.parallel.comm import Communicator
 
@@ -31,7 +31,7 @@ class TPRunner:
 
     def __init__(
         self,
-        models: list[Any],
+        models: list[Transformer],
         comm: Communicator,
         *,
         slots: int,
@@ -53,21 +53,19 @@ class TPRunner:
             n_kv_heads=shard_config.n_kv_heads * self.tp,
             ffn_dim=shard_config.ffn_dim * self.tp,
         )
-        self.devices = [_device_of(m) for m in models]
+        self.devices = [m.device for m in models]
         self.device = self.devices[0]
         self.kv = [
-            KVCache.allocate(m.config, slots, context, _dtype_of(m), d)
+            # K and V are stored in what the model computes them in: its activation dtype
+            KVCache.allocate(m.config, slots, context, m.act_dtype, d)
             for m, d in zip(models, self.devices, strict=True)
         ]
         for model in models[1:]:
             # Only rank 0's logits come back: the other ranks skip the (replicated) output
             # head, a vocabulary-sized matrix-vector product each per token.
-            if isinstance(getattr(model, "output", None), torch.nn.Module):
-                model.output = _NoLogits()
+            model.output = _NoLogits()
         for model in models:
-            init_rope = getattr(model, "init_rope", None)
-            if init_rope is not None:
-                init_rope(context)  # RoPE tables for the whole context, once
+            model.init_rope(context)  # RoPE tables for the whole context, once
         self.steps = 0
 
     def rebind(self, comm: Communicator) -> None:
@@ -134,7 +132,7 @@ class TPRunner:
         finally:
             for gen in gens:
                 gen.close()
-        if getattr(comm, "aborted", False):
+        if comm.aborted:
             # NCCL aborted while kernels ran: the logits may be garbage.
             raise CommAbortedError("communicator aborted during the step")
         self.steps += 1
@@ -146,19 +144,3 @@ class _NoLogits(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], 0)
-
-
-def _device_of(model: Any) -> torch.device:
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    return torch.device("cpu")
-
-
-def _dtype_of(model: Any) -> torch.dtype:
-    """The KV cache's dtype: the model's activation dtype (what K and V are computed in)."""
-    for attr in ("kv_dtype", "act_dtype", "dtype"):
-        dtype = getattr(model, attr, None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    return torch.float32

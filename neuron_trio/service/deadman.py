@@ -16,15 +16,17 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import msgspec
 import trio
 
 from neuron_trio.errors import EX_SOFTWARE
 from neuron_trio.service import forensics
+from neuron_trio.service.timefmt import utc_iso
 
 log = logging.getLogger("neuron.deadman")
 
@@ -91,6 +93,7 @@ class Deadman:
         since: float | None,
         deadlines_s: dict[str, float] | None = None,
         comms: Iterable[Any] = (),
+        inflight_at_wedge: list[Any] | None = None,
         details: dict[str, Any] | None = None,
     ) -> NoReturn:
         """Fire from trio: gather on a worker thread (the event loop keeps answering `/health`
@@ -100,41 +103,17 @@ class Deadman:
         and the exit happens anyway (shielded): once fired, the process ends.
         """
         self._mark(reason)
-        comms = list(comms)
-        report: dict[str, Any] | None = None
+        fired = _Firing(reason, what, since, deadlines_s, list(comms), inflight_at_wedge, details)
+        report: forensics.ForensicsReport | None = None
         with trio.CancelScope(shield=True), trio.move_on_after(self._gather_timeout_s):
             report = await trio.to_thread.run_sync(
-                lambda: self._gather(reason, what, since, deadlines_s, comms, details),
+                lambda: self._gather(fired),
                 abandon_on_cancel=True,
                 thread_name="neuron-deadman",
                 limiter=self._limiter,
             )
         if report is None:
-            report = self._minimal(reason, what, since, deadlines_s, details)
-            report["gather_error"] = f"gathering overran {self._gather_timeout_s:g} s"
-        self._finish(report)
-
-    def fire_sync(
-        self,
-        reason: str,
-        *,
-        what: str,
-        since: float | None,
-        deadlines_s: dict[str, float] | None = None,
-        comms: Iterable[Any] = (),
-        details: dict[str, Any] | None = None,
-    ) -> NoReturn:
-        """Fire from any thread, trio or not; blocks the caller while gathering (bounded)."""
-        self._mark(reason)
-        try:
-            report = forensics.bounded(
-                lambda: self._gather(reason, what, since, deadlines_s, list(comms), details),
-                self._gather_timeout_s,
-                name="neuron-deadman",
-            )
-        except Exception as exc:
-            report = self._minimal(reason, what, since, deadlines_s, details)
-            report["gather_error"] = f"{type(exc).__name__}: {exc}"
+            report = self._minimal(fired, f"gathering overran {self._gather_timeout_s:g} s")
         self._finish(report)
 
     # --- inside ---------------------------------------------------------------------------
@@ -157,70 +136,55 @@ class Deadman:
             return {"context_error": f"{type(exc).__name__}: {exc}"}
         return dict(ctx) if isinstance(ctx, dict) else {"context": ctx}
 
-    def _gather(
-        self,
-        reason: str,
-        what: str,
-        since: float | None,
-        deadlines_s: dict[str, float] | None,
-        comms: list[Any],
-        details: dict[str, Any] | None,
-    ) -> dict[str, Any]:
+    def _gather(self, fired: _Firing) -> forensics.ForensicsReport:
         ctx = self._context()
         inflight = ctx.pop("inflight", [])
-        extra = dict(details or {})
-        at_wedge = extra.pop("inflight_at_wedge", None)
+        extra = dict(fired.details or {})
         if ctx:
             extra["context"] = ctx
         report = forensics.gather_forensics(
-            what=what,
-            since=since,
-            deadline_s=deadlines_s,
+            what=fired.what,
+            since=fired.since,
+            deadline_s=fired.deadlines_s,
             inflight=inflight if isinstance(inflight, list) else [{"unreadable": repr(inflight)}],
-            comms=comms,
+            comms=fired.comms,
             nvidia_smi_timeout_s=self._nvidia_smi_timeout_s,
             part_timeout_s=self._part_timeout_s,
-            reason=reason,
+            reason=fired.reason,
             extra=extra,
         )
-        if at_wedge is not None:
-            # The requests in flight when the step wedged (failed with 503 since then).
-            report["inflight_at_wedge"] = at_wedge
+        if fired.inflight_at_wedge is not None:
+            report.inflight_at_wedge = fired.inflight_at_wedge
         return report
 
-    def _minimal(
-        self,
-        reason: str,
-        what: str,
-        since: float | None,
-        deadlines_s: dict[str, float] | None,
-        details: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        report: dict[str, Any] = {
-            "kind": "neuron.forensics",
-            "version": 1,
-            "reason": reason,
-            "what": what,
-            "since": since,
-            "deadlines_s": deadlines_s,
-            "pid": os.getpid(),
-            "extra": details or {},
-        }
+    def _minimal(self, fired: _Firing, gather_error: str) -> forensics.ForensicsReport:
+        """What can be said without the bounded parts: gathering failed or overran."""
+        threads: list[forensics.ThreadStack] | dict[str, str]
         try:
-            report["threads"] = forensics.thread_stacks()
+            threads = forensics.thread_stacks()
         except Exception as exc:
-            report["threads"] = {"error": repr(exc)}
-        return report
+            threads = {"error": repr(exc)}
+        return forensics.ForensicsReport(
+            reason=fired.reason,
+            what=fired.what,
+            since=utc_iso(fired.since) if fired.since is not None else None,
+            deadlines_s=fired.deadlines_s,
+            pid=os.getpid(),
+            extra=fired.details or {},
+            threads=threads,
+            gather_error=gather_error,
+        )
 
-    def _finish(self, report: dict[str, Any]) -> NoReturn:
-        report["exit_code"] = EX_SOFTWARE
+    def _finish(self, report: forensics.ForensicsReport) -> NoReturn:
+        report.exit_code = EX_SOFTWARE
         path: Path | None = None
         try:
             path = forensics.write_report(self.state_dir, report)
-            report["written_to"] = str(path)
+            report.written_to = str(path)
         except Exception as exc:
-            report["write_error"] = f"{type(exc).__name__}: {exc}"
-        line = forensics.to_json({"event": "neuron.deadman", "level": "CRITICAL", **report})
+            report.write_error = f"{type(exc).__name__}: {exc}"
+        document: dict[str, Any] = msgspec.to_builtins(report, enc_hook=repr)
+        line = forensics.to_json({"event": "neuron.deadman", "level": "CRITICAL", **document})
         try:
             os.write(self._stderr_fd, (line + "\n").encode("utf-8", "replace"))
         except OSError:
@@ -228,13 +192,27 @@ class Deadman:
         self._log.critical(
             "deadman: exit %d (%s: %s wedged); forensics %s",
             EX_SOFTWARE,
-            report.get("reason"),
-            report.get("what"),
-            path if path is not None else f"not written ({report.get('write_error')})",
+            report.reason,
+            report.what,
+            path if path is not None else f"not written ({report.write_error})",
         )
         _flush_everything()
         self._exit_fn(EX_SOFTWARE)
-        raise DeadmanExit(EX_SOFTWARE, report, path)
+        raise DeadmanExit(EX_SOFTWARE, document, path)
+
+
+@dataclass(frozen=True)
+class _Firing:
+    """What `fire` was told: why, what wedged and since when, the deadlines, the
+    communicators to ask, the requests in flight at the wedge, anything else to report."""
+
+    reason: str
+    what: str
+    since: float | None  # wall clock
+    deadlines_s: dict[str, float] | None
+    comms: list[Any]
+    inflight_at_wedge: list[Any] | None
+    details: dict[str, Any] | None
 
 
 def _flush_everything() -> None:
@@ -252,8 +230,3 @@ def _flush_everything() -> None:
                 stream.flush()
         except Exception:
             pass
-
-
-def wall_time() -> float:
-    """Wall-clock seconds, for the report's "since" (trio's clock is not wall time)."""
-    return time.time()

@@ -22,7 +22,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import msgspec
+
 from neuron_trio.gpu.smi import run_nvidia_smi
+from neuron_trio.service.timefmt import utc_iso
 
 T = TypeVar("T")
 
@@ -75,7 +78,44 @@ def _part(fn: Callable[[], Any], timeout_s: float, name: str) -> Any:
         }
 
 
-def thread_stacks() -> list[dict[str, Any]]:
+class ThreadStack(msgspec.Struct, frozen=True):
+    """One Python thread in the report: its name and stack, innermost frame last."""
+
+    name: str
+    ident: int
+    daemon: bool | None  # None: a thread `threading` does not know
+    stack: list[str]  # "file:line in function: source"
+
+
+class ForensicsReport(msgspec.Struct, kw_only=True):
+    """The report the deadman writes (format in DESIGN.md). Parts that are not there are
+    absent from the JSON (UNSET): a minimal report, when gathering failed, has no GPU parts,
+    and the deadman adds where it was written (or why not) and the exit code last."""
+
+    kind: str = "neuron.forensics"
+    version: int = 1
+    reason: str
+    what: str
+    since: str | None  # when the wedged call started (UTC)
+    wedged_for_s: float | msgspec.UnsetType | None = msgspec.UNSET
+    deadlines_s: dict[str, float] | float | None
+    at: str | msgspec.UnsetType = msgspec.UNSET  # when the report was gathered (UTC)
+    pid: int
+    inflight: list[Any] | msgspec.UnsetType = msgspec.UNSET  # requests in flight (now)
+    inflight_count: int | msgspec.UnsetType = msgspec.UNSET
+    nvidia_smi: Any = msgspec.UNSET  # each part: its value, or {"error": why}
+    nvml: Any = msgspec.UNSET
+    nccl: list[Any] | msgspec.UnsetType = msgspec.UNSET  # one part per communicator
+    extra: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    threads: list[ThreadStack] | dict[str, str]  # {"error": why} if they could not be read
+    inflight_at_wedge: list[Any] | msgspec.UnsetType = msgspec.UNSET  # failed with 503 since
+    gather_error: str | msgspec.UnsetType = msgspec.UNSET  # why this report is minimal
+    exit_code: int | msgspec.UnsetType = msgspec.UNSET
+    written_to: str | msgspec.UnsetType = msgspec.UNSET
+    write_error: str | msgspec.UnsetType = msgspec.UNSET
+
+
+def thread_stacks() -> list[ThreadStack]:
     """The stack of every Python thread, innermost frame last, with its name."""
     frames = sys._current_frames()
     by_ident = {t.ident: t for t in threading.enumerate()}
@@ -83,18 +123,18 @@ def thread_stacks() -> list[dict[str, Any]]:
     for ident, frame in frames.items():
         thread = by_ident.get(ident)
         stacks.append(
-            {
-                "name": thread.name if thread else f"<unknown {ident}>",
-                "ident": ident,
-                "daemon": thread.daemon if thread else None,
-                "stack": [
+            ThreadStack(
+                name=thread.name if thread else f"<unknown {ident}>",
+                ident=ident,
+                daemon=thread.daemon if thread else None,
+                stack=[
                     f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
                     for fs in traceback.extract_stack(frame)
                 ],
-            }
+            )
         )
     del frames
-    stacks.sort(key=lambda s: str(s["name"]))
+    stacks.sort(key=lambda s: s.name)
     return stacks
 
 
@@ -135,14 +175,14 @@ def gather_forensics(
     what: str,
     since: float | None,
     deadline_s: dict[str, float] | float | None,
-    inflight: list[dict[str, Any]] | None = None,
+    inflight: list[Any] | None = None,
     comms: Iterable[_Comm] = (),
     nvidia_smi_timeout_s: float = 5.0,
     part_timeout_s: float = 5.0,
     reason: str = "",
     extra: dict[str, Any] | None = None,
     now: float | None = None,
-) -> dict[str, Any]:
+) -> ForensicsReport:
     """Build the report. `since` and `now` are wall-clock (time.time()) seconds.
 
     Bounded: nvidia-smi by `nvidia_smi_timeout_s` (plus a second to reap it), NVML and each
@@ -150,38 +190,33 @@ def gather_forensics(
     own helper threads (still hung, if one timed out) show too.
     """
     now = time.time() if now is None else now
-    report: dict[str, Any] = {
-        "kind": "neuron.forensics",
-        "version": 1,
-        "reason": reason,
-        "what": what,
-        "since": _iso(since) if since is not None else None,
-        "wedged_for_s": round(now - since, 3) if since is not None else None,
-        "deadlines_s": deadline_s,
-        "at": _iso(now),
-        "pid": os.getpid(),
-    }
     inflight = list(inflight or [])
-    report["inflight"] = inflight
-    report["inflight_count"] = len(inflight)
     # gpu.smi kills and reaps a hung nvidia-smi itself; the extra bound covers a child that
     # cannot be reaped (stuck in the kernel on a sick GPU).
-    report["nvidia_smi"] = _part(
+    nvidia_smi = _part(
         lambda: run_nvidia_smi(nvidia_smi_timeout_s), nvidia_smi_timeout_s + 2.0, "nvidia-smi"
     )
-    report["nvml"] = _part(query_nvml, part_timeout_s, "nvml")
-    report["nccl"] = [
+    nvml = _part(query_nvml, part_timeout_s, "nvml")
+    nccl = [
         _part(lambda c=comm: _comm_part(c), part_timeout_s, f"comm-{i}")  # type: ignore[misc]
         for i, comm in enumerate(comms)
     ]
-    if extra:
-        report["extra"] = extra
-    report["threads"] = thread_stacks()
-    return report
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return ForensicsReport(
+        reason=reason,
+        what=what,
+        since=utc_iso(since) if since is not None else None,
+        wedged_for_s=round(now - since, 3) if since is not None else None,
+        deadlines_s=deadline_s,
+        at=utc_iso(now),
+        pid=os.getpid(),
+        inflight=inflight,
+        inflight_count=len(inflight),
+        nvidia_smi=nvidia_smi,
+        nvml=nvml,
+        nccl=nccl,
+        extra=extra if extra else msgspec.UNSET,
+        threads=thread_stacks(),
+    )
 
 
 def report_filename(ts: float) -> str:
@@ -189,14 +224,23 @@ def report_filename(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%dT%H%M%S.%fZ") + ".json"
 
 
-def to_json(report: dict[str, Any]) -> str:
-    """One line of JSON (no newlines inside): the log record and the file's content."""
-    return json.dumps(report, default=repr, separators=(",", ":"), ensure_ascii=False)
+def to_json(report: object) -> str:
+    """One line of JSON (no newlines inside): the log record and the file's content.
+
+    Structs (in-flight requests, watchdog statistics) encode as objects; anything else JSON
+    cannot hold becomes its repr, never an error (this runs on the way to exit 70).
+    """
+    try:
+        return _encoder.encode(report).decode("utf-8")
+    except Exception:  # e.g. a lone surrogate in a thread's stack text
+        builtins = msgspec.to_builtins(report, enc_hook=repr)
+        return json.dumps(builtins, default=repr, separators=(",", ":"), ensure_ascii=False)
 
 
-def write_report(
-    state_dir: str | Path, report: dict[str, Any], *, now: float | None = None
-) -> Path:
+_encoder = msgspec.json.Encoder(enc_hook=repr)
+
+
+def write_report(state_dir: str | Path, report: object, *, now: float | None = None) -> Path:
     """Write `state_dir/forensics/<utc-timestamp>.json` atomically (temp file, fsync, rename)."""
     folder = Path(state_dir) / FORENSICS_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -223,23 +267,3 @@ def write_report(
     except OSError:
         pass
     return path
-
-
-def last_report(state_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest report under `state_dir/forensics/` and its content, or None.
-
-    For `/v1/node` after a restart; a report that cannot be read is returned as
-    {"error": why} rather than hidden.
-    """
-    folder = Path(state_dir) / FORENSICS_DIR
-    try:
-        names = sorted(p for p in folder.glob("*.json") if not p.name.startswith("."))
-    except OSError:
-        return None
-    if not names:
-        return None
-    path = names[-1]
-    try:
-        return path, json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return path, {"error": f"cannot read {path.name}: {exc}"}

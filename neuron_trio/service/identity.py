@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from neuron_trio.errors import ConfigError
+from neuron_trio.service.timefmt import utc_iso
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ class StateDirError(ConfigError):
     A ConfigError (exit 78): a state directory that cannot be written will not fix itself on
     a restart, so systemd's `RestartPreventExitStatus=78` keeps it down.
     """
-
-
-def rfc3339_utc(moment: datetime) -> str:
-    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _read_count(path: Path) -> int:
@@ -113,7 +110,7 @@ class Identity:
             )
         return cls(
             boot_id=boot_id,
-            started_at=rfc3339_utc(now or datetime.now(UTC)),
+            started_at=utc_iso(now or datetime.now(UTC)),
             starts=starts,
             state_dir=state,
             previous_stop_clean=previous_clean,

@@ -18,15 +18,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
+import msgspec
 import trio
 
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
     ModelLoadError,
@@ -36,8 +37,10 @@ from neuron_trio.errors import (
     StepTimeoutError,
     UnavailableError,
 )
+from neuron_trio.parallel.api import ModelExecutor, RankInfo, ServingEngine
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
+from neuron_trio.service.watchdog import InflightRequest, Watchdog, WatchdogStatistics
 
 log = logging.getLogger(__name__)
 
@@ -45,48 +48,6 @@ T = TypeVar("T")
 INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread
 WARM_UP_MIN_S = 120.0  # the least time a model's first (warm-up) forward gets
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
-
-
-class EngineLike(Protocol):
-    """What the actor needs of `engine.engine.Engine`."""
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
-    def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
-    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int: ...
-    def cancel(self, seq_id: int) -> None: ...
-    def cancel_all(self) -> list[int]: ...
-    @property
-    def free_slots(self) -> int: ...
-    @property
-    def has_work(self) -> bool: ...
-    def statistics(self) -> EngineStatistics: ...
-
-
-class ExecutorLike(Protocol):
-    """What the actor needs of `parallel.executor.Executor` (sync methods: worker threads)."""
-
-    engine: Any  # EngineLike
-    tp: int
-    ranks: list[dict[str, Any]]
-    dtype: Any
-
-    def step(self) -> list[SequenceEvent]: ...
-    def probe(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class WatchdogLike(Protocol):
-    """What the actor needs of `service.watchdog.Watchdog` (one per model)."""
-
-    @property
-    def state(self) -> str: ...
-
-    async def run_step(self, fn: Callable[[], T], *, what: str = "step") -> T: ...
-    async def recover(self, executor: Any) -> None: ...
-    async def run_or_die(
-        self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None
-    ) -> T: ...
 
 
 def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
@@ -104,6 +65,42 @@ def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
         completion_tokens=max(a.completion_tokens, b.completion_tokens),
         error=b.error or a.error,
     )
+
+
+class ModelMemory(msgspec.Struct, frozen=True):
+    """What placement estimated for a model, and the devices it chose (`/v1/node`)."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    total_bytes: int
+    devices: list[str]
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """A model's entry in `/v1/node` (and the answer to a run-time load)."""
+
+    name: str
+    state: str  # ModelState
+    source: str
+    path: str | None
+    dtype: str  # as configured ("auto", "float32", …)
+    weights: str | None  # what that resolved to on the device, e.g. "cpu-int" (int4/int8)
+    tp: int
+    max_batch: int
+    context: int
+    slots_in_use: int
+    slots_total: int
+    running: int
+    queued: int
+    max_queue: int
+    ranks: list[RankInfo]
+    devices: list[str]
+    memory: ModelMemory | None
+    loaded_at: float | None  # unix seconds
+    steps: int
+    step_failures: int
+    last_error: str | None
+    watchdog: WatchdogStatistics | None
 
 
 class EventStream:
@@ -193,24 +190,24 @@ class ModelActor:
     def __init__(
         self,
         spec: ModelConfig,
-        loader: Callable[[], ExecutorLike],
+        loader: Callable[[], ModelExecutor],
         *,
         max_queue: int,
         probe_interval_s: float = 30.0,
-        watchdog: WatchdogLike | None = None,
+        watchdog: Watchdog | None = None,
         metrics: ModelMetrics | None = None,
         stream_capacity: int = 64,
         source_path: str | None = None,
-        memory: dict[str, Any] | None = None,
+        memory: ModelMemory | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.name
         self.max_queue = max_queue
         self.probe_interval_s = probe_interval_s
         self.source_path = source_path
-        self.memory = dict(memory or {})
+        self.memory = memory
         self.loaded_at: float | None = None  # unix seconds
-        self.executor: ExecutorLike | None = None
+        self.executor: ModelExecutor | None = None
         self.watchdog = watchdog
         self._state: ModelState = "loading"
         self._loader = loader
@@ -273,52 +270,50 @@ class ModelActor:
             failures=self._failures,
         )
 
-    def inflight(self) -> list[dict[str, Any]]:
+    def inflight(self) -> list[InflightRequest]:
         """Queued and running requests with their ages (forensics: any thread may call it)."""
         now = time.time()
         return [
-            {
-                "model": self.name,
-                "seq_id": r.seq_id,
-                "state": "queued" if r.seq_id is None else "running",
-                "age_s": round(now - r.enqueued_wall, 3),
-                "prompt_tokens": len(r.prompt_ids),
-                "generated_tokens": r.tokens,
-            }
+            InflightRequest(
+                model=self.name,
+                seq_id=r.seq_id,
+                state="queued" if r.seq_id is None else "running",
+                age_s=round(now - r.enqueued_wall, 3),
+                prompt_tokens=len(r.prompt_ids),
+                generated_tokens=r.tokens,
+            )
             for r in [*list(self._active.values()), *list(self._queue)]
         ]
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelInfo:
         """This model's entry in `/v1/node`."""
         ex = self.executor
         stats = self.statistics()
-        ranks = [{k: _jsonable(v) for k, v in r.items()} for r in (ex.ranks if ex else [])]
-        watchdog = getattr(self.watchdog, "statistics", None)
-        return {
-            "name": self.name,
-            "state": stats.state,
-            "source": self.spec.source,
-            "path": self.source_path,
-            "dtype": self.spec.dtype,  # as configured ("auto", "float32", …)
-            # what that resolved to on the device, e.g. "cpu-int" (int4/int8 weight-only)
-            "weights": str(ex.dtype).removeprefix("torch.") if ex else None,
-            "tp": ex.tp if ex else self.spec.tp,
-            "max_batch": self.spec.max_batch,
-            "context": self.spec.context,
-            "slots_in_use": stats.slots_in_use,
-            "slots_total": stats.slots_total,
-            "running": stats.running,
-            "queued": stats.queued,
-            "max_queue": self.max_queue,
-            "ranks": ranks,
-            "devices": [str(r.get("device")) for r in ranks],
-            "memory": self.memory,
-            "loaded_at": self.loaded_at,
-            "steps": stats.steps,
-            "step_failures": stats.failures,
-            "last_error": self._last_error,
-            "watchdog": watchdog().as_dict() if callable(watchdog) else None,
-        }
+        ranks = list(ex.ranks) if ex else []
+        return ModelInfo(
+            name=self.name,
+            state=stats.state,
+            source=self.spec.source,
+            path=self.source_path,
+            dtype=self.spec.dtype,
+            weights=ex.dtype if ex else None,
+            tp=ex.tp if ex else self.spec.tp,
+            max_batch=self.spec.max_batch,
+            context=self.spec.context,
+            slots_in_use=stats.slots_in_use,
+            slots_total=stats.slots_total,
+            running=stats.running,
+            queued=stats.queued,
+            max_queue=self.max_queue,
+            ranks=ranks,
+            devices=[r.device for r in ranks],
+            memory=self.memory,
+            loaded_at=self.loaded_at,
+            steps=stats.steps,
+            step_failures=stats.failures,
+            last_error=self._last_error,
+            watchdog=self.watchdog.statistics() if self.watchdog is not None else None,
+        )
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -355,7 +350,7 @@ class ModelActor:
         ones on a worker thread, so that /health never waits behind a 1 MB prompt.
         """
         assert self.executor is not None
-        engine: EngineLike = self.executor.engine
+        engine: ServingEngine = self.executor.engine
         size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
 
         def encode() -> tuple[list[int], bool]:
@@ -464,7 +459,7 @@ class ModelActor:
 
     # ---- loading and unloading -------------------------------------------------------------
 
-    async def _load(self) -> ExecutorLike:
+    async def _load(self) -> ModelExecutor:
         """Build the executor on a worker thread.
 
         Cancellation handling: the thread is abandoned; whatever it builds afterwards is
@@ -472,9 +467,9 @@ class ModelActor:
         """
         lock = threading.Lock()
         abandoned = False
-        built: list[ExecutorLike] = []
+        built: list[ModelExecutor] = []
 
-        def build() -> ExecutorLike:
+        def build() -> ModelExecutor:
             executor = self._loader()
             with lock:
                 if abandoned:
@@ -495,23 +490,21 @@ class ModelActor:
                 threading.Thread(target=executor.close, daemon=True).start()
             raise
 
-    async def _warm_up(self, executor: ExecutorLike) -> None:
+    async def _warm_up(self, executor: ModelExecutor) -> None:
         """The model's first forward, bounded: a hang here ends in exit 70 (the deadman).
 
         The bound is generous (first forwards pay one-time costs: CUDA context, kernel
         selection, NCCL connection set-up, or a busy CPU), never less than WARM_UP_MIN_S.
         """
         if self.watchdog is not None:
-            bound = getattr(self.watchdog, "step_timeout_s", 0.0) + getattr(
-                self.watchdog, "abort_deadline_s", 0.0
-            )
+            bound = self.watchdog.step_timeout_s + self.watchdog.abort_deadline_s
             await self.watchdog.run_or_die(
                 executor.probe, what="warm-up", timeout_s=max(WARM_UP_MIN_S, bound)
             )
         else:
             await self._plain_thread(executor.probe, "warm-up")
 
-    async def _close(self, executor: ExecutorLike) -> None:
+    async def _close(self, executor: ModelExecutor) -> None:
         await trio.to_thread.run_sync(
             executor.close, abandon_on_cancel=True, thread_name=f"neuron-close-{self.name}"
         )
@@ -578,23 +571,30 @@ class ModelActor:
             thread_name=f"neuron-{what}-{self.name}",
         )
 
-    async def _on_worker(self, fn: Callable[[], T], what: str) -> T:
-        """Run blocking `fn` (a step or a probe) off the trio thread, under the watchdog.
+    async def _step(self, executor: ModelExecutor) -> list[SequenceEvent]:
+        """One engine step off the trio thread, under the watchdog (when there is one).
 
         Raises StepTimeoutError past the step deadline (then `recover` must follow).
         Cancellation handling: the thread is abandoned and keeps the step limiter's slot.
         """
         if self.watchdog is not None:
-            return await self.watchdog.run_step(fn, what=what)
-        return await self._plain_thread(fn, what)
+            return await self.watchdog.run_step(executor.step, inflight=self.inflight)
+        return await self._plain_thread(executor.step, "step")
 
-    def _apply_cancels(self, engine: EngineLike) -> None:
+    async def _idle_probe(self, executor: ModelExecutor) -> None:
+        """The idle probe: one tiny forward, counted by the watchdog (ok, failed, wedged)."""
+        if self.watchdog is not None:
+            await self.watchdog.run_idle_probe(executor.probe, inflight=self.inflight)
+        else:
+            await self._plain_thread(executor.probe, "probe")
+
+    def _apply_cancels(self, engine: ServingEngine) -> None:
         for seq_id in self._cancels:
             engine.cancel(seq_id)
             self._active.pop(seq_id, None)
         self._cancels.clear()
 
-    def _admit(self, engine: EngineLike) -> None:
+    def _admit(self, engine: ServingEngine) -> None:
         while self._queue and engine.free_slots > 0:
             request = self._queue.popleft()
             try:
@@ -608,8 +608,8 @@ class ModelActor:
             if self._metrics is not None:
                 self._metrics.admitted(len(request.prompt_ids))
 
-    async def _serve(self, executor: ExecutorLike) -> None:
-        engine: EngineLike = executor.engine
+    async def _serve(self, executor: ModelExecutor) -> None:
+        engine: ServingEngine = executor.engine
         while True:
             self._wakeup = trio.Event()  # before looking: a wake from now on is not lost
             self._apply_cancels(engine)
@@ -627,30 +627,31 @@ class ModelActor:
                 with trio.move_on_after(self.probe_interval_s) as idle:
                     await self._wakeup.wait()
                 if idle.cancelled_caught:
-                    await self._guarded(executor, executor.probe, "probe")
+                    await self._guarded(executor, self._idle_probe, "probe")
                 continue
-            events = await self._guarded(executor, executor.step, "step")
-            if events:
+            events = await self._guarded(executor, self._step, "step")
+            if events is not None:
+                self._steps += 1
                 self._route(events)
             self._engine_stats = engine.statistics()
 
-    async def _guarded(self, executor: ExecutorLike, fn: Callable[[], T], what: str) -> T | None:
+    async def _guarded(
+        self,
+        executor: ModelExecutor,
+        call: Callable[[ModelExecutor], Awaitable[T]],
+        what: str,
+    ) -> T | None:
         """Run a step or probe; on a wedge or a failure, fail in-flight requests and recover."""
         try:
-            result = await self._on_worker(fn, what)
-        except (StepTimeoutError, UnavailableError) as exc:
-            # UnavailableError: the watchdog is already recovering (an idle probe of its own).
+            return await call(executor)
+        except StepTimeoutError as exc:
             await self._recover(executor, exc, wedged=True)
-            return None
         except Exception as exc:
             log.error("model %s: %s failed", self.name, what, exc_info=True)
             await self._recover(executor, exc, wedged=False)
-            return None
-        if what == "step":
-            self._steps += 1
-        return result
+        return None
 
-    async def _recover(self, executor: ExecutorLike, exc: BaseException, *, wedged: bool) -> None:
+    async def _recover(self, executor: ModelExecutor, exc: BaseException, *, wedged: bool) -> None:
         self._failures += 1
         self._last_error = f"{type(exc).__name__}: {exc}"
         self._state = "recovering"
@@ -696,13 +697,3 @@ class ModelActor:
             if event.finish_reason is not None:
                 request.stream.close()
                 self._finish(request, event.finish_reason)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)

@@ -25,12 +25,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, is_dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import torch
 import trio
 from prometheus_client import CollectorRegistry
@@ -39,16 +40,18 @@ import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
+    ApiError,
     ConfigError,
     ModelLoadError,
     ModelNotFoundError,
     RequestError,
     UnavailableError,
 )
+from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
-from neuron_trio.service.model_actor import EventStream, ExecutorLike, ModelActor
+from neuron_trio.service.model_actor import EventStream, ModelActor, ModelInfo, ModelMemory
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.placement import (
@@ -58,14 +61,15 @@ from neuron_trio.service.placement import (
     place,
 )
 from neuron_trio.service.sources import resolve_source
-from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.timefmt import utc_iso
+from neuron_trio.service.watchdog import Watchdog, WatchdogStatistics
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
 
 TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
 
-ExecutorFactory = Callable[..., ExecutorLike]  # (spec, path, devices, *, failpoints)
+ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
 
 
@@ -82,10 +86,14 @@ class ModelExistsError(RequestError):
         )
 
 
+class LiveGpuSnapshot(GpuSnapshotLike, Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 class GpuSource(Protocol):
     """What the node needs of `gpu.actor.GpuActor`: a live NVML read."""
 
-    async def live(self) -> Any: ...
+    async def live(self) -> LiveGpuSnapshot: ...
 
 
 class StatusSink(Protocol):
@@ -106,13 +114,12 @@ class _Identity:
 
 
 def _ephemeral_identity() -> _Identity:
-    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return _Identity(boot_id=uuid.uuid4().hex, started_at=now, starts=1)
+    return _Identity(boot_id=uuid.uuid4().hex, started_at=utc_iso(time.time()), starts=1)
 
 
 def _default_factory(
     spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
-) -> ExecutorLike:
+) -> ModelExecutor:
     from neuron_trio.parallel.executor import build_executor
 
     return build_executor(spec, path, devices, failpoints=failpoints)
@@ -122,7 +129,49 @@ def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEsti
     return estimate_model_bytes(spec, path, on_gpu=on_gpu)
 
 
-def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
+class LastForensics(msgspec.Struct, frozen=True):
+    """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
+
+    path: str
+    report: Any  # as written; {"unreadable": why} if it could not be read
+
+
+class NodeWatchdog(msgspec.Struct, frozen=True):
+    """`/v1/node` `watchdog`: the deadlines, the deadman, and each model's watchdog."""
+
+    step_timeout_s: float
+    abort_deadline_s: float
+    probe_interval_s: float
+    deadman_firing: bool
+    deadman_reason: str | None
+    models: dict[str, WatchdogStatistics]
+
+
+class FailpointsInfo(msgspec.Struct, frozen=True):
+    configured: dict[str, str]  # name -> action, as NEURON_FAILPOINTS set them
+    fired: list[str]
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """The `/v1/node` document (DESIGN.md)."""
+
+    hostname: str
+    boot_id: str
+    started_at: str
+    starts: int
+    previous_stop_clean: bool  # False: the process before this one crashed, was killed, exited 70
+    status: str
+    draining: bool
+    config: str  # the config file read, or "<built-in default>"
+    gpus: Any  # a live NVML snapshot, or {"available": false, "error": why}
+    models: list[ModelInfo]
+    generated_tokens_per_s_1m: dict[str, float | None]  # per model; None before two samples
+    watchdog: NodeWatchdog
+    last_forensics: LastForensics | None
+    failpoints: FailpointsInfo
+
+
+def find_last_forensics(state_dir: Path) -> LastForensics | None:
     """The newest forensics report under `state_dir/forensics/`, with its path, or None."""
     folder = state_dir / "forensics"
     try:
@@ -133,29 +182,10 @@ def find_last_forensics(state_dir: Path) -> dict[str, Any] | None:
         return None
     newest = reports[-1]
     try:
-        written = newest.stat().st_mtime
-        try:
-            report: Any = json.loads(newest.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            report = {"unreadable": f"{type(exc).__name__}: {exc}"}
-    except OSError:
-        return None
-    return {"path": str(newest), "written_unix": written, "report": report}
-
-
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
+        report: Any = json.loads(newest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        report = {"unreadable": f"{type(exc).__name__}: {exc}"}
+    return LastForensics(path=str(newest), report=report)
 
 
 class Node:
@@ -192,15 +222,16 @@ class Node:
         self._watchdog_factory = watchdog_factory or self._make_watchdog
         self._registry = CollectorRegistry()
         self._metrics = NodeMetrics(self._registry, self._model_statistics)
-        self._registry.register(NodeCollector(self))
         self._actors: dict[str, ModelActor] = {}
         self._reserved: set[str] = set()  # names being loaded
         self._nursery: trio.Nursery | None = None
         self._serving = False
         self._draining = False
         self._closed = trio.Event()
-        self._last_forensics: dict[str, Any] | None = None
+        self._last_forensics: LastForensics | None = None
+        self._last_forensics_unix: float | None = None  # when it was written (its mtime)
         self._token_rates: dict[str, RateWindow] = {}
+        self._registry.register(NodeCollector(self))
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -249,42 +280,43 @@ class Node:
         gpus: Any = None
         if self._gpus is not None:
             try:
-                gpus = _jsonable(await self._gpus.live())
+                gpus = (await self._gpus.live()).to_dict()
             except Exception as exc:
                 gpus = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
         health = self.health()
-        return {
-            "hostname": self.hostname,
-            "boot_id": health.boot_id,
-            "started_at": health.started_at,
-            "starts": health.starts,
-            "previous_stop_clean": bool(self.identity.previous_stop_clean),
-            "status": health.status,
-            "draining": self._draining,
-            "config": self.config.source_path,
-            "gpus": gpus,
-            "models": [
-                {**actor.info(), "generated_tokens_per_s_1m": self._tokens_per_s(name)}
-                for name, actor in self._actors.items()
-            ],
-            "watchdog": {
-                "step_timeout_s": self.config.tp.step_timeout_s,
-                "abort_deadline_s": self.config.tp.abort_deadline_s,
-                "probe_interval_s": self.config.tp.probe_interval_s,
-                "deadman_firing": self.deadman.firing,
-                "deadman_reason": self.deadman.reason,
-                "models": {
-                    name: actor.watchdog.statistics().as_dict()
+        tp = self.config.tp
+        document = NodeInfo(
+            hostname=self.hostname,
+            boot_id=health.boot_id,
+            started_at=health.started_at,
+            starts=health.starts,
+            previous_stop_clean=bool(self.identity.previous_stop_clean),
+            status=health.status,
+            draining=self._draining,
+            config=self.config.source_path,
+            gpus=gpus,
+            models=[actor.info() for actor in self._actors.values()],
+            generated_tokens_per_s_1m={name: self._tokens_per_s(name) for name in self._actors},
+            watchdog=NodeWatchdog(
+                step_timeout_s=tp.step_timeout_s,
+                abort_deadline_s=tp.abort_deadline_s,
+                probe_interval_s=tp.probe_interval_s,
+                deadman_firing=self.deadman.firing,
+                deadman_reason=self.deadman.reason,
+                models={
+                    name: actor.watchdog.statistics()
                     for name, actor in self._actors.items()
-                    if isinstance(actor.watchdog, Watchdog)
+                    if actor.watchdog is not None
                 },
-            },
-            "last_forensics": self._last_forensics,
-            "failpoints": {
-                "configured": {k: str(v) for k, v in self.failpoints.configured.items()},
-                "fired": list(self.failpoints.fired),
-            },
-        }
+            ),
+            last_forensics=self._last_forensics,
+            failpoints=FailpointsInfo(
+                configured={k: str(v) for k, v in self.failpoints.configured.items()},
+                fired=list(self.failpoints.fired),
+            ),
+        )
+        # As plain JSON values: what the HTTP layer encodes, and what tests and tools read.
+        return msgspec.to_builtins(document)  # type: ignore[no-any-return]
 
     @asynccontextmanager
     async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
@@ -311,7 +343,7 @@ class Node:
         if self._draining or self._nursery is None:
             raise UnavailableError("the node is not taking new models now", code="draining")
         actor = await self._start_model(spec)
-        return actor.info()
+        return msgspec.to_builtins(actor.info())  # type: ignore[no-any-return]
 
     async def unload_model(self, name: str) -> None:
         """Wait for `name`'s in-flight requests, then free it. Raises ModelNotFoundError."""
@@ -335,7 +367,9 @@ class Node:
             find_last_forensics, self.config.state_path
         )
         if self._last_forensics is not None:
-            log.warning("last forensics report: %s", self._last_forensics["path"])
+            log.warning("last forensics report: %s", self._last_forensics.path)
+            with contextlib.suppress(OSError):
+                self._last_forensics_unix = Path(self._last_forensics.path).stat().st_mtime
         failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -430,7 +464,6 @@ class Node:
             started = datetime.fromisoformat(str(self.identity.started_at)).timestamp()
         except ValueError:
             started = 0.0
-        forensics = self._last_forensics or {}
         return NodeStatistics(
             boot_id=str(self.identity.boot_id),
             hostname=self.hostname,
@@ -438,7 +471,7 @@ class Node:
             starts=int(self.identity.starts),
             started_at_unix=started,
             status=self.health().status,
-            last_forensics_unix=forensics.get("written_unix"),
+            last_forensics_unix=self._last_forensics_unix,
             previous_stop_clean=bool(self.identity.previous_stop_clean),
         )
 
@@ -523,19 +556,20 @@ class Node:
                 watchdog=self._watchdog_factory(spec),
                 metrics=self._metrics.for_model(spec.name),
                 source_path=str(path),
-                memory={**estimate.to_dict(), "devices": [str(d) for d in devices]},
+                memory=ModelMemory(
+                    weights_bytes=estimate.weights_bytes,
+                    kv_cache_bytes=estimate.kv_cache_bytes,
+                    total_bytes=estimate.total_bytes,
+                    devices=[str(d) for d in devices],
+                ),
             )
-            if isinstance(actor.watchdog, Watchdog) and actor.watchdog.inflight_fn is None:
-                # The wedge snapshot in forensics: the requests that were in flight when the
-                # step hung (they are failed with 503 before the deadman ever runs).
-                actor.watchdog.inflight_fn = actor.inflight
             self._actors[spec.name] = actor
             try:
                 await self._nursery.start(actor.run)
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
-        except (ModelLoadError, RequestError, ConfigError):
+        except (ModelLoadError, ApiError, ConfigError):
             raise
         except Exception as exc:  # a GPU read, a torch error: still a failed load
             raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {exc}") from exc
@@ -544,7 +578,7 @@ class Node:
         return actor
 
     async def _unload(self, actor: ModelActor, *, force: bool = False) -> None:
-        on_cuda = any("cuda" in str(r.get("device")) for r in actor.info()["ranks"])
+        on_cuda = any("cuda" in device for device in actor.info().devices)
         await actor.unload(force=force)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]

@@ -31,6 +31,8 @@ class GpuMemoryReading(Protocol):
     @property
     def index(self) -> int: ...
     @property
+    def uuid(self) -> str: ...
+    @property
     def memory_free_bytes(self) -> int: ...
     @property
     def memory_total_bytes(self) -> int: ...
@@ -43,6 +45,8 @@ class GpuSnapshotLike(Protocol):
     def available(self) -> bool: ...
     @property
     def gpus(self) -> Sequence[GpuMemoryReading]: ...
+    @property
+    def reason(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,6 @@ class ModelEstimate:
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_cache_bytes
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "weights_bytes": self.weights_bytes,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "total_bytes": self.total_bytes,
-        }
 
 
 def _gib(n: float) -> str:
@@ -82,7 +79,7 @@ def cuda_ordinals(gpus: Sequence[GpuMemoryReading], visible: str | None) -> dict
     """
     if visible is None:
         return {g.index: g.index for g in gpus}
-    by_uuid = {str(getattr(g, "uuid", "")): g.index for g in gpus if getattr(g, "uuid", "")}
+    by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
     present = {g.index for g in gpus}
     ordinals: dict[int, int] = {}
     for entry in (e.strip() for e in visible.split(",")):
@@ -139,7 +136,7 @@ def place(
         return [torch.device("cuda", ordinal[i]) for i in spec.devices]
     # "auto"
     if not gpus:
-        why = getattr(gpus_snapshot, "reason", None) or "no GPU found"
+        why = (gpus_snapshot.reason if gpus_snapshot else None) or "no GPU found"
         log.info("model %s: %s; placing %d rank(s) on the CPU", spec.name, why, tp)
         return [torch.device("cpu")] * tp
     per_rank = -(-model_bytes_estimate // tp)

@@ -8,7 +8,7 @@ Here every blocking call runs on a worker thread the event loop does not wait fo
     run_step(fn)         fn on thread "neuron-step-<model>" under tp.step_timeout_s
       └─ past it         -> StepTimeoutError; the model is "recovering"
     recover(executor)    abort every rank's communicator on thread "nccl-abort-<model>"
-      ├─ wait_for_abort  returned / error / deadline (tp.abort_deadline_s from the wedge)
+      ├─ wait_for_return  returned / error / deadline (tp.abort_deadline_s from the wedge)
       ├─ deadline        -> deadman: forensics, exit 70 (never returns)
       └─ came back       -> wedged step thread back (bounded), recreate_comm (bounded),
                             probe (bounded) -> serving again; any of them failing -> exit 70
@@ -18,17 +18,15 @@ How the model actor uses it (one Watchdog per model, one Deadman per process):
 
     watchdog = Watchdog(model_name=name, tp=config.tp, deadman=deadman,
                         metrics=WatchdogMetrics.for_registry(registry))
-    nursery.start_soon(watchdog.run_idle_probes, executor)      # optional idle probe
     try:
-        events = await watchdog.run_step(executor.step)
+        events = await watchdog.run_step(executor.step, inflight=actor.inflight)
+        # idle for probe_interval_s instead: await watchdog.run_idle_probe(executor.probe)
     except StepTimeoutError:
-        fail in-flight requests with 503 (watchdog.recovering is True now)
+        fail in-flight requests with 503 (watchdog.state is "recovering" now)
         await watchdog.recover(executor)      # returns only once serving again
-    except UnavailableError:
-        the idle probe found a wedge and is recovering: fail or hold requests
 
-Steps, probes and recovery of one model are serialised by one lock, so the idle probe never
-runs beside a step (the engine is not thread-safe).
+Steps, probes and recovery of one model are serialised by one lock (the engine is not
+thread-safe); the actor's loop is the only caller of steps and idle probes.
 """
 
 from __future__ import annotations
@@ -39,32 +37,38 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
+import msgspec
 import trio
 
 from neuron_trio.config import TpConfig
 from neuron_trio.errors import StepTimeoutError, UnavailableError
+from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.deadman import Deadman
+from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 __all__ = [
-    "AbortOutcome",
-    "AbortResult",
+    "CallReturn",
+    "InflightRequest",
+    "LastWedge",
+    "ReturnOutcome",
     "StepTimeoutError",
     "ThreadRunner",
     "Watchdog",
     "WatchdogStatistics",
     "run_in_thread",
-    "wait_for_abort",
+    "wait_for_return",
 ]
 
 log = logging.getLogger("neuron.watchdog")
 
 T = TypeVar("T")
-AbortOutcome = Literal["returned", "error", "deadline"]
+ReturnOutcome = Literal["returned", "error", "deadline"]
+InflightFn = Callable[[], "list[InflightRequest]"]  # the requests in flight, for forensics
 WatchdogState = Literal["idle", "stepping", "probing", "recovering", "aborting", "wedged"]
 
-# After the deadline fires, how many scheduling rounds (at the same clock instant) an abort
-# that completed at that instant gets to deliver its result. Each hop (thread runner ->
+# After the deadline fires, how many scheduling rounds (at the same clock instant) a call
+# that came back at that instant gets to deliver its result. Each hop (thread runner ->
 # abort task -> event) takes one round; checkpoints do not advance even a MockClock.
 _SAME_INSTANT_ROUNDS = 16
 
@@ -73,23 +77,22 @@ _SAME_INSTANT_ROUNDS = 16
 
 
 @dataclass
-class AbortResult:
-    """What came back from a blocking call watched by `wait_for_abort`: filled in, then
-    the paired event is set. `error` is None if it returned normally."""
+class CallReturn:
+    """How a blocking call watched by `wait_for_return` came back (an abort, the wedged step,
+    a re-creation, a probe): filled in, then the paired event is set. `error` is None if it
+    returned normally (as trio's `outcome` carries a value or an error)."""
 
     error: BaseException | None = None
     finished_at: float | None = None  # trio clock
 
 
-async def wait_for_abort(
-    abort_done: trio.Event, abort_result: AbortResult, deadline: float
-) -> AbortOutcome:
-    """Wait until `abort_done` is set or the trio clock reaches `deadline`; say which.
+async def wait_for_return(done: trio.Event, result: CallReturn, deadline: float) -> ReturnOutcome:
+    """Wait until `done` is set or the trio clock reaches `deadline`; say which.
 
-    "returned": it came back in time; "error": it came back in time with
-    `abort_result.error` set (it came back: a recovery can go on); "deadline": it did not.
+    "returned": the call came back in time; "error": it came back in time with
+    `result.error` set (it came back: a recovery can go on); "deadline": it did not.
 
-    An abort that lands an instant before the deadline, or exactly at it, is a recovery:
+    A call that comes back an instant before the deadline, or exactly at it, counts as back:
     when the deadline scope fires first, every task made runnable at that same instant is
     given its turn (a bounded number of checkpoints, which never move the clock) and the
     event is checked again before deciding. So the answer does not depend on the order in
@@ -98,14 +101,14 @@ async def wait_for_abort(
     Touches no thread: test it with MockClock and trio-native fakes.
     """
     with trio.move_on_at(deadline):
-        await abort_done.wait()
+        await done.wait()
     rounds = 0
-    while not abort_done.is_set() and rounds < _SAME_INSTANT_ROUNDS:
+    while not done.is_set() and rounds < _SAME_INSTANT_ROUNDS:
         await trio.lowlevel.cancel_shielded_checkpoint()
         rounds += 1
-    if not abort_done.is_set():
+    if not done.is_set():
         return "deadline"
-    return "error" if abort_result.error is not None else "returned"
+    return "error" if result.error is not None else "returned"
 
 
 # --- threads ---------------------------------------------------------------------------------
@@ -162,22 +165,6 @@ async def run_in_thread(
     )
 
 
-class WatchedExecutor(Protocol):
-    """What the watchdog needs of `parallel.executor.Executor` (its methods block)."""
-
-    @property
-    def tp(self) -> int: ...
-
-    @property
-    def comm(self) -> Any: ...  # Communicator | None
-
-    def probe(self) -> Any: ...
-
-    def abort_comm(self) -> None: ...
-
-    def recreate_comm(self) -> None: ...
-
-
 @dataclass
 class _Watch:
     """One blocking call on a thread: when it started, and whether it has come back."""
@@ -186,7 +173,7 @@ class _Watch:
     started: float  # trio clock
     started_wall: float
     done: trio.Event = field(default_factory=trio.Event)
-    result: AbortResult = field(default_factory=AbortResult)
+    result: CallReturn = field(default_factory=CallReturn)
     detected: float | None = None  # trio clock: when it ran past its deadline
 
     def mark(self, error: BaseException | None, now: float) -> None:
@@ -196,38 +183,44 @@ class _Watch:
             self.done.set()
 
 
-@dataclass(frozen=True)
-class WatchdogStatistics:
+class InflightRequest(msgspec.Struct, frozen=True):
+    """A queued or running request, as forensics and `last_wedge` record it."""
+
     model: str
+    seq_id: int | None  # None while queued
+    state: Literal["queued", "running"]
+    age_s: float
+    prompt_tokens: int
+    generated_tokens: int
+
+
+class LastWedge(msgspec.Struct):
+    """The model's most recent wedge, in `/v1/node`; filled in as its recovery goes on."""
+
+    what: str  # "step", "probe"
+    at: str  # when the wedged call started (UTC)
+    detected_after_s: float
+    outcome: str  # "recovering", "recovered", "deadman: <reason>"
+    inflight: list[InflightRequest] | None  # the requests in flight at the wedge
+    inflight_error: str | msgspec.UnsetType = msgspec.UNSET  # reading them failed
+    abort: ReturnOutcome | msgspec.UnsetType = msgspec.UNSET  # tp > 1 only
+    abort_s: float | msgspec.UnsetType = msgspec.UNSET
+    recovered_after_s: float | msgspec.UnsetType = msgspec.UNSET
+
+
+class WatchdogStatistics(msgspec.Struct, frozen=True):
+    """A model's watchdog, as `/v1/node` shows it (a snapshot: later changes do not show)."""
+
     state: WatchdogState
-    since: float  # wall clock: when this state began
+    since: str  # when this state began (UTC)
     step_timeout_s: float
     abort_deadline_s: float
     probe_interval_s: float
     wedges: int
     aborts: dict[str, int]
     recoveries: int
-    probes: int
-    last_wedge: dict[str, Any] | None
-
-    def as_dict(self) -> dict[str, Any]:
-        """For `/v1/node`."""
-        return {
-            "state": self.state,
-            "since": _iso(self.since),
-            "step_timeout_s": self.step_timeout_s,
-            "abort_deadline_s": self.abort_deadline_s,
-            "probe_interval_s": self.probe_interval_s,
-            "wedges": self.wedges,
-            "aborts": dict(self.aborts),
-            "recoveries": self.recoveries,
-            "probes": self.probes,
-            "last_wedge": dict(self.last_wedge) if self.last_wedge else None,
-        }
-
-
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    probes: int  # idle probes run (ok, failed or wedged)
+    last_wedge: LastWedge | None
 
 
 def _ignore(_error: BaseException | None) -> None:
@@ -251,13 +244,8 @@ class Watchdog:
         wall_clock: Callable[[], float] = time.time,
         run_thread: ThreadRunner = run_in_thread,
         logger: logging.Logger | None = None,
-        inflight_fn: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.model_name = model_name
-        # The model's in-flight requests (dicts with id and age_s), read the instant a step
-        # wedges: the actor fails them with 503 right after, so the deadman, later, would
-        # find none. The actor may set it after construction.
-        self.inflight_fn = inflight_fn
         self.step_timeout_s = tp.step_timeout_s
         self.abort_deadline_s = tp.abort_deadline_s
         self.probe_interval_s = tp.probe_interval_s
@@ -271,13 +259,12 @@ class Watchdog:
         self._busy = trio.Lock()
         self._state: WatchdogState = "idle"
         self._state_since = wall_clock()
-        self._last_activity: float | None = None  # trio clock; None until the first step
         self._wedge: _Watch | None = None
         self._wedges = 0
         self._aborts = {"returned": 0, "error": 0, "deadline": 0}
         self._recoveries = 0
         self._probes = 0
-        self._last_wedge: dict[str, Any] | None = None
+        self._last_wedge: LastWedge | None = None
         if metrics is not None:
             metrics.recovering.labels(model_name).set(0)
 
@@ -287,16 +274,11 @@ class Watchdog:
     def state(self) -> WatchdogState:
         return "wedged" if self._deadman.firing else self._state
 
-    @property
-    def recovering(self) -> bool:
-        """True from a step's timeout until recovery ends (or the deadman fires)."""
-        return self.state in ("recovering", "aborting", "wedged")
-
     def statistics(self) -> WatchdogStatistics:
+        last = self._last_wedge
         return WatchdogStatistics(
-            model=self.model_name,
             state=self.state,
-            since=self._state_since,
+            since=utc_iso(self._state_since),
             step_timeout_s=self.step_timeout_s,
             abort_deadline_s=self.abort_deadline_s,
             probe_interval_s=self.probe_interval_s,
@@ -304,18 +286,19 @@ class Watchdog:
             aborts=dict(self._aborts),
             recoveries=self._recoveries,
             probes=self._probes,
-            last_wedge=dict(self._last_wedge) if self._last_wedge else None,
+            last_wedge=None if last is None else msgspec.structs.replace(last),
         )
-
-    def probe_due_at(self) -> float:
-        """Trio-clock instant at which an idle model is due for its probe."""
-        last = self._clock() if self._last_activity is None else self._last_activity
-        return last + self.probe_interval_s
 
     # --- steps ------------------------------------------------------------------------------
 
-    async def run_step(self, fn: Callable[[], T], *, what: str = "step") -> T:
+    async def run_step(
+        self, fn: Callable[[], T], *, what: str = "step", inflight: InflightFn | None = None
+    ) -> T:
         """Run `fn` (e.g. `executor.step`) on the model's step thread under step_timeout_s.
+
+        `inflight()` is read the instant the call wedges, for `last_wedge` and forensics: the
+        requests then in flight (the actor fails them with 503 right after, so the deadman,
+        later, would find none).
 
         Raises StepTimeoutError if it runs past the deadline: the thread is abandoned (it
         may still come back; `recover` waits for that), the model is `recovering`, and the
@@ -327,11 +310,7 @@ class Watchdog:
         """
         async with self._busy:
             self._ensure_serving()
-            return await self._deadline_call(fn, what)
-
-    async def run_probe(self, executor: WatchedExecutor) -> Any:
-        """One tiny probe step (`executor.probe`) under the step deadline; as `run_step`."""
-        return await self.run_step(executor.probe, what="probe")
+            return await self._deadline_call(fn, what, inflight)
 
     def _ensure_serving(self) -> None:
         if self._wedge is not None or self.state not in ("idle", "stepping", "probing"):
@@ -339,7 +318,9 @@ class Watchdog:
                 f"model {self.model_name!r} is {self.state}", code=self.state, retry_after_s=5
             )
 
-    async def _deadline_call(self, fn: Callable[[], T], what: str) -> T:
+    async def _deadline_call(
+        self, fn: Callable[[], T], what: str, inflight_fn: InflightFn | None
+    ) -> T:
         now = self._clock()
         watch = _Watch(what=what, started=now, started_wall=self._wall())
         self._set_state("probing" if what == "probe" else "stepping")
@@ -354,8 +335,6 @@ class Watchdog:
                 )
                 finished = True
         finally:
-            if finished or self._wedge is None:
-                self._last_activity = self._clock()
             if self._state in ("stepping", "probing"):
                 self._set_state("idle")
         if finished:
@@ -363,13 +342,15 @@ class Watchdog:
         watch.detected = self._clock()
         self._wedge = watch
         self._wedges += 1
-        self._last_wedge = {
-            "what": what,
-            "at": _iso(watch.started_wall),
-            "detected_after_s": round(watch.detected - watch.started, 3),
-            "outcome": "recovering",
-            "inflight": self._inflight_snapshot(),
-        }
+        inflight, inflight_error = _snapshot(inflight_fn)
+        self._last_wedge = LastWedge(
+            what=what,
+            at=utc_iso(watch.started_wall),
+            detected_after_s=round(watch.detected - watch.started, 3),
+            outcome="recovering",
+            inflight=inflight,
+            inflight_error=inflight_error,
+        )
         self._set_state("recovering")
         if self._metrics is not None:
             self._metrics.wedges.labels(self.model_name, what).inc()
@@ -385,7 +366,7 @@ class Watchdog:
 
     # --- recovery ---------------------------------------------------------------------------
 
-    async def recover(self, executor: WatchedExecutor) -> None:
+    async def recover(self, executor: ModelExecutor) -> None:
         """Recover after a StepTimeoutError (or a failed step): returns once the model serves
         again.
 
@@ -413,7 +394,7 @@ class Watchdog:
                 if outcome == "deadline":
                     await self._fire("abort-deadline", watch, comms, "the communicator abort")
                 self._set_state("recovering")
-                back = await wait_for_abort(
+                back = await wait_for_return(
                     watch.done, watch.result, self._clock() + self.step_timeout_s
                 )
                 if back == "deadline":
@@ -423,16 +404,15 @@ class Watchdog:
                 await self._recovery_call(executor.recreate_comm, "recreate_comm", watch, comms)
             else:
                 # Nothing to abort: the step itself gets the abort deadline to come back.
-                back = await wait_for_abort(watch.done, watch.result, abort_deadline)
+                back = await wait_for_return(watch.done, watch.result, abort_deadline)
                 if back == "deadline":
                     await self._fire("step-deadline", watch, comms, "the step (tp = 1)")
             await self._recovery_call(executor.probe, "probe", watch, comms)
             self._wedge = None
             self._recoveries += 1
-            self._last_activity = self._clock()
             if self._last_wedge is not None:
-                self._last_wedge["outcome"] = "recovered"
-                self._last_wedge["recovered_after_s"] = round(self._clock() - watch.started, 3)
+                self._last_wedge.outcome = "recovered"
+                self._last_wedge.recovered_after_s = round(self._clock() - watch.started, 3)
             if self._metrics is not None:
                 self._metrics.recoveries.labels(self.model_name).inc()
             self._set_state("idle")
@@ -443,12 +423,12 @@ class Watchdog:
                 self._clock() - watch.started,
             )
 
-    async def _abort(self, executor: WatchedExecutor, deadline: float) -> AbortOutcome:
+    async def _abort(self, executor: ModelExecutor, deadline: float) -> ReturnOutcome:
         """Abort every rank's communicator on a thread of its own; wait until `deadline`."""
         self._set_state("aborting")
         started = self._clock()
         done = trio.Event()
-        result = AbortResult()
+        result = CallReturn()
 
         async def abort_task() -> None:
             try:
@@ -467,14 +447,14 @@ class Watchdog:
         self._log.warning("watchdog: model %s: aborting the communicator", self.model_name)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(abort_task)
-            outcome = await wait_for_abort(done, result, deadline)
+            outcome = await wait_for_return(done, result, deadline)
             nursery.cancel_scope.cancel()  # deadline: abandon the abort's thread
         duration = (result.finished_at if outcome != "deadline" else None) or self._clock()
         duration -= started
         self._aborts[outcome] += 1
         if self._last_wedge is not None:
-            self._last_wedge["abort"] = outcome
-            self._last_wedge["abort_s"] = round(duration, 3)
+            self._last_wedge.abort = outcome
+            self._last_wedge.abort_s = round(duration, 3)
         if self._metrics is not None:
             self._metrics.aborts.labels(self.model_name, outcome).inc()
             self._metrics.abort_seconds.labels(self.model_name, outcome).observe(duration)
@@ -499,7 +479,7 @@ class Watchdog:
     ) -> None:
         """One recovery step on a worker thread, bounded by step_timeout_s; failing -> exit 70."""
         done = trio.Event()
-        result = AbortResult()
+        result = CallReturn()
         on_step_thread = what == "probe"
 
         async def call() -> None:
@@ -519,7 +499,7 @@ class Watchdog:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(call)
-            outcome = await wait_for_abort(done, result, self._clock() + self.step_timeout_s)
+            outcome = await wait_for_return(done, result, self._clock() + self.step_timeout_s)
             nursery.cancel_scope.cancel()
         if outcome == "returned":
             return
@@ -533,8 +513,9 @@ class Watchdog:
 
     async def _fire(self, reason: str, watch: _Watch, comms: list[Any], detail: str) -> NoReturn:
         self._set_state("wedged")
+        last = self._last_wedge
         if self._last_wedge is not None:
-            self._last_wedge["outcome"] = f"deadman: {reason}"
+            self._last_wedge.outcome = f"deadman: {reason}"
         await self._deadman.fire(
             reason,
             what=f"model {self.model_name}: {watch.what}",
@@ -544,11 +525,11 @@ class Watchdog:
                 "abort_deadline_s": self.abort_deadline_s,
             },
             comms=comms,
+            inflight_at_wedge=None if last is None else last.inflight,
             details={
                 "model": self.model_name,
                 "detail": detail,
-                "inflight_at_wedge": (self._last_wedge or {}).get("inflight"),
-                "watchdog": self.statistics().as_dict(),
+                "watchdog": self.statistics(),
             },
         )
 
@@ -580,59 +561,34 @@ class Watchdog:
         self._log.critical("watchdog: model %s: %s ran past %g s", self.model_name, what, bound)
         await self._fire(f"{what}-timeout", watch, [], f"{what} ran past {bound:g} s")
 
-    # --- idle probe -------------------------------------------------------------------------
+    # --- the idle probe ---------------------------------------------------------------------
 
-    async def run_idle_probes(
-        self,
-        executor: WatchedExecutor,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> NoReturn:
-        """Forever: when the model has been idle for probe_interval_s, run one probe step.
+    async def run_idle_probe(
+        self, probe: Callable[[], object], *, inflight: InflightFn | None = None
+    ) -> None:
+        """One idle probe (`executor.probe`) under the step deadline, counted by result.
 
-        A probe past the step deadline is a wedge like any other: this task recovers it
-        (or the deadman fires), while the actor's steps get UnavailableError meanwhile.
-        A probe that fails with an error is treated the same way (abort, re-create, probe
-        again; a second failure exits 70): a broken model must look broken.
+        The model actor calls it when its model has been idle for probe_interval_s (it alone
+        knows when the engine is idle). Results: "ok"; "failed" (the probe raised);
+        "wedged" (it ran past the step deadline). Raises as `run_step` does: on
+        StepTimeoutError or a failure the caller recovers, exactly as after a step, so a
+        broken model looks broken. A probe refused because the model is already recovering
+        (UnavailableError) did not run and is not counted.
         """
-        if self._last_activity is None:
-            self._last_activity = self._clock()
-        task_status.started()
-        while True:
-            due = self.probe_due_at()
-            if self._clock() < due:
-                await trio.sleep_until(due)
-                continue
-            if self._busy.locked() or self.state != "idle":
-                await trio.sleep(self.probe_interval_s)
-                continue
-            await self._idle_probe(executor)
-
-    async def _idle_probe(self, executor: WatchedExecutor) -> None:
-        self._probes += 1
         try:
-            await self.run_probe(executor)
-        except StepTimeoutError:
-            self._count_probe("timeout")
-            await self.recover(executor)
+            await self.run_step(probe, what="probe", inflight=inflight)
         except UnavailableError:
-            self._last_activity = self._clock()
-        except Exception as exc:
-            self._count_probe("error")
-            self._log.error("watchdog: model %s: idle probe failed: %r", self.model_name, exc)
-            await self.recover(executor)
-        else:
-            self._count_probe("ok")
+            raise
+        except StepTimeoutError:
+            self._count_probe("wedged")
+            raise
+        except Exception:
+            self._count_probe("failed")
+            raise
+        self._count_probe("ok")
 
-    def _inflight_snapshot(self) -> list[dict[str, Any]] | None:
-        if self.inflight_fn is None:
-            return None
-        try:
-            return list(self.inflight_fn())
-        except Exception as exc:  # never let bookkeeping break the wedge path
-            return [{"error": f"{type(exc).__name__}: {exc}"}]
-
-    def _count_probe(self, result: str) -> None:
+    def _count_probe(self, result: Literal["ok", "failed", "wedged"]) -> None:
+        self._probes += 1
         if self._metrics is not None:
             self._metrics.probes.labels(self.model_name, result).inc()
 
@@ -643,3 +599,15 @@ class Watchdog:
             if self._metrics is not None:
                 recovering = state in ("recovering", "aborting", "wedged")
                 self._metrics.recovering.labels(self.model_name).set(1 if recovering else 0)
+
+
+def _snapshot(
+    inflight_fn: InflightFn | None,
+) -> tuple[list[InflightRequest] | None, str | msgspec.UnsetType]:
+    """The requests in flight, or (None, why) if reading them failed."""
+    if inflight_fn is None:
+        return None, msgspec.UNSET
+    try:
+        return list(inflight_fn()), msgspec.UNSET
+    except Exception as exc:  # never let bookkeeping break the wedge path
+        return None, f"{type(exc).__name__}: {exc}"

@@ -61,7 +61,7 @@ class WatchdogMetrics:
         )
         self.probes = Counter(
             "neuron_watchdog_idle_probes_total",
-            "Idle probe steps run, by result (ok, error, timeout).",
+            "Idle probe steps run, by result (ok, failed, wedged).",
             ["model", "result"],
             registry=registry,
         )

@@ -42,6 +42,10 @@ class ToyShard:
         self.up, self.down, self.embed = up, down, embed
         self.closed = 0
         self.partial_sums = tp > 1
+        self.output = torch.nn.Identity()  # unused: TPRunner replaces it on ranks > 0
+
+    def init_rope(self, positions: int) -> None:
+        pass  # no RoPE in the toy
 
     def forward_steps(
         self, input_ids, start_pos, slots, kv, *, lengths=None, all_logits=False

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,11 @@ def make(tmp_path: Path, **kw: Any) -> tuple[Deadman, Exits, Path]:
     return deadman, exits, stderr_path
 
 
+def fire(deadman: Deadman, reason: str, **kw: Any) -> None:
+    """`deadman.fire` in a trio run of its own; DeadmanExit comes out (the fake exit returns)."""
+    trio.run(partial(deadman.fire, reason, **kw))
+
+
 def check_report(tmp_path: Path, stderr_path: Path, exc: DeadmanExit) -> dict[str, Any]:
     assert exc.code == 70
     files = list((tmp_path / "state" / "forensics").glob("*.json"))
@@ -61,7 +67,7 @@ def check_report(tmp_path: Path, stderr_path: Path, exc: DeadmanExit) -> dict[st
     return report
 
 
-def test_fire_sync_writes_logs_and_exits_70(tmp_path: Path, no_nvidia_smi: None) -> None:
+def test_fire_writes_logs_and_exits_70(tmp_path: Path, no_nvidia_smi: None) -> None:
     release = threading.Event()
     abort = threading.Thread(
         target=fake_nccl_abort, args=(release,), name="nccl-abort-m", daemon=True
@@ -73,12 +79,14 @@ def test_fire_sync_writes_logs_and_exits_70(tmp_path: Path, no_nvidia_smi: None)
         )
         assert not deadman.firing
         with pytest.raises(DeadmanExit) as caught:
-            deadman.fire_sync(
+            fire(
+                deadman,
                 "abort-deadline",
                 what="model m: step",
                 since=time.time() - 5,
                 deadlines_s={"step_timeout_s": 2.0, "abort_deadline_s": 3.0},
-                details={"model": "m", "inflight_at_wedge": [{"id": "r0", "age_s": 9.0}]},
+                inflight_at_wedge=[{"id": "r0", "age_s": 9.0}],
+                details={"model": "m"},
             )
         assert exits.codes == [70]
         assert deadman.firing and deadman.reason == "abort-deadline"
@@ -128,7 +136,7 @@ def test_a_hanging_context_fn_does_not_hang_the_exit(tmp_path: Path, no_nvidia_s
     started = time.monotonic()
     try:
         with pytest.raises(DeadmanExit) as caught:
-            deadman.fire_sync("x", what="w", since=None)
+            fire(deadman, "x", what="w", since=None)
     finally:
         stuck.set()
     assert time.monotonic() - started < 5.0
@@ -136,11 +144,31 @@ def test_a_hanging_context_fn_does_not_hang_the_exit(tmp_path: Path, no_nvidia_s
     assert report["extra"]["context"] == {"context_error": "PartTimeout: timed out after 0.2 s"}
 
 
+def test_gathering_that_overruns_writes_a_minimal_report(
+    tmp_path: Path, no_nvidia_smi: None
+) -> None:
+    stuck = threading.Event()
+    deadman, exits, stderr_path = make(
+        tmp_path, context_fn=lambda: stuck.wait(), part_timeout_s=30, gather_timeout_s=0.2
+    )
+    try:
+        with pytest.raises(DeadmanExit) as caught:
+            fire(deadman, "x", what="w", since=1_800_000_000.0, details={"model": "m"})
+    finally:
+        stuck.set()
+    assert exits.codes == [70]
+    report = check_report(tmp_path, stderr_path, caught.value)
+    assert report["gather_error"] == "gathering overran 0.2 s"
+    assert report["since"] == "2027-01-15T08:00:00.000Z" and report["extra"] == {"model": "m"}
+    assert "nvidia_smi" not in report and "inflight" not in report  # never gathered
+    assert any(t["name"] == "neuron-deadman" for t in report["threads"])  # the one that hung
+
+
 def test_an_unwritable_state_dir_still_exits(tmp_path: Path, no_nvidia_smi: None) -> None:
     (tmp_path / "state").write_text("a file, not a folder")
     deadman, exits, stderr_path = make(tmp_path)
     with pytest.raises(DeadmanExit) as caught:
-        deadman.fire_sync("x", what="w", since=None)
+        fire(deadman, "x", what="w", since=None)
     assert exits.codes == [70] and caught.value.path is None
     logged = json.loads(stderr_path.read_text())
     assert "write_error" in logged
@@ -148,6 +176,8 @@ def test_an_unwritable_state_dir_still_exits(tmp_path: Path, no_nvidia_smi: None
 
 SUBPROCESS = r"""
 import sys, threading, time
+from functools import partial
+import trio
 from neuron_trio.service.deadman import Deadman
 
 def fake_nccl_abort(release):
@@ -155,7 +185,7 @@ def fake_nccl_abort(release):
 
 threading.Thread(target=fake_nccl_abort, args=(threading.Event(),), name="nccl-abort-m").start()
 print("buffered stdout line", end="")  # must be flushed before os._exit
-Deadman(sys.argv[1]).fire_sync("abort-deadline", what="model m: step", since=time.time())
+trio.run(partial(Deadman(sys.argv[1]).fire, "abort-deadline", what="model m: step", since=time.time()))
 print("unreachable")
 """
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from msgspec import to_builtins
 
 from neuron_trio.service import forensics
 
@@ -61,23 +62,25 @@ class Comm:
 
 
 def test_thread_stacks_show_where_the_abort_hangs(hung_abort_thread: threading.Thread) -> None:
-    stacks = {t["name"]: t for t in forensics.thread_stacks()}
+    stacks = {t.name: t for t in forensics.thread_stacks()}
     abort = stacks["nccl-abort-smollm2"]
-    assert abort["daemon"] is True
-    assert any("in fake_nccl_abort" in frame for frame in abort["stack"])
-    assert "in wait" in abort["stack"][-1]  # innermost frame last: threading.Event.wait
+    assert abort.daemon is True
+    assert any("in fake_nccl_abort" in frame for frame in abort.stack)
+    assert "in wait" in abort.stack[-1]  # innermost frame last: threading.Event.wait
     assert "MainThread" in stacks
 
 
 def test_report_has_every_part(no_nvidia_smi: None, hung_abort_thread: threading.Thread) -> None:
     since = time.time() - 65.0
-    report = forensics.gather_forensics(
-        what="model m: step",
-        since=since,
-        deadline_s={"step_timeout_s": 2.0, "abort_deadline_s": 3.0},
-        inflight=[{"id": "cmpl-1", "model": "m", "age_s": 66.0}],
-        comms=[Comm("ncclRemoteError")],
-        reason="abort-deadline",
+    report = to_builtins(
+        forensics.gather_forensics(
+            what="model m: step",
+            since=since,
+            deadline_s={"step_timeout_s": 2.0, "abort_deadline_s": 3.0},
+            inflight=[{"id": "cmpl-1", "model": "m", "age_s": 66.0}],
+            comms=[Comm("ncclRemoteError")],
+            reason="abort-deadline",
+        )
     )
     assert report["what"] == "model m: step" and report["reason"] == "abort-deadline"
     assert 64.0 < report["wedged_for_s"] < 70.0
@@ -101,7 +104,7 @@ def test_nvidia_smi_is_read_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         'echo "0, GPU-aaaa, 70000, 81559, 0"\necho "1, GPU-bbbb, 69000, 81559, [N/A]"',
     )
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    report = forensics.gather_forensics(what="w", since=None, deadline_s=None)
+    report = to_builtins(forensics.gather_forensics(what="w", since=None, deadline_s=None))
     gpus = report["nvidia_smi"]["gpus"]
     assert gpus[0] == {
         "index": 0,
@@ -117,8 +120,8 @@ def test_a_hanging_nvidia_smi_is_bounded(tmp_path: Path, monkeypatch: pytest.Mon
     fake_nvidia_smi(tmp_path / "bin", "exec sleep 30")
     monkeypatch.setenv("PATH", str(tmp_path / "bin") + os.pathsep + os.environ["PATH"])
     started = time.monotonic()
-    report = forensics.gather_forensics(
-        what="w", since=None, deadline_s=None, nvidia_smi_timeout_s=0.3
+    report = to_builtins(
+        forensics.gather_forensics(what="w", since=None, deadline_s=None, nvidia_smi_timeout_s=0.3)
     )
     assert time.monotonic() - started < 5.0
     assert "timed out" in report["nvidia_smi"]["error"]
@@ -128,8 +131,10 @@ def test_a_hanging_part_is_bounded(no_nvidia_smi: None) -> None:
     stuck = threading.Event()
     try:
         started = time.monotonic()
-        report = forensics.gather_forensics(
-            what="w", since=None, deadline_s=None, comms=[Comm(hang=stuck)], part_timeout_s=0.2
+        report = to_builtins(
+            forensics.gather_forensics(
+                what="w", since=None, deadline_s=None, comms=[Comm(hang=stuck)], part_timeout_s=0.2
+            )
         )
         assert time.monotonic() - started < 3.0
         assert report["nccl"] == [{"error": "timed out after 0.2 s"}]
@@ -139,12 +144,10 @@ def test_a_hanging_part_is_bounded(no_nvidia_smi: None) -> None:
         stuck.set()
 
 
-def test_write_report_atomically_and_read_the_last(tmp_path: Path) -> None:
-    assert forensics.last_report(tmp_path) is None
+def test_write_report_atomically(tmp_path: Path) -> None:
     first = forensics.write_report(tmp_path, {"n": 1}, now=1_800_000_000.0)
     second = forensics.write_report(tmp_path, {"n": 2}, now=1_800_000_001.5)
     assert first.parent == tmp_path / "forensics"
     assert first.name == "20270115T080000.000000Z.json"
     assert sorted(p.name for p in (tmp_path / "forensics").iterdir()) == [first.name, second.name]
-    last = forensics.last_report(tmp_path)
-    assert last is not None and last[0] == second and last[1] == {"n": 2}
+    assert json.loads(second.read_text()) == {"n": 2}

@@ -7,15 +7,16 @@ runner (`FakeThreads`) that the test can hold, and time is a MockClock moved by 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
 from neuron_trio.config import ModelConfig, TpConfig
-from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.engine.types import SamplingParams, SequenceEvent
 from neuron_trio.errors import (
     ContextLengthError,
     ModelLoadError,
@@ -27,6 +28,9 @@ from neuron_trio.service.api import ChatMessage, GenerationJob
 from neuron_trio.service.model_actor import EventStream, ModelActor, merge_events
 from neuron_trio.service.model_metrics import NodeMetrics
 from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.watchdog_metrics import WatchdogMetrics
+
+from .fakes import FakeDeadman, FakeExecutor, FakeThreads
 
 STEP_TIMEOUT = 30.0
 ABORT_DEADLINE = 60.0
@@ -34,166 +38,6 @@ PROBE_INTERVAL = 300.0
 
 
 # ---- fakes ------------------------------------------------------------------------------------
-
-
-class FakeEngine:
-    """One token ("x") per running sequence per step; finishes at max_tokens ("length")."""
-
-    def __init__(self, max_batch: int, context: int = 64) -> None:
-        self.max_batch = max_batch
-        self.context = context
-        self.seqs: dict[int, list[Any]] = {}  # seq_id -> [params, produced, prompt_len]
-        self.next_id = 1
-        self.added: list[list[int]] = []
-        self.cancelled: list[int] = []
-        self.steps = 0
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
-        return [ord(c) for c in text]
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        if len(prompt_ids) + params.max_tokens > self.context:
-            raise ContextLengthError("too long")
-
-    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
-        assert self.free_slots > 0
-        seq_id, self.next_id = self.next_id, self.next_id + 1
-        self.seqs[seq_id] = [params, 0, len(prompt_ids)]
-        self.added.append(list(prompt_ids))
-        return seq_id
-
-    def cancel(self, seq_id: int) -> None:
-        self.cancelled.append(seq_id)
-        self.seqs.pop(seq_id, None)
-
-    def cancel_all(self) -> list[int]:
-        ids = list(self.seqs)
-        self.seqs.clear()
-        return ids
-
-    @property
-    def free_slots(self) -> int:
-        return self.max_batch - len(self.seqs)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.seqs)
-
-    def statistics(self) -> EngineStatistics:
-        n = len(self.seqs)
-        return EngineStatistics(self.max_batch, n, 0, n, self.steps, 0, 0)
-
-    def step(self) -> list[SequenceEvent]:
-        self.steps += 1
-        events = []
-        for seq_id, state in list(self.seqs.items()):
-            params, produced, prompt_len = state
-            state[1] = produced = produced + 1
-            event = SequenceEvent(
-                seq_id,
-                text="x",
-                token_ids=[120],
-                prompt_tokens=prompt_len,
-                completion_tokens=produced,
-            )
-            if produced >= params.max_tokens:
-                event.finish_reason = "length"
-                del self.seqs[seq_id]
-            events.append(event)
-        return events
-
-
-class FakeExecutor:
-    def __init__(self, max_batch: int = 2, context: int = 64) -> None:
-        self.engine = FakeEngine(max_batch, context)
-        self.tp = 1
-        self.comm = None
-        self.dtype = "float32"
-        self.ranks = [{"device": "cpu", "heads": 9, "kv_heads": 3}]
-        self.closed = False
-        self.probes = 0
-        self.fail_next_step: Exception | None = None
-
-    def step(self) -> list[SequenceEvent]:
-        if self.fail_next_step is not None:
-            exc, self.fail_next_step = self.fail_next_step, None
-            raise exc
-        return self.engine.step()
-
-    def probe(self) -> None:
-        self.probes += 1
-
-    def abort_comm(self) -> None:
-        pass
-
-    def recreate_comm(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeThreads:
-    """A trio-native stand-in for the watchdog's thread runner, with abandon semantics.
-
-    The "thread" is a task in the test's nursery: cancelling the caller abandons it (it still
-    reports through `on_return` when it finishes). `hold()` makes new calls wait for
-    `release()`, as a wedged step would.
-    """
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self.nursery = nursery
-        self.released = trio.Event()
-        self.released.set()
-        self.calls: list[str] = []
-
-    def hold(self) -> None:
-        self.released = trio.Event()
-
-    def release(self) -> None:
-        self.released.set()
-
-    async def __call__(
-        self,
-        fn: Callable[[], Any],
-        *,
-        thread_name: str,
-        limiter: trio.CapacityLimiter,
-        on_return: Callable[[BaseException | None], None],
-    ) -> Any:
-        self.calls.append(thread_name)
-        done = trio.Event()
-        box: dict[str, Any] = {}
-        gate = self.released
-
-        async def thread() -> None:
-            await gate.wait()
-            try:
-                box["result"] = fn()
-            except Exception as exc:
-                box["error"] = exc
-            on_return(box.get("error"))
-            done.set()
-
-        self.nursery.start_soon(thread)
-        await done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
-
-class FakeDeadman:
-    firing = False
-    reason = None
-
-    async def fire(self, reason: str, **kw: Any) -> NoReturn:
-        self.firing = True
-        raise AssertionError(f"the deadman fired: {reason}")
 
 
 def spec(max_batch: int = 2, **kw: Any) -> ModelConfig:
@@ -256,13 +100,14 @@ def run_actor(
         async with trio.open_nursery() as nursery:
             threads = FakeThreads(nursery)
             executor = FakeExecutor(max_batch)
+            registry = CollectorRegistry()
             watchdog = Watchdog(
                 model_name="m",
                 tp=TpConfig(step_timeout_s=STEP_TIMEOUT, abort_deadline_s=ABORT_DEADLINE),
                 deadman=FakeDeadman(),  # type: ignore[arg-type]
+                metrics=WatchdogMetrics.for_registry(registry),
                 run_thread=threads,
             )
-            registry = CollectorRegistry()
             actors: list[ModelActor] = []
             metrics = NodeMetrics(registry, lambda: [a.statistics() for a in actors])
             actor = ModelActor(
@@ -406,7 +251,7 @@ def test_a_consumer_that_leaves_frees_its_slot_at_the_next_step() -> None:
         assert h.engine.cancelled == [1]
         assert waiter["done"] and waiter["error"] is None and len(waiter["events"]) == 2
         assert h.actor.idle and h.engine.free_slots == 1
-        assert h.actor.info()["slots_in_use"] == 0
+        assert h.actor.info().slots_in_use == 0
         assert h.metric("neuron_model_kv_slots_in_use") == 0
         assert h.metric("neuron_model_requests_total", outcome="cancelled") == 1
 
@@ -418,7 +263,7 @@ def test_a_lone_consumer_that_leaves_shows_its_slot_free() -> None:
         r = h.consume(job(max_tokens=50), leave_after=1)
         await settle()
         assert r["done"] and h.engine.cancelled == [1] and not h.engine.has_work
-        assert h.actor.info()["slots_in_use"] == 0 and h.actor.idle
+        assert h.actor.info().slots_in_use == 0 and h.actor.idle
 
     run_actor(test)
 
@@ -502,7 +347,7 @@ def test_a_failed_step_fails_in_flight_requests_and_serves_again() -> None:
         await settle()
         assert isinstance(r["error"], UnavailableError)
         assert h.actor.state == "serving" and h.engine.free_slots == 2
-        assert h.actor.info()["last_error"].startswith("RuntimeError")
+        assert h.actor.info().last_error.startswith("RuntimeError")
         assert h.executor.probes == 2  # warm-up, then the recovery's probe
         again = h.consume(job(max_tokens=2))
         await settle()
@@ -522,18 +367,56 @@ def test_an_idle_model_is_probed() -> None:
     run_actor(test)
 
 
+def test_idle_probes_run_through_the_watchdog_and_are_counted() -> None:
+    """The production path: the actor's idle timer, the watchdog's deadline and counters."""
+
+    async def test(h: Harness) -> None:
+        def probes(result: str) -> float | None:
+            return h.metric("neuron_watchdog_idle_probes_total", result=result)
+
+        await settle()
+        assert h.executor.probes == 1 and probes("ok") is None  # the warm-up is not idle
+        h.clock.jump(PROBE_INTERVAL)
+        await settle()
+        assert h.executor.probes == 2 and probes("ok") == 1
+        # a probe that fails: counted, then recovered like a failed step
+        h.executor.fail_next_probe = RuntimeError("CUDA error: an illegal memory access")
+        h.clock.jump(PROBE_INTERVAL)
+        await settle()
+        assert probes("failed") == 1 and h.actor.state == "serving"
+        assert h.actor.info().last_error.startswith("RuntimeError")
+        # a probe that hangs past the step deadline: a wedge, recovered once it comes back
+        h.threads.hold()
+        h.clock.jump(PROBE_INTERVAL)
+        await settle()
+        assert h.actor.state == "serving" and probes("wedged") is None  # still in time
+        h.clock.jump(STEP_TIMEOUT)
+        await settle()
+        assert h.actor.state == "recovering" and probes("wedged") == 1
+        h.threads.release()
+        await settle()
+        assert h.actor.state == "serving"
+        watchdog = msgspec.to_builtins(h.actor.info())["watchdog"]
+        assert watchdog["probes"] == 3 and watchdog["recoveries"] == 2
+        assert watchdog["last_wedge"]["what"] == "probe"
+        assert h.metric("neuron_watchdog_wedges_total", what="probe") == 1
+        assert probes("ok") == 1 and probes("failed") == 1
+
+    run_actor(test)
+
+
 def test_info_lists_ranks_and_counts() -> None:
     async def test(h: Harness) -> None:
         h.threads.hold()
         h.consume(job())
         await settle()
-        info = h.actor.info()
+        info = msgspec.to_builtins(h.actor.info())  # as /v1/node shows it
         assert info["state"] == "serving" and info["tp"] == 1 and info["weights"] == "float32"
         assert info["ranks"] == [{"device": "cpu", "heads": 9, "kv_heads": 3}]
         assert info["devices"] == ["cpu"] and info["running"] == 1
         assert info["watchdog"]["state"] == "stepping"
         inflight = h.actor.inflight()
-        assert inflight[0]["state"] == "running" and inflight[0]["age_s"] >= 0
+        assert inflight[0].state == "running" and inflight[0].age_s >= 0
         h.threads.release()
 
     run_actor(test)

@@ -34,7 +34,7 @@ from neuron_trio.service.node import ModelExistsError, Node, find_last_forensics
 from neuron_trio.service.placement import ModelEstimate
 from neuron_trio.service.watchdog import Watchdog
 
-from .test_model_actor import FakeDeadman, FakeExecutor, FakeThreads
+from .fakes import FakeDeadman, FakeExecutor, FakeThreads
 
 GIB = 1 << 30
 
@@ -45,6 +45,7 @@ class Reading:
     memory_free_bytes: int
     memory_total_bytes: int = 80 * GIB
     error: str | None = None
+    uuid: str = ""
 
 
 @dataclass
@@ -455,10 +456,33 @@ def test_node_info_document(tmp_path: Path) -> None:
         assert info["watchdog"]["step_timeout_s"] == 30
         assert info["last_forensics"] == {
             "path": str(newest),
-            "written_unix": newest.stat().st_mtime,
             "report": {"reason": "abort-deadline"},
         }
         assert info["failpoints"]["configured"] == {"engine.step": "hang"}
+        # the contract's keys (DESIGN.md, /v1/node), exactly
+        assert list(info) == [
+            "hostname", "boot_id", "started_at", "starts", "previous_stop_clean", "status",
+            "draining", "config", "gpus", "models", "generated_tokens_per_s_1m", "watchdog",
+            "last_forensics", "failpoints",
+        ]  # fmt: skip
+        assert list(model) == [
+            "name", "state", "source", "path", "dtype", "weights", "tp", "max_batch",
+            "context", "slots_in_use", "slots_total", "running", "queued", "max_queue",
+            "ranks", "devices", "memory", "loaded_at", "steps", "step_failures",
+            "last_error", "watchdog",
+        ]  # fmt: skip
+        assert model["memory"] == {
+            "weights_bytes": 6 * GIB,
+            "kv_cache_bytes": 2 * GIB,
+            "total_bytes": 8 * GIB,
+            "devices": ["cpu"],
+        }
+        assert list(info["watchdog"]) == [
+            "step_timeout_s", "abort_deadline_s", "probe_interval_s", "deadman_firing",
+            "deadman_reason", "models",
+        ]  # fmt: skip
+        assert model["watchdog"] == info["watchdog"]["models"]["a"]
+        assert list(info["failpoints"]) == ["configured", "fired"]
 
     run_world(tmp_path, test)
 
@@ -468,7 +492,7 @@ def test_find_last_forensics_without_reports(tmp_path: Path) -> None:
     (tmp_path / "forensics").mkdir()
     (tmp_path / "forensics" / "x.json").write_text("{not json")
     found = find_last_forensics(tmp_path)
-    assert found is not None and "unreadable" in found["report"]
+    assert found is not None and "unreadable" in found.report
 
 
 def test_metrics_registry_has_model_metrics(tmp_path: Path) -> None:

@@ -97,14 +97,12 @@ def test_node_info_reports_generated_tokens_per_second(tmp_path: Path) -> None:
         assert isinstance(clock, trio.testing.MockClock)
         clock.jump(TOKEN_RATE_SAMPLE_S)  # the first sample with the model loaded
         await trio.testing.wait_all_tasks_blocked()
-        [model] = (await node.node_info())["models"]
-        assert model["generated_tokens_per_s_1m"] is None  # one sample so far
+        assert (await node.node_info())["generated_tokens_per_s_1m"] == {"a": None}  # 1 sample
         for _ in range(3):
             await collect(node, job(max_tokens=2))
         clock.jump(30)  # the sampler wakes once: a second sample, 30 s after the first
         await trio.testing.wait_all_tasks_blocked()
-        [model] = (await node.node_info())["models"]
-        rate = model["generated_tokens_per_s_1m"]
+        rate = (await node.node_info())["generated_tokens_per_s_1m"]["a"]
         assert rate is not None and 0 < rate <= 6 / 30
 
     run_world(tmp_path, test)

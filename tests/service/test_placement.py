@@ -20,6 +20,7 @@ class Gpu:
     memory_free_bytes: int
     memory_total_bytes: int = 80 * GIB
     error: str | None = None
+    uuid: str = ""
 
 
 @dataclass(frozen=True)

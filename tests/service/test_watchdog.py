@@ -1,22 +1,25 @@
 """The watchdog's step deadline, recovery and deadman decisions: MockClock (autojump), a
-trio-native fake thread runner and fake executor, no threads and no real sleeps."""
+trio-native fake thread runner and scripted executor (tests/service/fakes.py), no threads
+and no real sleeps."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, cast
+from typing import cast
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
 from neuron_trio.config import TpConfig
-from neuron_trio.errors import CommAbortedError, CommError, StepTimeoutError, UnavailableError
+from neuron_trio.errors import CommError, StepTimeoutError, UnavailableError
 from neuron_trio.service.deadman import Deadman, DeadmanExit
-from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.watchdog import InflightFn, InflightRequest, Watchdog
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
+
+from .fakes import FakeDeadman, FakeThreads, ScriptedExecutor
 
 STEP_S = 2.0
 ABORT_S = 3.0
@@ -24,137 +27,8 @@ PROBE_S = 30.0
 TP = TpConfig(step_timeout_s=STEP_S, abort_deadline_s=ABORT_S, probe_interval_s=PROBE_S)
 
 
-class FakeRunner:
-    """A trio-native ThreadRunner: `fn()` returns a coroutine (the fake executor's methods
-    are async), run as a task of the test's nursery. A cancelled caller abandons it, as
-    `abandon_on_cancel=True` abandons a thread: it runs on and reports through on_return."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self.nursery = nursery
-        self.threads: list[str] = []
-
-    async def __call__(
-        self,
-        fn: Callable[[], Any],
-        *,
-        thread_name: str,
-        limiter: trio.CapacityLimiter,
-        on_return: Callable[[BaseException | None], None],
-    ) -> Any:
-        self.threads.append(thread_name)
-        box: dict[str, Any] = {}
-        finished = trio.Event()
-
-        async def job() -> None:
-            error: BaseException | None = None
-            try:
-                value = fn()
-                if inspect.isawaitable(value):
-                    value = await value
-                box["value"] = value
-            except Exception as exc:
-                error = box["error"] = exc
-            on_return(error)
-            finished.set()
-
-        self.nursery.start_soon(job)
-        await finished.wait()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-
-
-# Behaviours: "ok", "hang", ("sleep", s), "error", and for step: "until-abort".
-Behaviour = Any
-
-
-class FakeExecutor:
-    def __init__(
-        self,
-        *,
-        tp: int = 3,
-        step: Behaviour = "ok",
-        abort: Behaviour = "ok",
-        recreate: Behaviour = "ok",
-        probe: Behaviour = "ok",
-    ) -> None:
-        self.tp = tp
-        self.comm: Any = FakeComm() if tp > 1 else None
-        self.behaviour = {"step": step, "abort": abort, "recreate": recreate, "probe": probe}
-        self.aborted = trio.Event()
-        self.calls: list[tuple[str, float]] = []
-        self.step_started: float | None = None
-
-    async def _act(self, name: str) -> Any:
-        self.calls.append((name, trio.current_time()))
-        how = self.behaviour[name]
-        self.behaviour[name] = "ok"  # like a failpoint: fires once
-        if name == "abort":
-            return await self._abort(how)
-        if how == "hang":
-            await trio.sleep_forever()
-        if how == "until-abort":
-            await self.aborted.wait()
-            raise CommAbortedError("all_reduce aborted")
-        if isinstance(how, tuple):
-            await trio.sleep(how[1])
-        if how == "error":
-            raise CommError(f"{name} failed")
-        return [name]
-
-    async def _abort(self, how: Behaviour) -> None:
-        if how == "hang":
-            await trio.sleep_forever()
-        if isinstance(how, tuple) and how[0] == "sleep_until":
-            await trio.sleep_until(how[1](self))
-        elif isinstance(how, tuple):
-            await trio.sleep(how[1])
-        self.aborted.set()  # the abort unblocks the hung collective, even when it errors
-        if how == "error":
-            raise CommError("ncclCommAbort failed")
-
-    def step(self) -> Any:  # a coroutine: FakeRunner awaits it
-        self.step_started = trio.current_time()
-        return self._act("step")
-
-    def probe(self) -> Any:  # a coroutine: FakeRunner awaits it
-        return self._act("probe")
-
-    def abort_comm(self) -> Any:  # a coroutine: FakeRunner awaits it
-        return self._act("abort")
-
-    def recreate_comm(self) -> Any:  # a coroutine: FakeRunner awaits it
-        return self._act("recreate")
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
-
-
-class FakeComm:
-    def async_error(self) -> str | None:
-        return "ncclRemoteError"
-
-    def describe(self) -> dict[str, object]:
-        return {"kind": "fake"}
-
-
-class FakeDeadman:
-    """Records the firing (at which virtual instant), then raises DeadmanExit."""
-
-    def __init__(self) -> None:
-        self.fired: list[dict[str, Any]] = []
-
-    @property
-    def firing(self) -> bool:
-        return bool(self.fired)
-
-    async def fire(self, reason: str, **kw: Any) -> NoReturn:
-        self.fired.append({"reason": reason, "at": trio.current_time(), **kw})
-        raise DeadmanExit(70, {"reason": reason}, None)
-
-
 def run_with(
-    test: Callable[[Watchdog, FakeRunner, FakeDeadman], Awaitable[None]],
+    test: Callable[[Watchdog, FakeThreads, FakeDeadman], Awaitable[None]],
     *,
     registry: CollectorRegistry | None = None,
 ) -> FakeDeadman:
@@ -162,7 +36,7 @@ def run_with(
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            runner = FakeRunner(nursery)
+            runner = FakeThreads(nursery)
             watchdog = Watchdog(
                 model_name="m",
                 tp=TP,
@@ -178,19 +52,21 @@ def run_with(
     return deadman
 
 
-async def wedge(watchdog: Watchdog, executor: FakeExecutor) -> float:
+async def wedge(
+    watchdog: Watchdog, executor: ScriptedExecutor, inflight: InflightFn | None = None
+) -> float:
     """Run a step that wedges; return the instant it started."""
     start = trio.current_time()
     with pytest.raises(StepTimeoutError):
-        await watchdog.run_step(executor.step)
+        await watchdog.run_step(executor.step, inflight=inflight)
     assert trio.current_time() == start + STEP_S
-    assert watchdog.recovering and watchdog.state == "recovering"
+    assert watchdog.state == "recovering"
     return start
 
 
 def test_a_step_in_time_returns_its_value() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, _: FakeDeadman) -> None:
-        executor = FakeExecutor(step=("sleep", STEP_S - 0.5))
+    async def test(watchdog: Watchdog, runner: FakeThreads, _: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step=("sleep", STEP_S - 0.5))
         assert await watchdog.run_step(executor.step) == ["step"]
         assert watchdog.state == "idle"
         assert runner.threads == ["neuron-step-m"]
@@ -199,8 +75,8 @@ def test_a_step_in_time_returns_its_value() -> None:
 
 
 def test_a_step_error_propagates_and_is_not_a_wedge() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, _: FakeDeadman) -> None:
-        executor = FakeExecutor(step="error")
+    async def test(watchdog: Watchdog, runner: FakeThreads, _: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="error")
         with pytest.raises(CommError):
             await watchdog.run_step(executor.step)
         assert watchdog.state == "idle" and watchdog.statistics().wedges == 0
@@ -211,8 +87,8 @@ def test_a_step_error_propagates_and_is_not_a_wedge() -> None:
 def test_tp3_wedge_abort_returns_then_recovers() -> None:
     registry = CollectorRegistry()
 
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step="until-abort", abort=("sleep", 0.25))
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="until-abort", abort=("sleep", 0.25))
         await wedge(watchdog, executor)
         # while recovering, new steps are refused with a 503
         with pytest.raises(UnavailableError):
@@ -220,11 +96,11 @@ def test_tp3_wedge_abort_returns_then_recovers() -> None:
         await watchdog.recover(executor)
         assert executor.names() == ["step", "abort", "recreate", "probe"]
         assert "nccl-abort-m" in runner.threads
-        assert watchdog.state == "idle" and not watchdog.recovering
+        assert watchdog.state == "idle"
         stats = watchdog.statistics()
         assert stats.wedges == 1 and stats.recoveries == 1
         assert stats.aborts == {"returned": 1, "error": 0, "deadline": 0}
-        assert stats.last_wedge is not None and stats.last_wedge["outcome"] == "recovered"
+        assert stats.last_wedge is not None and stats.last_wedge.outcome == "recovered"
         assert await watchdog.run_step(executor.step) == ["step"]
         assert not deadman.fired
 
@@ -252,11 +128,10 @@ def test_tp3_wedge_abort_returns_then_recovers() -> None:
 def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
     registry = CollectorRegistry()
 
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step="until-abort", abort="hang")
-        requests = [{"id": "cmpl-1", "age_s": 1.0}]
-        watchdog.inflight_fn = lambda: list(requests)
-        start = await wedge(watchdog, executor)
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="until-abort", abort="hang")
+        requests = [InflightRequest("m", 1, "running", 1.0, 5, 2)]
+        start = await wedge(watchdog, executor, inflight=lambda: list(requests))
         requests.clear()  # the actor fails them with 503 right after the wedge
         with pytest.raises(DeadmanExit):
             await watchdog.recover(executor)
@@ -266,7 +141,7 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
         assert fired["since"] == start  # wall clock is the virtual clock here
         assert fired["deadlines_s"] == {"step_timeout_s": STEP_S, "abort_deadline_s": ABORT_S}
         assert fired["comms"] == [executor.comm]
-        assert fired["details"]["inflight_at_wedge"] == [{"id": "cmpl-1", "age_s": 1.0}]
+        assert fired["inflight_at_wedge"] == [InflightRequest("m", 1, "running", 1.0, 5, 2)]
         assert watchdog.state == "wedged"
         assert "recreate" not in executor.names()
 
@@ -282,15 +157,15 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
 @pytest.mark.parametrize("margin", [1e-9, 0.0])
 def test_tp3_abort_landing_at_the_last_instant_is_a_recovery(margin: float) -> None:
     for seed in range(20):
-        from tests.service.test_wait_for_abort import trio_seed
+        from tests.service.test_wait_for_return import trio_seed
 
-        def lands(executor: FakeExecutor) -> float:
+        def lands(executor: ScriptedExecutor) -> float:
             # The same arithmetic as the watchdog's deadline: detected + abort_deadline_s.
             assert executor.step_started is not None
             return (executor.step_started + STEP_S) + ABORT_S - margin
 
-        async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-            executor = FakeExecutor(step="until-abort", abort=("sleep_until", lands))
+        async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+            executor = ScriptedExecutor(step="until-abort", abort=("sleep_until", lands))
             await wedge(watchdog, executor)
             await watchdog.recover(executor)
             assert watchdog.statistics().aborts["returned"] == 1
@@ -301,8 +176,8 @@ def test_tp3_abort_landing_at_the_last_instant_is_a_recovery(margin: float) -> N
 
 
 def test_tp3_abort_error_came_back_and_recovers() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step="until-abort", abort="error")
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="until-abort", abort="error")
         await wedge(watchdog, executor)
         await watchdog.recover(executor)
         assert executor.names()[-2:] == ["recreate", "probe"]
@@ -313,8 +188,8 @@ def test_tp3_abort_error_came_back_and_recovers() -> None:
 
 
 def test_tp3_abort_returns_but_the_step_thread_never_does() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step="hang", abort="ok")
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="hang", abort="ok")
         start = await wedge(watchdog, executor)
         with pytest.raises(DeadmanExit):
             await watchdog.recover(executor)
@@ -334,8 +209,8 @@ def test_tp3_abort_returns_but_the_step_thread_never_does() -> None:
     ],
 )
 def test_tp3_recreate_or_probe_failing_fires(recreate: str, probe: str, reason: str) -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step="until-abort", recreate=recreate, probe=probe)
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="until-abort", recreate=recreate, probe=probe)
         await wedge(watchdog, executor)
         with pytest.raises(DeadmanExit):
             await watchdog.recover(executor)
@@ -345,8 +220,8 @@ def test_tp3_recreate_or_probe_failing_fires(recreate: str, probe: str, reason: 
 
 
 def test_tp1_step_that_never_returns_fires_after_step_timeout_plus_abort_deadline() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(tp=1, step="hang")
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(tp=1, step="hang")
         start = await wedge(watchdog, executor)
         with pytest.raises(DeadmanExit):
             await watchdog.recover(executor)
@@ -360,8 +235,8 @@ def test_tp1_step_that_never_returns_fires_after_step_timeout_plus_abort_deadlin
 
 
 def test_tp1_step_that_comes_back_within_the_abort_deadline_recovers() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(tp=1, step=("sleep", STEP_S + ABORT_S - 0.01))
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(tp=1, step=("sleep", STEP_S + ABORT_S - 0.01))
         await wedge(watchdog, executor)
         await watchdog.recover(executor)
         assert executor.names() == ["step", "probe"]  # nothing to abort or re-create
@@ -371,8 +246,8 @@ def test_tp1_step_that_comes_back_within_the_abort_deadline_recovers() -> None:
 
 
 def test_recover_after_a_failed_step_recreates_the_communicator() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step="error")
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step="error")
         with pytest.raises(CommError):
             await watchdog.run_step(executor.step)
         await watchdog.recover(executor)
@@ -382,42 +257,35 @@ def test_recover_after_a_failed_step_recreates_the_communicator() -> None:
     run_with(test)
 
 
-def test_idle_probe_runs_after_the_interval_and_a_wedged_probe_recovers() -> None:
+def test_idle_probes_are_counted_by_result() -> None:
     registry = CollectorRegistry()
 
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(probe="ok")
-        async with trio.open_nursery() as nursery:
-            t0 = trio.current_time()
-            await nursery.start(watchdog.run_idle_probes, executor)
-            await trio.sleep(PROBE_S + 0.5)
-            assert executor.calls == [("probe", t0 + PROBE_S)]
-            # a step resets the idle timer
-            await watchdog.run_step(executor.step)
-            t1 = trio.current_time()
-            executor.behaviour["probe"] = "until-abort"
-            await trio.sleep(PROBE_S + STEP_S + 1.0)
-            # the probe wedged at t1 + PROBE_S, was aborted, re-created, probed again
-            assert executor.names() == ["probe", "step", "probe", "abort", "recreate", "probe"]
-            assert executor.calls[2][1] == t1 + PROBE_S
-            assert watchdog.state == "idle"
-            assert watchdog.statistics().recoveries == 1
-            nursery.cancel_scope.cancel()
-        assert not deadman.fired
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(probe="ok")
+        await watchdog.run_idle_probe(executor.probe)
+        executor.behaviour["probe"] = "until-abort"
+        with pytest.raises(StepTimeoutError):
+            await watchdog.run_idle_probe(executor.probe)
+        # refused while recovering: did not run, not counted
+        with pytest.raises(UnavailableError):
+            await watchdog.run_idle_probe(executor.probe)
+        await watchdog.recover(executor)
+        stats = watchdog.statistics()
+        assert stats.last_wedge is not None and stats.last_wedge.what == "probe"
+        executor.behaviour["probe"] = "error"
+        with pytest.raises(CommError):
+            await watchdog.run_idle_probe(executor.probe)
+        await watchdog.recover(executor)
+        assert watchdog.state == "idle" and not deadman.fired
+        stats = watchdog.statistics()
+        assert stats.probes == 3 and stats.recoveries == 2
 
     run_with(test, registry=registry)
-    assert (
-        registry.get_sample_value(
-            "neuron_watchdog_idle_probes_total", {"model": "m", "result": "ok"}
+    for result in ("ok", "failed", "wedged"):
+        value = registry.get_sample_value(
+            "neuron_watchdog_idle_probes_total", {"model": "m", "result": result}
         )
-        == 1
-    )
-    assert (
-        registry.get_sample_value(
-            "neuron_watchdog_idle_probes_total", {"model": "m", "result": "timeout"}
-        )
-        == 1
-    )
+        assert value == 1, result
     assert (
         registry.get_sample_value("neuron_watchdog_wedges_total", {"model": "m", "what": "probe"})
         == 1
@@ -425,8 +293,8 @@ def test_idle_probe_runs_after_the_interval_and_a_wedged_probe_recovers() -> Non
 
 
 def test_run_or_die_fires_when_a_load_step_hangs() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(probe="hang")
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(probe="hang")
         assert await watchdog.run_or_die(executor.step, what="warm-up") == ["step"]
         with pytest.raises(DeadmanExit):
             await watchdog.run_or_die(executor.probe, what="warm-up", timeout_s=7.0)
@@ -437,8 +305,8 @@ def test_run_or_die_fires_when_a_load_step_hangs() -> None:
 
 
 def test_run_or_die_default_bound_is_step_timeout_plus_abort_deadline() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        executor = FakeExecutor(step=("sleep", STEP_S + ABORT_S - 0.01), probe="hang")
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        executor = ScriptedExecutor(step=("sleep", STEP_S + ABORT_S - 0.01), probe="hang")
         await watchdog.run_or_die(executor.step, what="warm-up")  # slow first step: fine
         start = trio.current_time()
         with pytest.raises(DeadmanExit):
@@ -449,12 +317,33 @@ def test_run_or_die_default_bound_is_step_timeout_plus_abort_deadline() -> None:
     run_with(test)
 
 
-def test_statistics_as_dict_for_v1_node() -> None:
-    async def test(watchdog: Watchdog, runner: FakeRunner, deadman: FakeDeadman) -> None:
-        doc = watchdog.statistics().as_dict()
-        assert doc["state"] == "idle"
+def test_statistics_keep_the_v1_node_shape() -> None:
+    async def test(watchdog: Watchdog, runner: FakeThreads, deadman: FakeDeadman) -> None:
+        doc = msgspec.to_builtins(watchdog.statistics())
+        assert list(doc) == [
+            "state", "since", "step_timeout_s", "abort_deadline_s", "probe_interval_s",
+            "wedges", "aborts", "recoveries", "probes", "last_wedge",
+        ]  # fmt: skip
+        assert doc["state"] == "idle" and doc["since"].endswith("Z")
         assert doc["step_timeout_s"] == STEP_S and doc["abort_deadline_s"] == ABORT_S
         assert doc["last_wedge"] is None
+        executor = ScriptedExecutor(step="until-abort", abort=("sleep", 0.25))
+        await wedge(watchdog, executor, inflight=list)
+        wedged = msgspec.to_builtins(watchdog.statistics())["last_wedge"]
+        # keys appear as the recovery goes on (abort, then its outcome), never as nulls
+        assert list(wedged) == ["what", "at", "detected_after_s", "outcome", "inflight"]
+        await watchdog.recover(executor)
+        last = msgspec.to_builtins(watchdog.statistics())["last_wedge"]
+        assert last == {
+            "what": "step",
+            "at": wedged["at"],
+            "detected_after_s": STEP_S,
+            "outcome": "recovered",
+            "inflight": [],
+            "abort": "returned",
+            "abort_s": 0.25,
+            "recovered_after_s": STEP_S + 0.25,
+        }
 
     run_with(test)
 

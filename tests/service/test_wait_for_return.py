@@ -1,4 +1,4 @@
-"""`wait_for_abort`, the deadman's decision: MockClock, trio-native fakes, no threads.
+"""`wait_for_return`, the deadman's decision: MockClock, trio-native fakes, no threads.
 
 Each case runs 100 times, each a fresh `trio.run` with its own seed for trio's scheduler
 (which reverses each batch of runnable tasks at random), with the aborter started before
@@ -19,7 +19,7 @@ import trio.testing
 from trio._core import _run as trio_run_internals
 
 from neuron_trio.errors import CommError
-from neuron_trio.service.watchdog import AbortOutcome, AbortResult, wait_for_abort
+from neuron_trio.service.watchdog import CallReturn, ReturnOutcome, wait_for_return
 
 DEADLINE_S = 60.0
 REPEATS = 100
@@ -44,19 +44,19 @@ def decide(
     error: bool = False,
     hops: int = 0,
     aborter_first: bool = True,
-) -> tuple[AbortOutcome, float]:
+) -> tuple[ReturnOutcome, float]:
     """Run one scenario; return the decision and the (virtual) instant it was made.
 
     `lands_at`: seconds after the base when the abort comes back (None: never).
     """
     clock = trio.testing.MockClock(autojump_threshold=0)
-    decided: list[tuple[AbortOutcome, float]] = []
+    decided: list[tuple[ReturnOutcome, float]] = []
 
     async def main() -> None:
         base = trio.current_time()
         deadline = base + DEADLINE_S
         done = trio.Event()
-        result = AbortResult()
+        result = CallReturn()
 
         async def aborter() -> None:
             if lands_at is None:
@@ -77,7 +77,7 @@ def decide(
             done.set()
 
         async def waiter() -> None:
-            outcome = await wait_for_abort(done, result, deadline)
+            outcome = await wait_for_return(done, result, deadline)
             decided.append((outcome, trio.current_time() - base))
             nursery.cancel_scope.cancel()
 
@@ -139,10 +139,10 @@ def test_abort_after_the_deadline_is_deadline() -> None:
 
 
 def test_abort_already_back_before_waiting() -> None:
-    async def main() -> AbortOutcome:
+    async def main() -> ReturnOutcome:
         done = trio.Event()
         done.set()
-        return await wait_for_abort(done, AbortResult(), trio.current_time() - 1.0)
+        return await wait_for_return(done, CallReturn(), trio.current_time() - 1.0)
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == "returned"
 

@@ -1,0 +1,72 @@
+"""What the service layer may ask of a loaded model: `ModelExecutor` and its `ServingEngine`.
+
+One description of `parallel.executor.Executor`, used by the model actor and the watchdog,
+and checked against the real class by mypy (`executor.py` assigns the class to this
+protocol's type). Tests pass fakes that satisfy it too. No torch here: the service layer
+imports this module at start-up.
+
+The executor's methods block (NCCL calls, forwards): call them on worker threads only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+
+from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+
+if TYPE_CHECKING:
+    from neuron_trio.parallel.comm import Communicator
+
+
+class RankInfo(msgspec.Struct, frozen=True):
+    """One tensor-parallel rank, as `/v1/node` lists it under a model's `ranks`."""
+
+    device: str  # "cuda:0", "cpu"
+    heads: int  # attention heads this rank holds
+    kv_heads: int
+
+
+class ServingEngine(Protocol):
+    """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe)."""
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int: ...
+    def cancel(self, seq_id: int) -> None: ...
+    def cancel_all(self) -> list[int]: ...
+    @property
+    def free_slots(self) -> int: ...
+    @property
+    def has_work(self) -> bool: ...
+    def statistics(self) -> EngineStatistics: ...
+
+
+class ModelExecutor(Protocol):
+    """One loaded model: its engine, ranks and communicator (`parallel.executor.Executor`).
+
+    - `step()` / `probe()`: one engine step / one tiny forward on the scratch row; they block
+      their thread (for ever if a collective wedges, until `abort_comm()` unblocks them).
+    - `abort_comm()`: abort every rank's communicator; may itself block for ever.
+    - `recreate_comm()`, `close()`: NCCL init and destroy; may block too.
+    With tp = 1 there is no communicator: `abort_comm` and `recreate_comm` do nothing.
+    """
+
+    @property
+    def engine(self) -> ServingEngine: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def comm(self) -> Communicator | None: ...
+    @property
+    def ranks(self) -> list[RankInfo]: ...
+    @property
+    def dtype(self) -> str: ...  # what the weights really are, e.g. "cpu-int", "bfloat16"
+
+    def step(self) -> list[SequenceEvent]: ...
+    def probe(self) -> None: ...
+    def abort_comm(self) -> None: ...
+    def recreate_comm(self) -> None: ...
+    def close(self) -> None: ...

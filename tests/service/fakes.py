@@ -1,0 +1,277 @@
+"""Test doubles shared by the service tests: threads, deadman, executors (no real threads).
+
+- `FakeThreads`: the watchdog's ThreadRunner, trio-native: each "thread" is a task, a cancelled
+  caller abandons it (it reports through `on_return` when it finishes, as a real abandoned
+  thread does); `hold()` makes new calls wait for `release()`, as a wedged step would. A
+  callable that returns an awaitable (ScriptedExecutor's methods) is awaited.
+- `FakeDeadman`: records each firing (and the virtual instant), then raises DeadmanExit.
+- `FakeExecutor` over `FakeEngine`: one token "x" per running sequence per step (model actor,
+  node). `ScriptedExecutor`: steps, probes, aborts that hang, sleep or fail (watchdog).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import trio
+
+from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.errors import CommAbortedError, CommError, ContextLengthError, RequestError
+from neuron_trio.parallel.api import RankInfo
+from neuron_trio.service.deadman import DeadmanExit
+
+
+class FakeThreads:
+    """A trio-native stand-in for the watchdog's thread runner, with abandon semantics."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.released = trio.Event()
+        self.released.set()
+        self.threads: list[str] = []  # thread names, in call order
+
+    def hold(self) -> None:
+        self.released = trio.Event()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def __call__(
+        self,
+        fn: Callable[[], Any],
+        *,
+        thread_name: str,
+        limiter: trio.CapacityLimiter,
+        on_return: Callable[[BaseException | None], None],
+    ) -> Any:
+        self.threads.append(thread_name)
+        done = trio.Event()
+        box: dict[str, Any] = {}
+        gate = self.released
+
+        async def thread() -> None:
+            await gate.wait()
+            error: BaseException | None = None
+            try:
+                value = fn()
+                if inspect.isawaitable(value):
+                    value = await value
+                box["value"] = value
+            except Exception as exc:
+                error = box["error"] = exc
+            on_return(error)
+            done.set()
+
+        self.nursery.start_soon(thread)
+        await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+
+class FakeDeadman:
+    """Records the firing (at which virtual instant), then raises DeadmanExit."""
+
+    def __init__(self) -> None:
+        self.fired: list[dict[str, Any]] = []
+
+    @property
+    def firing(self) -> bool:
+        return bool(self.fired)
+
+    @property
+    def reason(self) -> str | None:
+        return self.fired[0]["reason"] if self.fired else None
+
+    async def fire(self, reason: str, **kw: Any) -> NoReturn:
+        self.fired.append({"reason": reason, "at": trio.current_time(), **kw})
+        raise DeadmanExit(70, {"reason": reason}, None)
+
+
+class FakeEngine:
+    """One token ("x") per running sequence per step; finishes at max_tokens ("length")."""
+
+    def __init__(self, max_batch: int, context: int = 64) -> None:
+        self.max_batch = max_batch
+        self.context = context
+        self.seqs: dict[int, list[Any]] = {}  # seq_id -> [params, produced, prompt_len]
+        self.next_id = 1
+        self.added: list[list[int]] = []
+        self.cancelled: list[int] = []
+        self.steps = 0
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(prompt_ids) + params.max_tokens > self.context:
+            raise ContextLengthError("too long")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
+        assert self.free_slots > 0
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        self.seqs[seq_id] = [params, 0, len(prompt_ids)]
+        self.added.append(list(prompt_ids))
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        self.cancelled.append(seq_id)
+        self.seqs.pop(seq_id, None)
+
+    def cancel_all(self) -> list[int]:
+        ids = list(self.seqs)
+        self.seqs.clear()
+        return ids
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def statistics(self) -> EngineStatistics:
+        n = len(self.seqs)
+        return EngineStatistics(self.max_batch, n, 0, n, self.steps, 0, 0)
+
+    def step(self) -> list[SequenceEvent]:
+        self.steps += 1
+        events = []
+        for seq_id, state in list(self.seqs.items()):
+            params, produced, prompt_len = state
+            state[1] = produced = produced + 1
+            event = SequenceEvent(
+                seq_id,
+                text="x",
+                token_ids=[120],
+                prompt_tokens=prompt_len,
+                completion_tokens=produced,
+            )
+            if produced >= params.max_tokens:
+                event.finish_reason = "length"
+                del self.seqs[seq_id]
+            events.append(event)
+        return events
+
+
+class FakeExecutor:
+    def __init__(self, max_batch: int = 2, context: int = 64) -> None:
+        self.engine = FakeEngine(max_batch, context)
+        self.tp = 1
+        self.comm = None
+        self.dtype = "float32"
+        self.ranks = [RankInfo(device="cpu", heads=9, kv_heads=3)]
+        self.closed = False
+        self.probes = 0
+        self.fail_next_step: Exception | None = None
+        self.fail_next_probe: Exception | None = None
+        self.fail_next_probe: Exception | None = None
+
+    def step(self) -> list[SequenceEvent]:
+        if self.fail_next_step is not None:
+            exc, self.fail_next_step = self.fail_next_step, None
+            raise exc
+        return self.engine.step()
+
+    def probe(self) -> None:
+        self.probes += 1
+        if self.fail_next_probe is not None:
+            exc, self.fail_next_probe = self.fail_next_probe, None
+            raise exc
+        if self.fail_next_probe is not None:
+            exc, self.fail_next_probe = self.fail_next_probe, None
+            raise exc
+
+    def abort_comm(self) -> None:
+        pass
+
+    def recreate_comm(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# Behaviours: "ok", "hang", ("sleep", s), "error", and for step: "until-abort".
+Behaviour = Any
+
+
+class ScriptedExecutor:
+    """The watchdog's view of an executor: each call behaves as scripted (async: FakeThreads
+    awaits it), and records when it ran."""
+
+    def __init__(
+        self,
+        *,
+        tp: int = 3,
+        step: Behaviour = "ok",
+        abort: Behaviour = "ok",
+        recreate: Behaviour = "ok",
+        probe: Behaviour = "ok",
+    ) -> None:
+        self.tp = tp
+        self.comm: Any = FakeComm() if tp > 1 else None
+        self.behaviour = {"step": step, "abort": abort, "recreate": recreate, "probe": probe}
+        self.aborted = trio.Event()
+        self.calls: list[tuple[str, float]] = []
+        self.step_started: float | None = None
+
+    async def _act(self, name: str) -> Any:
+        self.calls.append((name, trio.current_time()))
+        how = self.behaviour[name]
+        self.behaviour[name] = "ok"  # like a failpoint: fires once
+        if name == "abort":
+            return await self._abort(how)
+        if how == "hang":
+            await trio.sleep_forever()
+        if how == "until-abort":
+            await self.aborted.wait()
+            raise CommAbortedError("all_reduce aborted")
+        if isinstance(how, tuple):
+            await trio.sleep(how[1])
+        if how == "error":
+            raise CommError(f"{name} failed")
+        return [name]
+
+    async def _abort(self, how: Behaviour) -> None:
+        if how == "hang":
+            await trio.sleep_forever()
+        if isinstance(how, tuple) and how[0] == "sleep_until":
+            await trio.sleep_until(how[1](self))
+        elif isinstance(how, tuple):
+            await trio.sleep(how[1])
+        self.aborted.set()  # the abort unblocks the hung collective, even when it errors
+        if how == "error":
+            raise CommError("ncclCommAbort failed")
+
+    def step(self) -> Any:  # a coroutine: FakeRunner awaits it
+        self.step_started = trio.current_time()
+        return self._act("step")
+
+    def probe(self) -> Any:  # a coroutine: FakeRunner awaits it
+        return self._act("probe")
+
+    def abort_comm(self) -> Any:  # a coroutine: FakeRunner awaits it
+        return self._act("abort")
+
+    def recreate_comm(self) -> Any:  # a coroutine: FakeRunner awaits it
+        return self._act("recreate")
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+class FakeComm:
+    def async_error(self) -> str | None:
+        return "ncclRemoteError"
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": "fake"}
