@@ -7,6 +7,7 @@ The slow drill in tests/drills/test_operator_pack.py runs it against a real daem
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -101,7 +102,15 @@ def live_node(tmp_path: Path) -> Iterator[LiveNode]:
 
 
 def run_status(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli.main(["status", *args])
+    # cli.main points the root logger at this test's captured stderr: put it back after, or
+    # later tests log into a closed stream.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        code = cli.main(["status", *args])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     out, err = capsys.readouterr()
     return code, out, err
 
