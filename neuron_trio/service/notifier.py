@@ -94,9 +94,10 @@ class Notifier:
 
         Only while starting: sent during a stop, it would stretch TimeoutStopSec= as well.
         """
-        lines = [f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}"]
-        if status:
-            lines.append("STATUS=" + " ".join(status.splitlines()))
+        # STATUS= first: whoever reads the datagrams for progress finds it where a plain
+        # status() puts it.
+        lines = ["STATUS=" + " ".join(status.splitlines())] if status else []
+        lines.append(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}")
         return self.notify(*lines)
 
     def stopping(self, status: str | None = None) -> bool:

@@ -66,7 +66,7 @@ def test_extend_timeout_datagram(tmp_path: Path) -> None:
         n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
         assert n.extend_timeout(300, "downloading m\n50%")
         assert listener.recv(4096).decode() == (
-            "EXTEND_TIMEOUT_USEC=300000000\nSTATUS=downloading m 50%"
+            "STATUS=downloading m 50%\nEXTEND_TIMEOUT_USEC=300000000"
         )
         n.close()
     finally:
@@ -123,10 +123,11 @@ def test_a_hub_download_reports_to_systemd(hub: str, tmp_path: Path) -> None:
         listener.close()
     size = len(test_sources.GGUF_BYTES)
     assert messages, "no report"
-    assert all(
-        m.startswith("EXTEND_TIMEOUT_USEC=300000000\nSTATUS=downloading tiny: ") for m in messages
+    assert all(m.startswith("STATUS=downloading tiny: ") for m in messages)
+    assert all(m.endswith("\nEXTEND_TIMEOUT_USEC=300000000") for m in messages)
+    assert messages[-1].startswith(
+        f"STATUS=downloading tiny: {size / 1024:.1f} KiB of {size / 1024:.1f} KiB (100%)\n"
     )
-    assert messages[-1].endswith(f"{size / 1024:.1f} KiB of {size / 1024:.1f} KiB (100%)")
 
 
 def test_each_default_model_load_extends_the_start(tmp_path: Path) -> None:
