@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from neuron_trio.config import NeuronConfig, load_config, parse_listen
+from neuron_trio.config import NeuronConfig, exposed_listeners, load_config, parse_listen
 from neuron_trio.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, EX_USAGE, ConfigError, NeuronError
 from neuron_trio.failpoints import ENV_VAR as FAILPOINTS_ENV
 from neuron_trio.failpoints import parse as parse_failpoints
@@ -173,6 +173,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config = msgspec.structs.replace(
                 config, server=msgspec.structs.replace(config.server, listen=list(args.listen))
             )
+            exposed = exposed_listeners(config)
+            if exposed:
+                raise ConfigError(
+                    f"--listen {', '.join(exposed)}: not a loopback address and "
+                    f"server.api_key_file is not set in {config.source_path} (set it, or "
+                    "server.allow_unauthenticated = true if an open API is really wanted)"
+                )
     except ConfigError as exc:
         log.error("%s", exc)
         return EX_CONFIG

@@ -5,6 +5,7 @@ Every error names the file and the key (or the line, for invalid TOML) and maps 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -39,14 +40,33 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tls_cert: str | None = None
     tls_key: str | None = None
     api_key_file: str | None = None
+    # When set, POST/DELETE /v1/models need this key (403 with another valid key, 401 with none).
+    admin_key_file: str | None = None
+    # A listener on a non-loopback address without api_key_file is refused (exit 78) unless
+    # this says, explicitly, that an open API is wanted (e.g. behind an authenticating proxy).
+    allow_unauthenticated: bool = False
     max_body_bytes: PositiveInt = 1_048_576
     drain_timeout_s: PositiveFloat = 100.0
     max_queue: NonNegativeInt = 64
+    # Open connections; one accepted beyond it is closed at once. Keep it below the unit's
+    # LimitNOFILE (65536), which also covers model files, NCCL sockets and the journal.
+    max_connections: PositiveInt = 4096
+    # The longest wait for the next piece of a request body; past it: 408.
+    read_timeout_s: PositiveFloat = 30.0
+    # Messages in one chat request; more: 400.
+    max_messages: PositiveInt = 2048
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state_dir: str = ""  # empty: the XDG default, filled in by load_config
     model_dirs: list[str] = msgspec.field(default_factory=list)  # empty: [state_dir/models]
+    # Models loaded at once (default ones included); a runtime load beyond it: 409.
+    max_models: PositiveInt = 8
+    # `hf:` repos a runtime load (POST /v1/models) may fetch: "OWNER/NAME" or a glob such as
+    # "bartowski/*". Empty: none. Default models (written by the operator) are not limited.
+    hf_allow_repos: list[str] = msgspec.field(default_factory=list)
+    # The largest file a runtime load may download, checked before the download starts.
+    hf_max_download_bytes: PositiveInt = 32 << 30
 
 
 class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -99,6 +119,33 @@ def parse_listen(address: str) -> tuple[str, int]:
     if not match or not 0 < int(match["port"]) < 65536:
         raise ValueError(f"{address!r} is not HOST:PORT with a port from 1 to 65535")
     return match["host"].strip("[]"), int(match["port"])
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"; any other name or address is exposed."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def exposed_listeners(config: NeuronConfig) -> list[str]:
+    """The `server.listen` addresses that are refused: not loopback, with no API key, and
+    no explicit `allow_unauthenticated`."""
+    server = config.server
+    if server.api_key_file is not None or server.allow_unauthenticated:
+        return []
+    exposed = []
+    for address in server.listen:
+        try:
+            host, _ = parse_listen(address)
+        except ValueError:
+            continue  # reported on its own
+        if not is_loopback_host(host):
+            exposed.append(address)
+    return exposed
 
 
 def _msgspec_path(message: str) -> tuple[str, str]:
@@ -187,10 +234,23 @@ def _validate(config: NeuronConfig, origin: str) -> None:
             fail(f"server.listen[{i}]", str(exc))
     if (config.server.tls_cert is None) != (config.server.tls_key is None):
         fail("server.tls_cert", "tls_cert and tls_key must be set together")
-    for key in ("tls_cert", "tls_key", "api_key_file"):
+    for key in ("tls_cert", "tls_key", "api_key_file", "admin_key_file"):
         value = getattr(config.server, key)
         if value is not None and not Path(value).is_file():
             fail(f"server.{key}", f"{value} is not a readable file")
+    exposed = exposed_listeners(config)
+    if exposed:
+        fail(
+            "server.listen",
+            f"{', '.join(exposed)} is not a loopback address and server.api_key_file is not "
+            "set: anyone who can reach it could use and load models. Set api_key_file, or "
+            "server.allow_unauthenticated = true if that is really wanted",
+        )
+    if len(config.default_models) > config.node.max_models:
+        fail(
+            "default_models",
+            f"{len(config.default_models)} models but node.max_models = {config.node.max_models}",
+        )
     seen: set[str] = set()
     for i, model in enumerate(config.default_models):
         if model.name in seen:

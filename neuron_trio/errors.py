@@ -34,7 +34,12 @@ class ModelLoadError(NeuronError):
     exit_code = EX_UNAVAILABLE
 
 
-class UnsupportedModelError(ModelLoadError):
+class ModelFileError(ModelLoadError):
+    """Raised by the GGUF reader if the file is not a model neuron can use: corrupt, hostile
+    (a count beyond what the file can hold), or unsupported. The HTTP layer answers 422."""
+
+
+class UnsupportedModelError(ModelFileError):
     """Raised by the GGUF reader if the file's architecture or a tensor type is not supported."""
 
 

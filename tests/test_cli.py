@@ -145,11 +145,16 @@ def test_serve_passes_config_and_listen(monkeypatch: pytest.MonkeyPatch, tmp_pat
     path.write_text("[tp]\nstep_timeout_s = 3\n")
     assert cli.main(["--config", str(path)]) == 0
     assert cli.main(["serve", "--config", str(path), "--listen", "127.0.0.1:9"]) == 0
-    assert cli.main(["serve", "--listen", "[::1]:1", "--listen", "0.0.0.0:2"]) == 0
+    # A non-loopback --listen without api_key_file in the config: refused (78), not served.
+    assert cli.main(["serve", "--listen", "[::1]:1", "--listen", "0.0.0.0:2"]) == 78
+    assert len(seen) == 2
+    open_path = tmp_path / "open.toml"
+    open_path.write_text("[server]\nallow_unauthenticated = true\n")
+    args = ["serve", "--config", str(open_path), "--listen", "[::1]:1", "--listen", "0.0.0.0:2"]
+    assert cli.main(args) == 0
     assert seen[0].tp.step_timeout_s == 3 and seen[0].source_path == str(path)
     assert seen[1].server.listen == ["127.0.0.1:9"] and seen[1].tp.step_timeout_s == 3
     assert seen[2].server.listen == ["[::1]:1", "0.0.0.0:2"]
-    assert seen[2].source_path == "<built-in default>"
 
 
 def test_serve_bad_config_is_78(tmp_path: Path) -> None:

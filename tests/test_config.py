@@ -45,6 +45,7 @@ def test_full_file(tmp_path: Path) -> None:
         """
         [server]
         listen = ["0.0.0.0:8080", "[::1]:9090"]
+        allow_unauthenticated = true
         drain_timeout_s = 5
         [node]
         state_dir = "/srv/neuron"
@@ -131,6 +132,7 @@ def test_env_overrides(tmp_path: Path) -> None:
         environ={
             "NEURON_TP_ABORT_DEADLINE_S": "7",
             "NEURON_SERVER_LISTEN": "0.0.0.0:1, 127.0.0.1:2",
+            "NEURON_SERVER_ALLOW_UNAUTHENTICATED": "true",
             "NEURON_NODE_STATE_DIR": "123",
             "NEURON_NODE_MODEL_DIRS": '["/a", "/b"]',
             "NEURON_SERVER_MAX_QUEUE": "0",
@@ -176,3 +178,32 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert f"{broken}: invalid TOML" in err and "line " in err
     assert cli.main(["check-config", "--config", str(tmp_path / "missing.toml")]) == 78
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:8080", "[::]:8080", "10.1.2.3:80", "node7:8080"])
+def test_an_exposed_listener_needs_a_key_or_an_explicit_opt_out(
+    tmp_path: Path, listen: str
+) -> None:
+    path = _write(tmp_path, f'[server]\nlisten = ["127.0.0.1:1", "{listen}"]\n')
+    message = _error(path, {})
+    assert "server.listen" in message and listen in message and "api_key_file" in message
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    with_key = _write(tmp_path, f'[server]\nlisten = ["{listen}"]\napi_key_file = "{key}"\n')
+    assert load_config(with_key, environ={}).server.listen == [listen]
+    opt_out = _write(tmp_path, f'[server]\nlisten = ["{listen}"]\nallow_unauthenticated = true\n')
+    assert load_config(opt_out, environ={}).server.allow_unauthenticated
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:8080", "127.8.9.1:1", "[::1]:8080", "localhost:1"])
+def test_loopback_listeners_need_no_key(tmp_path: Path, listen: str) -> None:
+    path = _write(tmp_path, f'[server]\nlisten = ["{listen}"]\n')
+    assert load_config(path, environ={}).server.listen == [listen]
+
+
+def test_admin_key_file_must_exist_and_models_are_capped(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[server]\nadmin_key_file = "/nonexistent/admin"\n')
+    assert "server.admin_key_file" in _error(path, {})
+    models = "".join(f'[[default_models]]\nname = "m{i}"\nsource = "x"\n' for i in range(3))
+    path = _write(tmp_path, "[node]\nmax_models = 2\n" + models)
+    assert "node.max_models = 2" in _error(path, {})

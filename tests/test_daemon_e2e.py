@@ -213,3 +213,37 @@ def test_sigint_drains_too(neuron: Running) -> None:
     neuron.proc.send_signal(signal.SIGINT)
     assert neuron.wait_exit(60) == 0
     assert "SIGINT: draining" in neuron.log()
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [("blocks.gguf", "block_count = 3000000"), ("loop.gguf", "chat template did not render")],
+)
+def test_a_hostile_default_model_is_exit_69_naming_the_problem(
+    tmp_path: Path, name: str, problem: str
+) -> None:
+    from tests.engine.hostile_gguf import kv_str, llama_kvs, llama_tensors, raw_gguf
+
+    models = tmp_path / "models"
+    models.mkdir()
+    loop = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    kvs = {
+        "blocks.gguf": llama_kvs(blocks=3_000_000),
+        "loop.gguf": [*llama_kvs(), kv_str("tokenizer.chat_template", loop)],
+    }[name]
+    raw_gguf(models / name, kvs, llama_tensors())
+    config = tmp_path / "neuron.toml"
+    config.write_text(
+        f'[server]\nlisten = ["127.0.0.1:{_free_port()}"]\n'
+        f'[node]\nstate_dir = "{tmp_path / "state"}"\nmodel_dirs = ["{models}"]\n'
+        f'[[default_models]]\nname = "m"\nsource = "{name}"\ndevices = "cpu"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NEURON_FAILPOINTS": ""},
+    )
+    assert done.returncode == 69, done.stderr[-2000:]
+    assert problem in done.stderr and "Traceback" not in done.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from neuron_trio.config import load_config
+from neuron_trio.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNIT = DEPLOY / "neuron.service"
@@ -80,6 +81,57 @@ def test_every_directive() -> None:
                 assert sections[section][key] == value, key
 
 
+SANDBOX = {
+    "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "LimitNOFILE": "65536",
+    "ProtectKernelModules": "yes",
+    "RestrictSUIDSGID": "yes",
+    "CapabilityBoundingSet": "",
+}
+# Each of these would break the GPU path (/dev/nvidia*, JIT code, nvidia-smi).
+GPU_BREAKERS = {
+    "PrivateDevices": "yes",
+    "MemoryDenyWriteExecute": "yes",
+    "DevicePolicy": "closed",
+    "PrivateUsers": "yes",
+}
+
+
+def test_the_unit_is_sandboxed_as_far_as_a_gpu_daemon_allows() -> None:
+    text = UNIT.read_text()
+    service = _sections(text)["Service"]
+    for key, value in SANDBOX.items():
+        assert service.get(key) == value, key
+    for key, value in GPU_BREAKERS.items():
+        assert service.get(key) != value, key
+        assert key in text, f"the unit should say why {key} is left out"
+    assert service["StateDirectory"] == "neuron"  # writable under ProtectSystem=strict
+
+
+def test_systemd_analyze_security_exposure(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("systemd-analyze is missing in CI (.ci/run installs systemd)")
+        pytest.skip("systemd-analyze is not installed")
+    unit = tmp_path / "neuron.service"
+    unit.write_text(UNIT.read_text().replace("ExecStart=/usr/bin/neuron ", "ExecStart=/bin/true "))
+    proc = subprocess.run(
+        [analyze, "security", "--offline=true", "--no-pager", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if "--offline" in proc.stderr and "unrecognized" in proc.stderr:
+        pytest.skip("this systemd-analyze cannot check a unit offline")
+    line = next(x for x in proc.stdout.splitlines() if "Overall exposure level" in x)
+    exposure = float(line.split(":")[1].split()[0])
+    assert exposure < 5.0, line  # 9.2 ("UNSAFE") before the sandboxing
+
+
 def test_comments_say_why() -> None:
     text = UNIT.read_text()
     flapping = _comment_before(text, "StartLimitIntervalSec")
@@ -124,8 +176,29 @@ def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
     assert proc.returncode != 0
 
 
-def test_example_config_loads() -> None:
-    config = load_config(DEPLOY / "neuron.toml", environ={})
+def test_example_config_is_not_open_as_shipped(tmp_path: Path) -> None:
+    # It names key files, so it does not load until they exist; and without the API key it
+    # would be refused, not served openly.
+    text = (DEPLOY / "neuron.toml").read_text()
+    with pytest.raises(ConfigError, match="api_key_file"):
+        load_config(DEPLOY / "neuron.toml", environ={})
+    assert "\nallow_unauthenticated = false" in text
+    keyless = tmp_path / "keyless.toml"
+    keyless.write_text(text.replace('\napi_key_file = "', '\n# api_key_file = "'))
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        load_config(keyless, environ={"NEURON_SERVER_ADMIN_KEY_FILE": str(_key(tmp_path))})
+
+
+def _key(tmp_path: Path) -> Path:
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    return key
+
+
+def test_example_config_loads(tmp_path: Path) -> None:
+    key = str(_key(tmp_path))
+    environ = {"NEURON_SERVER_API_KEY_FILE": key, "NEURON_SERVER_ADMIN_KEY_FILE": key}
+    config = load_config(DEPLOY / "neuron.toml", environ=environ)
     assert config.server.listen == ["0.0.0.0:8080"]
     assert config.server.drain_timeout_s < 120  # below TimeoutStopSec
     assert config.node.state_dir == "/var/lib/neuron"

@@ -111,7 +111,11 @@ class ChatTemplate:
         return self._template is not None
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt for `messages`; with `add_generation_prompt`, it ends by opening the
         assistant's turn. Role "developer" is passed to the template as "system" (OpenAI's
@@ -124,7 +128,7 @@ class ChatTemplate:
         ]
         try:
             context: dict[str, Any] = {
-                "tools": None,  # as transformers passes them, so `tools is none` holds
+                "tools": tools or None,  # as transformers passes them: `tools is none` holds
                 "documents": None,
                 "bos_token": self.bos_token,
                 "eos_token": self.eos_token,

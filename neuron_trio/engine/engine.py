@@ -10,11 +10,21 @@ by `probe`, so a probe never disturbs a running sequence.
 
 A step that raises (a failed or aborted forward) leaves no sequence half-advanced: state is
 changed only after the forwards returned. The caller then usually calls `cancel_all`.
+
+Structured output: a sequence with a `Constraint` holds a grammar state; each step fills the
+masks of the rows it samples (on a thread beside the forward) and applies them to the logits
+the runner returns, which under tensor parallelism are already gathered. A request of n
+choices is n sequences: the first prefills the prompt, the others (FORKING until then) copy
+its K/V rows and sample their first token from the same logits; every event carries the
+first one's id and the choice's `index`.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +32,14 @@ import torch
 
 from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
 from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.grammar import (
+    GrammarCompiler,
+    GrammarState,
+    ToolCallFormat,
+    apply_masks,
+    detect_tool_format,
+    fill_masks,
+)
 from neuron_trio.engine.loader import SingleRunner, load_transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
@@ -29,7 +47,14 @@ from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.textgen import TextPipeline
 from neuron_trio.engine.tokenizer import Tokenizer
-from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.engine.tool_calls import ToolCallParser, render_tools_as_text, template_tools
+from neuron_trio.engine.types import (
+    Constraint,
+    EngineStatistics,
+    SamplingParams,
+    SequenceEvent,
+    ToolFunction,
+)
 from neuron_trio.errors import ContextLengthError, RequestError
 
 __all__ = ["Engine", "NoFreeSlotError"]
@@ -70,6 +95,10 @@ class Engine:
         self.chat_template = chat_template
         self._eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
         self._end_of_turn_ids = frozenset(end_of_turn_ids(tokenizer)) | self._eos_ids
+        self._grammar: GrammarCompiler | None = None  # built on first use (0.1 s)
+        self._tool_format: ToolCallFormat | None = None
+        self._groups: dict[int, list[Sequence]] = {}  # requests of n > 1 choices, by id
+        self._masks: ThreadPoolExecutor | None = None  # fills grammar masks beside the forward
         self._ids = itertools.count(1)
         self._epoch = 0  # bumped by cancel_all: a step that was in flight then is void
         self._steps = 0
@@ -104,12 +133,27 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The chat template applied to `messages`, ending with the assistant's turn opening.
+    def render_chat(self, messages: list[dict[str, Any]], tools: Seq[ToolFunction] = ()) -> str:
+        """The chat template applied to `messages` (and `tools`), ending with the assistant's
+        turn opening. A template that knows no tools gets them, and the history's calls and
+        results, as text (`tool_calls.render_tools_as_text`).
 
         RequestError (param "messages") if the model has no template or it refuses them.
         """
-        return str(self.chat_template.render(messages, add_generation_prompt=True))
+        source = getattr(self.chat_template, "source", None) or ""
+        has_tool_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if (tools or has_tool_history) and "tool" not in source:
+            messages = render_tools_as_text(messages, tools)
+            tools = ()
+        extra = {"tools": template_tools(tools)} if tools else {}
+        return str(self.chat_template.render(messages, add_generation_prompt=True, **extra))
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        if self._tool_format is None:
+            source = getattr(self.chat_template, "source", None)
+            self._tool_format = detect_tool_format(self.tokenizer, source)
+        return self._tool_format
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         """Token ids of `text`; BOS is added when the model wants it and the text lacks it.
@@ -142,6 +186,11 @@ class Engine:
                 raise RequestError(
                     f"stop token id {t} is outside the vocabulary", param="stop_token_ids"
                 )
+        if not 1 <= params.n <= self.max_batch:
+            raise RequestError(
+                f"n must be between 1 and this model's {self.max_batch} slots, got {params.n}",
+                param="n",
+            )
         needed = len(prompt_ids) + params.max_tokens
         if needed > self.context:
             raise ContextLengthError(
@@ -149,34 +198,82 @@ class Engine:
                 f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
             )
 
+    @property
+    def grammar(self) -> GrammarCompiler:
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.tokenizer,
+                stop_ids=self._end_of_turn_ids,
+                vocab_size=self.vocab_size,
+                tool_format=self.tool_format,
+            )
+        return self._grammar
+
+    def compile_constraint(self, constraint: Constraint) -> GrammarState:
+        """Compile (or fetch from the cache) a constraint's grammar; RequestError if it is
+        invalid or uses a feature that cannot be enforced. Thread-safe, and may be slow for a
+        large schema: the service layer calls it off the event loop before `add`."""
+        return self.grammar.compile(constraint)
+
     # ---- sequences -----------------------------------------------------------------------
 
     def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
-        """Start a sequence; its id. NoFreeSlotError when every slot is taken (queue and retry)."""
+        """Start a request's sequence (its `params.n` choices: n slots); its id, which every
+        event of the request carries. NoFreeSlotError when the slots are taken (queue, retry).
+        """
         self.validate(prompt_ids, params)
-        if self.scheduler.free_slots == 0:
-            raise NoFreeSlotError(f"all {self.max_batch} slots are in use")
-        prompt = list(prompt_ids)
+        if self.scheduler.free_slots < params.n:
+            raise NoFreeSlotError(f"{params.n} slots needed, {self.scheduler.free_slots} free")
+        group: list[Sequence] = []
+        for index in range(params.n):
+            # each choice draws its own tokens: choice i of seed s is seeded s + i
+            choice_params = params
+            if index and params.seed is not None:
+                choice_params = replace(params, seed=params.seed + index)
+            seq = self._new_sequence(list(prompt_ids), choice_params, chat)
+            seq.group_id = group[0].seq_id if group else seq.seq_id
+            seq.index = index
+            self.scheduler.admit(seq)
+            if group:
+                seq.status = SequenceStatus.FORKING
+                group[0].forks.append(seq)
+            group.append(seq)
+        if len(group) > 1:
+            self._groups[group[0].seq_id] = group
+        return group[0].seq_id
+
+    def _new_sequence(self, prompt: list[int], params: SamplingParams, chat: bool) -> Sequence:
         seq = Sequence(next(self._ids), prompt, params, chat=chat)
         seq.sampling = SamplingState(params, prompt)
         seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt)
-        self.scheduler.admit(seq)
-        return seq.seq_id
+        if params.constraint is not None:
+            seq.sampling.grammar = self.compile_constraint(params.constraint)  # a cache hit
+        if params.tools:
+            seq.tool_calls = ToolCallParser(
+                self.tool_format, params.tools, parallel=params.parallel_tool_calls
+            )
+        return seq
 
     def cancel(self, seq_id: int) -> None:
-        """Drop a sequence now; its slot is free for the next `add`. Unknown ids are ignored."""
-        seq = self.scheduler.get(seq_id)
-        if seq is not None:
-            seq.finish_reason = "cancelled"
-            self.scheduler.release(seq)
+        """Drop a request's sequences now; their slots are free for the next `add`. Unknown
+        ids are ignored."""
+        group = self._groups.pop(seq_id, None)
+        if group is None:
+            single = self.scheduler.get(seq_id)
+            group = [single] if single is not None else []
+        for seq in group:
+            if not seq.is_finished:
+                seq.finish_reason = "cancelled"
+                self.scheduler.release(seq)
 
     def cancel_all(self) -> list[int]:
         """Drop every sequence (after a wedge); the ids dropped."""
         self._epoch += 1
+        self._groups.clear()
         dropped = self.scheduler.release_all()
         for seq in dropped:
             seq.finish_reason = "cancelled"
-        return [seq.seq_id for seq in dropped]
+        return sorted({seq.group_id or seq.seq_id for seq in dropped})
 
     @property
     def free_slots(self) -> int:
@@ -213,6 +310,15 @@ class Engine:
         logits: list[torch.Tensor] = []
         rows: list[Sequence] = []
         chunks = plan.prefill
+        # Structured output: the masks of the rows sampled this step depend only on the tokens
+        # so far, so they are computed on a thread of their own while the forward runs
+        # (llguidance releases the GIL; so do torch's kernels).
+        sampled = [*plan.decode, *(c.seq for c in chunks if c.is_last)]
+        sampled += [f for seq in sampled for f in seq.forks]
+        grammars = [s.sampling.grammar for s in sampled]
+        masks = None
+        if any(g is not None for g in grammars):
+            masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
             if plan.decode:
                 ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
@@ -243,9 +349,19 @@ class Engine:
                     logits.append(out if len(done) == len(chunks) else out[done])
                     rows.extend(chunks[i].seq for i in done)
             results = []
+            bitmask = masks.result() if masks is not None else None
             if rows:
                 batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
-                results = self.sampler.sample(batch, [s.sampling for s in rows])
+                # n choices: the others sample their first token from the same logits
+                forked = [(i, f) for i, seq in enumerate(rows) for f in seq.forks]
+                if forked:
+                    batch = torch.cat([batch, batch[[i for i, _ in forked]]], dim=0)
+                    rows.extend(f for _, f in forked)
+                states = [s.sampling for s in rows]
+                if bitmask is None:
+                    results = self.sampler.sample(batch, states)
+                else:
+                    results = self.sampler.sample(apply_masks(batch, bitmask), states, batch)
         # The forwards returned: only now is any sequence's state advanced.
         self._steps += 1
         if epoch != self._epoch:
@@ -257,11 +373,27 @@ class Engine:
             self._prompt_tokens_total += chunk.end - chunk.start
             if chunk.is_last:
                 chunk.seq.status = SequenceStatus.DECODING
+                self._fork(chunk.seq)
         return [
             self._accept(seq, result)
             for seq, result in zip(rows, results, strict=True)
             if not seq.is_finished  # cancelled while the step ran
         ]
+
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masks
+
+    def _fork(self, seq: Sequence) -> None:
+        """The prompt of `seq` is in its slot: copy it to the slots of its other choices."""
+        live = [f for f in seq.forks if not f.is_finished]
+        if live:
+            self.runner.fork_rows(seq.slot, [f.slot for f in live], seq.num_prompt)
+        for fork in live:
+            fork.prefilled = fork.num_prompt
+            fork.status = SequenceStatus.DECODING
+        seq.forks = []
 
     def _accept(self, seq: Sequence, result: Any) -> SequenceEvent:
         token = int(result.token_id)
@@ -269,7 +401,8 @@ class Engine:
         self._generated_tokens_total += 1
         params = seq.params
         event = SequenceEvent(
-            seq_id=seq.seq_id,
+            seq_id=seq.group_id or seq.seq_id,
+            index=seq.index,
             token_ids=[token],
             logprobs=[result.logprob] if params.logprobs and result.logprob is not None else None,
             prompt_tokens=seq.num_prompt,
@@ -282,13 +415,31 @@ class Engine:
             event.text, stopped = seq.text.push(token)
             if stopped:
                 event.finish_reason = "stop"
+            elif seq.sampling.grammar is not None and seq.sampling.grammar.finished:
+                event.text += seq.text.finish()  # complete: only an end of turn could follow
+                event.finish_reason = "stop"
+            elif seq.sampling.grammar is not None and seq.sampling.grammar.error:
+                # the grammar engine gave up (a resource limit): never go on unconstrained
+                event.finish_reason = "error"
+                event.error = f"structured output: {seq.sampling.grammar.error}"
             elif seq.num_output >= params.max_tokens:
                 event.text += seq.text.finish()
                 # the held-back tail may still complete a stop string as the text is flushed
                 event.finish_reason = "stop" if seq.text.stopped else "length"
+        if seq.tool_calls is not None:
+            final = event.finish_reason is not None
+            event.text, calls = seq.tool_calls.push(event.text, final=final)
+            event.tool_calls = calls or None
+            if event.finish_reason == "stop" and seq.tool_calls.calls:
+                event.finish_reason = "tool_calls"
         if event.finish_reason is not None:
             seq.finish_reason = event.finish_reason
             self.scheduler.release(seq)
+            group = self._groups.get(seq.group_id)
+            if group is not None:
+                event.more_choices = any(not s.is_finished for s in group)
+                if not event.more_choices:
+                    del self._groups[seq.group_id]
         return event
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuron_trio.engine import quant
+from neuron_trio.engine import gguf_checks, quant
 from neuron_trio.engine.llama_config import LlamaConfig
-from neuron_trio.errors import ModelLoadError, UnsupportedModelError
+from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -71,28 +71,30 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.size = len(buf)
 
     def scalar(self, fmt: str) -> Any:
         try:
             (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         except struct.error:
-            raise ModelLoadError(f"{self.path}: truncated GGUF header") from None
+            raise ModelFileError(f"{self.path}: truncated GGUF header") from None
         self.pos += struct.calcsize(fmt)
         return value
 
     def string(self) -> str:
         n = self.scalar("<Q")
+        if n > self.size - self.pos:
+            raise ModelFileError(f"{self.path}: truncated GGUF header")
         raw = self.buf[self.pos : self.pos + n]
-        if len(raw) != n:
-            raise ModelLoadError(f"{self.path}: truncated GGUF header")
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == _T_STRING:
             return self.string()
         if vtype == _T_ARRAY:
             sub, count = self.scalar("<I"), self.scalar("<Q")
+            gguf_checks.check_array(self.path, sub, count, depth + 1, self.pos, self.size)
             if sub == _T_STRING:
                 return [self.string() for _ in range(count)]
             if sub in _NP_DTYPE:
@@ -100,10 +102,10 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += arr.nbytes
                 return arr.tolist()
-            return [self.value(sub) for _ in range(count)]  # arrays of arrays
+            return [self.value(sub, depth + 1) for _ in range(count)]  # arrays of arrays
         if vtype in _SCALAR_FMT:
             return self.scalar(_SCALAR_FMT[vtype])
-        raise ModelLoadError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+        raise ModelFileError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
 
 
 class GGUFFile:
@@ -121,42 +123,64 @@ class GGUFFile:
                 # ACCESS_COPY: writable views for torch.frombuffer without touching the file;
                 # pages are shared with the page cache until written (we never write).
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError) as e:
+        except ValueError as e:  # an empty file cannot be mapped
+            raise ModelFileError(f"{self.path} is not a GGUF file: {e}") from e
+        except OSError as e:
             raise ModelLoadError(f"cannot open model file {self.path}: {e}") from e
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        self._parse()
-        self.config = self._make_config()
+        try:
+            self._parse()
+            gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
+            try:
+                self.config = self._make_config()
+            except (ArithmeticError, ValueError, TypeError) as e:
+                # A metadata value the checks above do not know: still the file's fault.
+                raise ModelFileError(
+                    f"{self.path}: inconsistent metadata ({type(e).__name__}: {e})"
+                ) from None
+            shapes = {name: info.shape for name, info in self.tensors.items()}
+            gguf_checks.check_llama_shapes(self.path, self.config, shapes)
+        except BaseException:
+            self.close()
+            raise
 
     # ---- header ------------------------------------------------------------------------
 
     def _parse(self) -> None:
         cur = _Cursor(self._mmap, self.path)
         if self._mmap[:4] != GGUF_MAGIC:
-            raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic)")
+            raise ModelFileError(f"{self.path} is not a GGUF file (bad magic)")
         cur.pos = 4
         version = cur.scalar("<I")
         if version not in (2, 3):
             raise UnsupportedModelError(f"{self.path}: GGUF version {version} is not supported")
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        gguf_checks.check_header_counts(self.path, n_tensors, n_kv, cur.pos, cur.size)
         for _ in range(n_kv):
             key = cur.string()
             self.metadata[key] = cur.value(cur.scalar("<I"))
-        infos: list[tuple[str, int, tuple[int, ...], int]] = []
+            gguf_checks.check_header_size(self.path, cur.pos)
+        infos: dict[str, tuple[int, tuple[int, ...], int]] = {}
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.scalar("<I")
+            gguf_checks.check_tensor_dims_count(self.path, name, n_dims)
             dims = [cur.scalar("<Q") for _ in range(n_dims)]  # ggml order: innermost first
+            gguf_checks.check_tensor_info(self.path, name, dims, infos)
             qtype, rel = cur.scalar("<I"), cur.scalar("<Q")
-            infos.append((name, qtype, tuple(reversed(dims)), rel))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+            infos[name] = (qtype, tuple(reversed(dims)), rel)
+            gguf_checks.check_header_size(self.path, cur.pos)
+        align = gguf_checks.check_alignment(
+            self.path, self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        )
         data_start = (cur.pos + align - 1) // align * align
-        for name, qtype, shape, rel in infos:
+        for name, (qtype, shape, rel) in infos.items():
             n = int(np.prod(shape)) if shape else 1
             nbytes = quant.raw_nbytes(quant.QType(qtype), n) if qtype in quant.SUPPORTED else 0
             self.tensors[name] = TensorInfo(name, qtype, shape, data_start + rel, nbytes)
-            if nbytes and data_start + rel + nbytes > len(self._mmap):
-                raise ModelLoadError(f"{self.path}: tensor {name} lies past the end of the file")
+            if data_start + rel + nbytes > len(self._mmap):
+                raise ModelFileError(f"{self.path}: tensor {name} lies past the end of the file")
 
     def _make_config(self) -> LlamaConfig:
         md = self.metadata

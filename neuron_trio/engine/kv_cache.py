@@ -70,6 +70,12 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
 
+    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy the first `length` positions of slot `src` into each of `dsts` (n choices of
+        one prompt: prefilled once, then forked)."""
+        for dst in dsts:
+            self.storage[:, dst, :, :length].copy_(self.storage[:, src, :, :length])
+
     def clear(self, slot: int) -> None:
         """Zero one slot's rows (not needed for correctness: attention masks past a row's end)."""
         self.storage[:, slot].zero_()

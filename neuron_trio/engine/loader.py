@@ -232,6 +232,10 @@ class SingleRunner:
             )
             return run_to_end(steps)
 
+    def fork_rows(self, src: int, dsts: list[int], length: int) -> None:
+        with torch.inference_mode():
+            self.kv.copy_prefix(src, dsts, length)
+
 
 def estimate_kv_bytes(
     config: LlamaConfig, dtype: str, context: int, slots: int, device: torch.device | str

@@ -34,3 +34,7 @@ class Runner(Protocol):
         [B, V] for the last real token of each row, or [B, T, V] with all_logits.
         """
         ...
+
+    def fork_rows(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy slot `src`'s first `length` K/V positions into slots `dsts` (every rank's)."""
+        ...

@@ -20,6 +20,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +53,8 @@ class SamplingState:
         self.seed = seed & 0xFFFF_FFFF_FFFF_FFFF
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_unique: dict[torch.device, torch.Tensor] = {}
+        # structured output: the grammar the tokens must follow (engine.grammar.GrammarState)
+        self.grammar: Any = None
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +74,8 @@ class SamplingState:
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -117,10 +122,21 @@ class Sampler:
     def __init__(self, token_text: Callable[[int], str] | None = None) -> None:
         self.token_text = token_text
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> list[SampleResult]:
-        """One token for each row of `logits` [B, V] (float32), recorded in its state."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingState],
+        raw_logits: torch.Tensor | None = None,
+    ) -> list[SampleResult]:
+        """One token for each row of `logits` [B, V] (float32), recorded in its state.
+
+        With structured output, `logits` has the tokens a grammar forbids at -inf (before
+        penalties and filters) and `raw_logits` is the model's own: logprobs are those.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+        masked = raw_logits is not None
+        raw = logits if raw_logits is None else raw_logits
         if not any(s.needs_slow_path for s in rows):
             ids = logits.argmax(dim=-1).tolist()
             for state, token in zip(rows, ids, strict=True):
@@ -128,8 +144,8 @@ class Sampler:
             return [SampleResult(token) for token in ids]
 
         logits = logits.float()
-        raw = logits
-        work = logits.clone() if any(s.has_penalties for s in rows) else logits
+        raw = raw.float()
+        work = logits.clone() if any(s.has_penalties for s in rows) and not masked else logits
         for i, state in enumerate(rows):
             if state.has_penalties:
                 state.apply_penalties(work[i])

@@ -17,6 +17,7 @@ from neuron_trio.engine.types import SamplingParams
 class SequenceStatus(enum.Enum):
     PREFILLING = "prefilling"  # prompt not yet (fully) in the KV cache
     DECODING = "decoding"  # prompt in the cache, at least one token sampled
+    FORKING = "forking"  # another choice of its request prefills the prompt, then it copies
     FINISHED = "finished"  # slot given back
 
 
@@ -35,6 +36,12 @@ class Sequence:
     # scheduler never looks at them.
     sampling: Any = None
     text: Any = None
+    tool_calls: Any = None  # a ToolCallParser when the request has tools
+    # n choices: every choice reports as the request's first sequence (`group_id`) with its
+    # `index`; that sequence prefills the prompt and then `forks` copy its K/V rows.
+    group_id: int = 0
+    index: int = 0
+    forks: list[Sequence] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:

@@ -3,6 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ToolFunction:
+    """A function the model may call: its name, description and JSON Schema of arguments."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type":"object"}'  # JSON Schema text (compact, as the client sent it)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made (or made earlier, in a conversation's history)."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's wire form)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must be, enforced by a token mask at every step (`engine.grammar`).
+
+    "json": JSON valid against `schema` (JSON Schema text; `{"type":"object"}` is OpenAI's
+    json_object). "tool_call": a call, in the model's tool-call format, to one of `tools`
+    (one function: a named tool_choice) whose arguments validate against its parameters;
+    several calls when `parallel`.
+    """
+
+    kind: Literal["json", "tool_call"]
+    schema: str = ""
+    tools: tuple[ToolFunction, ...] = ()
+    parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -23,6 +58,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position when logprobs is on (0..20)
     ignore_eos: bool = False  # benchmarks: always produce max_tokens
+    constraint: Constraint | None = None  # structured output: a grammar the tokens must follow
+    # Tool calls are parsed out of the output text (and not shown as text) for these.
+    tools: tuple[ToolFunction, ...] = ()
+    parallel_tool_calls: bool = True  # False: only the first call counts, the rest is text
+    n: int = 1  # choices: the prompt is prefilled once, then each choice samples on its own
 
 
 @dataclass(frozen=True)
@@ -51,6 +91,11 @@ class SequenceEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    index: int = 0  # which choice (0 .. n-1) of the request
+    tool_calls: list[ToolCall] | None = None  # calls completed in this event's text
+    # The request has other choices still running: this event's finish_reason ends only
+    # choice `index`, not the request.
+    more_choices: bool = False
 
 
 @dataclass(frozen=True)

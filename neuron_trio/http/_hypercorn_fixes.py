@@ -1,47 +1,124 @@
-"""One targeted fix to hypercorn 0.18's HTTP/2 protocol, applied by `serve_http`.
+"""Targeted fixes to hypercorn 0.18's trio server and HTTP/2 protocol, applied by `serve_http`.
 
-The race: a response's END_STREAM flag is sent by the connection's send task, after it has
-emptied the stream's buffer; the stream's close (`StreamClosed`) is handled in the app's task
-as soon as the buffer is empty. During a shutdown the close of the last stream sends GOAWAY
-and tears the connection down at once, so the send task never sends END_STREAM: a response
-that finished during a drain arrives whole but never ended, and a strict HTTP/2 client
-reports it as failed. The fix sends END_STREAM (if still due) before the close is handled;
-the send task's own later END_STREAM then finds the stream closed, a case it already handles.
+1. END_STREAM before close. A response's END_STREAM flag is sent by the connection's send
+   task, after it has emptied the stream's buffer; the stream's close (`StreamClosed`) is
+   handled in the app's task as soon as the buffer is empty. During a shutdown the close of
+   the last stream sends GOAWAY and tears the connection down at once, so the send task never
+   sends END_STREAM: a response that finished during a drain arrives whole but never ended,
+   and a strict HTTP/2 client reports it as failed. The fix sends END_STREAM (if still due)
+   before the close is handled; the send task's own later END_STREAM then finds the stream
+   closed, a case it already handles.
+2. DATA for an ended stream. hypercorn looks the stream up with `self.streams[id]` and the
+   KeyError escapes the connection's handler nursery, which is the server's: one client that
+   keeps sending a body after a 401 or 413 stopped every connection. Such DATA is now
+   acknowledged (so the connection's flow-control window does not shrink) and the stream is
+   reset with NO_ERROR, as RFC 9113 §8.1 allows after a complete response.
+3. Rapid reset as a rate. hypercorn's defence against rapid reset (CVE-2023-44487) is
+   `keep_alive_max_requests`: GOAWAY and a closed socket after N requests on a connection,
+   streams in flight included, which a router holding one connection for days cannot live
+   with. `hypercorn_config` turns that count off; instead a client that resets streams
+   faster than `h2_reset_rate_per_s` (beyond a burst of `h2_reset_burst`) gets GOAWAY
+   ENHANCE_YOUR_CALM and its connection is closed. Honest clients never come near it.
+4. A connection limit. With `max_connections` on the config, a connection accepted beyond
+   it is closed at once (before any byte is read), so descriptors stay well below the
+   process's limit and accept(2) never meets EMFILE.
+5. A connection the client closed is closed at once. On EOF hypercorn closes the streams,
+   which restarts the connection's idle timer, and the connection's task group then waits
+   for that timer: the socket stayed open for `keep_alive_timeout` (75 s here) after the
+   peer had gone, so a client that reconnects often held dozens of dead descriptors. Once
+   the read loop has ended the timer is stopped and not restarted (the app tasks' last
+   `Updated(idle=True)` arrives after it, in an order trio does not fix).
 
-Applied only if hypercorn's H2Protocol still has the shape this was written against;
-otherwise it logs and leaves hypercorn alone. (The other hypercorn trap, DATA frames for an
-ended stream, is avoided at the ASGI level: see middleware.py.)
+Each is applied only if hypercorn still has the shape it was written against; otherwise it
+logs and leaves hypercorn alone.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
+
+import trio
 
 log = logging.getLogger(__name__)
 
 _APPLIED = False
 
 
+@dataclass
+class ConnectionGate:
+    """Counts open connections against `limit`; `refused` counts those closed at once."""
+
+    limit: int
+    open: int = 0
+    refused: int = 0
+
+    def try_enter(self) -> bool:
+        if self.open >= self.limit:
+            self.refused += 1
+            return False
+        self.open += 1
+        return True
+
+    def leave(self) -> None:
+        self.open -= 1
+
+
+@dataclass
+class ResetBucket:
+    """A token bucket over a connection's stream resets: `rate` per second, `burst` at most.
+
+    `allow(now)` spends one token and says whether one was left.
+    """
+
+    rate: float
+    burst: float
+    tokens: float = field(default=-1.0)
+    stamp: float = 0.0
+
+    def allow(self, now: float) -> bool:
+        if self.tokens < 0:  # first reset on this connection
+            self.tokens, self.stamp = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 def apply_hypercorn_fixes() -> None:
-    """Install the END_STREAM-before-close fix once; idempotent."""
+    """Install the fixes once; idempotent."""
     global _APPLIED
     if _APPLIED:
         return
     try:
+        import h2.errors
+        import h2.events
         import h2.exceptions
+        from hypercorn.events import Closed
         from hypercorn.protocol.events import StreamClosed
         from hypercorn.protocol.h2 import H2Protocol, StreamBuffer
+        from hypercorn.trio.tcp_server import TCPServer
     except ImportError:  # pragma: no cover - a hypercorn without these modules
-        log.warning("hypercorn's HTTP/2 protocol has moved; END_STREAM fix not applied")
+        log.warning("hypercorn's HTTP/2 protocol has moved; fixes not applied")
         return
-    original = getattr(H2Protocol, "stream_send", None)
+    original_send = getattr(H2Protocol, "stream_send", None)
+    original_events = getattr(H2Protocol, "_handle_events", None)
+    original_run = getattr(TCPServer, "run", None)
+    original_read = getattr(TCPServer, "_read_data", None)
+    original_idle = getattr(TCPServer, "_idle_timeout", None)
     if (
-        original is None
+        original_idle is None
+        or original_send is None
+        or original_events is None
+        or original_run is None
+        or original_read is None
         or not hasattr(StreamBuffer, "complete")
         or not hasattr(H2Protocol, "_flush")
     ):
-        log.warning("hypercorn's HTTP/2 protocol has changed; END_STREAM fix not applied")
+        log.warning("hypercorn's HTTP/2 protocol has changed; fixes not applied")
         return
 
     async def stream_send(self: Any, event: Any) -> None:
@@ -53,7 +130,84 @@ def apply_hypercorn_fixes() -> None:
                     await self._flush()
                 except h2.exceptions.ProtocolError:
                     pass  # already ended, reset, or the connection is closing
-        await original(self, event)
+        await original_send(self, event)
+
+    def _drop_data(self: Any, event: Any) -> None:
+        """DATA for a stream whose response has ended: acknowledge it, reset the stream."""
+        try:
+            self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        except h2.exceptions.ProtocolError:
+            pass
+        try:
+            self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.ProtocolError:
+            pass  # already reset or closed on both sides: nothing more to say
+
+    async def _handle_events(self: Any, events: list[Any]) -> None:
+        pending: list[Any] = []
+        for event in events:
+            if isinstance(event, h2.events.DataReceived):
+                if pending:  # a stream may be created by an event before this one
+                    await original_events(self, pending)
+                    pending = []
+                if event.stream_id not in self.streams:
+                    _drop_data(self, event)
+                    continue
+            elif isinstance(event, h2.events.StreamReset) and event.remote_reset:
+                bucket = getattr(self, "_neuron_resets", None)
+                if bucket is None:
+                    bucket = ResetBucket(
+                        rate=float(getattr(self.config, "h2_reset_rate_per_s", 100.0)),
+                        burst=float(getattr(self.config, "h2_reset_burst", 1000.0)),
+                    )
+                    self._neuron_resets = bucket
+                if not bucket.allow(trio.current_time()):
+                    log.warning(
+                        "closing an HTTP/2 connection from %s: it reset streams faster than "
+                        "%g/s (rapid reset)",
+                        self.client[0] if self.client else "?",
+                        bucket.rate,
+                    )
+                    if pending:
+                        await original_events(self, pending)
+                    self.connection.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+                    await self._flush()
+                    await self.send(Closed())
+                    return
+            pending.append(event)
+        await original_events(self, pending)
+
+    async def run(self: Any) -> None:
+        gate: ConnectionGate | None = getattr(self.config, "connection_gate", None)
+        if gate is None:
+            await original_run(self)
+            return
+        if not gate.try_enter():
+            # Closed before anything is read: the client sees a reset, tries another node.
+            await trio.aclose_forcefully(self.stream)
+            return
+        try:
+            await original_run(self)
+        finally:
+            gate.leave()
+
+    async def _read_data(self: Any) -> None:
+        await original_read(self)
+        # The peer is gone: do not wait keep_alive_timeout to close. A timer (re)started
+        # from now on returns at once; the one running now is cancelled.
+        self._neuron_peer_gone = True
+        idle = getattr(self, "idle_task", None)
+        if idle is not None:
+            await idle.stop()
+
+    async def _idle_timeout(self: Any) -> None:
+        if getattr(self, "_neuron_peer_gone", False):
+            return
+        await original_idle(self)
 
     H2Protocol.stream_send = stream_send  # type: ignore[method-assign]
+    TCPServer._read_data = _read_data  # type: ignore[method-assign]
+    TCPServer._idle_timeout = _idle_timeout  # type: ignore[method-assign]
+    H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
+    TCPServer.run = run  # type: ignore[method-assign]
     _APPLIED = True

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_FINISHED = ("stop", "length")
+_FINISHED = ("stop", "length", "tool_calls")
 
 
 class GenerationFailedError(ApiError):

@@ -8,9 +8,16 @@ Order, outside in (one class, so each request pays for one wrapper, not five):
 3. shielded final send: the last `http.response.body` of a response is sent inside a shielded
    (and bounded) cancel scope; without it hypercorn never restarts a connection's idle timer
    after a streaming response and a drain waits its whole graceful timeout (STACK-NOTES.md);
-4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`;
+4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`; with admin
+   keys, loading and unloading models needs one of those (another valid key: 403);
 5. body limit: a `Content-Length` over the limit is a 413 at once; otherwise `receive()`
-   counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it.
+   counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it;
+   each wait for the next piece of body is bounded by `read_timeout_s` (408).
+
+A response that did not read its whole request body (401, 413, 404, …) reads and drops at
+most DISCARD_MAX_BYTES more of it for at most DISCARD_TIMEOUT_S before its last frame goes
+out; past that, more DATA for the stream is answered with RST_STREAM (_hypercorn_fixes.py),
+so an unauthenticated client cannot hold a stream open by trickling a body.
 """
 
 from __future__ import annotations
@@ -36,6 +43,20 @@ log = logging.getLogger(__name__)
 
 FINAL_SEND_TIMEOUT_S = 10.0
 CLIENT_CLOSED_STATUS = 499  # nginx's convention: the client left before its response
+DISCARD_MAX_BYTES = 1 << 20
+DISCARD_TIMEOUT_S = 2.0
+ADMIN_ROUTES = ("/v1/models",)  # POST it, DELETE below it
+
+
+class RequestTimeoutError(RequestError):
+    """Raised by the limited `receive()` if the next piece of a request body is too late."""
+
+    status = 408
+
+    def __init__(self, seconds: float):
+        super().__init__(
+            f"the request body did not arrive within {seconds:g} s", code="request_timeout"
+        )
 
 
 class BodyTooLargeError(RequestError):
@@ -84,30 +105,47 @@ class NeuronMiddleware:
         metrics: HttpMetrics,
         route_of: Callable[[Scope], str],
         api_keys: tuple[bytes, ...] = (),
+        admin_keys: tuple[bytes, ...] = (),
         max_body_bytes: int,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.route_of = route_of
         self.api_keys = api_keys
+        self.admin_keys = admin_keys
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
-    def _authorized(self, scope: Scope) -> bool:
-        if not self.api_keys:
-            return True
-        path: str = scope["path"]
-        if path != "/v1" and not path.startswith("/v1/"):
-            return True
-        header = _header(scope, b"authorization") or b""
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
+    @staticmethod
+    def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
         # Compare against every key (no early exit), each in constant time.
         ok = False
-        for key in self.api_keys:
+        for key in keys:
             ok |= hmac.compare_digest(token, key)
         return ok
+
+    def _auth_status(self, scope: Scope) -> int | None:
+        """None if the request may go on; else 401 (no valid key) or 403 (not an admin key)."""
+        path: str = scope["path"]
+        if path != "/v1" and not path.startswith("/v1/"):
+            return None
+        admin_route = self.admin_keys and (
+            (scope["method"] == "POST" and path in ADMIN_ROUTES)
+            or (scope["method"] == "DELETE" and path.startswith(ADMIN_ROUTES[0] + "/"))
+        )
+        if not self.api_keys and not admin_route:
+            return None
+        header = _header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        is_admin = bool(token) and self._matches(token, self.admin_keys)
+        is_user = bool(token) and (is_admin or self._matches(token, self.api_keys))
+        if admin_route:
+            if is_admin:
+                return None
+            return 403 if is_user else 401
+        return None if is_user else 401
 
     def _content_length(self, scope: Scope) -> int | None:
         raw = _header(scope, b"content-length")
@@ -132,7 +170,13 @@ class NeuronMiddleware:
 
         async def limited_receive() -> Message:
             nonlocal received, body_done
-            message = await receive()
+            if body_done:
+                message = await receive()
+            else:
+                with trio.move_on_after(self.read_timeout_s) as waited:
+                    message = await receive()
+                if waited.cancelled_caught:
+                    raise RequestTimeoutError(self.read_timeout_s)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)
@@ -147,12 +191,17 @@ class NeuronMiddleware:
             # down, if a DATA frame arrives for a stream whose response has already ended. So
             # an HTTP/2 response that did not read its request body (401, 404, 413, 503, …)
             # reads and drops the rest of it before its last frame goes out.
+            # Bounded: past DISCARD_MAX_BYTES or DISCARD_TIMEOUT_S the response goes out
+            # anyway and the stream is reset when more DATA comes (_hypercorn_fixes.py).
             nonlocal body_done
-            while not body_done:
-                message = await receive()
-                body_done = message["type"] == "http.disconnect" or not message.get(
-                    "more_body", False
-                )
+            dropped = 0
+            with trio.move_on_after(DISCARD_TIMEOUT_S):
+                while not body_done and dropped <= DISCARD_MAX_BYTES:
+                    message = await receive()
+                    dropped += len(message.get("body", b""))
+                    body_done = message["type"] == "http.disconnect" or not message.get(
+                        "more_body", False
+                    )
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -174,7 +223,8 @@ class NeuronMiddleware:
         access = AccessInfo(started=started)
         scope[ACCESS_SCOPE_KEY] = access
         try:
-            if not self._authorized(scope):
+            denied = self._auth_status(scope)
+            if denied == 401:
                 await self._reply(
                     send_wrapper,
                     401,
@@ -184,6 +234,16 @@ class NeuronMiddleware:
                         code="invalid_api_key",
                     ),
                     {"WWW-Authenticate": "Bearer"},
+                )
+            elif denied == 403:
+                await self._reply(
+                    send_wrapper,
+                    403,
+                    error_body(
+                        "loading and unloading models needs the admin key",
+                        error_type="permission_error",
+                        code="admin_key_required",
+                    ),
                 )
             elif (self._content_length(scope) or 0) > limit:
                 await self._reply(

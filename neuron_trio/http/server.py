@@ -8,6 +8,8 @@ address is TLS instead, with ALPN offering h2 and http/1.1.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -20,9 +22,9 @@ from hypercorn.trio import serve
 from starlette.types import ASGIApp
 
 from neuron_trio.config import NeuronConfig
-from neuron_trio.http._hypercorn_fixes import apply_hypercorn_fixes
+from neuron_trio.http._hypercorn_fixes import ConnectionGate, apply_hypercorn_fixes
 
-__all__ = ["BoundAddress", "hypercorn_config", "serve_http"]
+__all__ = ["BoundAddress", "RateLimitFilter", "hypercorn_config", "serve_http"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,48 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE_TIMEOUT_S = 75.0
 BACKLOG = 1024
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
+# Rapid reset (CVE-2023-44487) is met with a rate, not a request count: a connection whose
+# client resets more than H2_RESET_BURST streams in a burst, or more than H2_RESET_RATE_PER_S
+# sustained, is closed with ENHANCE_YOUR_CALM (_hypercorn_fixes.py). A router cancelling the
+# streams of clients that went away stays far below it.
+H2_RESET_RATE_PER_S = 100.0
+H2_RESET_BURST = 1000.0
+# trio logs every failed accept(2) (EMFILE: out of descriptors) with a traceback, ten times a
+# second; keep one line per this many seconds, with a count of those dropped.
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+
+
+class RateLimitFilter(logging.Filter):
+    """Passes one record per `interval_s` (without its traceback); counts the rest, and says
+    how many were dropped on the next one that passes."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self.clock = clock
+        self.last: float | None = None
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.interval_s:
+            self.dropped += 1
+            return False
+        self.last = now
+        record.exc_info = None
+        record.exc_text = None
+        if self.dropped:
+            record.msg = f"{record.msg} ({self.dropped} more like it in the last %.0f s)"
+            record.args = (*(record.args or ()), self.interval_s)  # type: ignore[misc]
+            self.dropped = 0
+        return True
+
+
+def limit_accept_error_logging() -> None:
+    """Install the RateLimitFilter on trio's accept-loop logger once."""
+    logger = logging.getLogger("trio.serve_listeners")
+    if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
+        logger.addFilter(RateLimitFilter(ACCEPT_ERROR_LOG_INTERVAL_S))
 
 
 @dataclass(frozen=True)
@@ -68,6 +112,17 @@ def hypercorn_config(config: NeuronConfig) -> HypercornConfig:
         hc.alpn_protocols = ["h2", "http/1.1"]
     hc.graceful_timeout = server.drain_timeout_s
     hc.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
+    # hypercorn's default (1000) closes an HTTP/2 connection, streams in flight included,
+    # after that many requests: a router's connection lives for days. No count, then; rapid
+    # reset is limited by rate instead (below).
+    hc.keep_alive_max_requests = sys.maxsize
+    # Read by _hypercorn_fixes (hypercorn's Config has no such settings of its own).
+    hc.h2_reset_rate_per_s = H2_RESET_RATE_PER_S  # type: ignore[attr-defined]
+    hc.h2_reset_burst = H2_RESET_BURST  # type: ignore[attr-defined]
+    hc.connection_gate = ConnectionGate(server.max_connections)  # type: ignore[attr-defined]
+    # No hypercorn read_timeout: it counts silence on the whole connection, and a client
+    # reading a long generation sends nothing for minutes. Idle connections close after
+    # keep_alive_timeout; a request body that stalls gets 408 (server.read_timeout_s).
     hc.backlog = BACKLOG
     hc.ssl_handshake_timeout = TLS_HANDSHAKE_TIMEOUT_S
     hc.include_server_header = False
@@ -91,6 +146,7 @@ async def serve_http(
     Raises OSError if an address cannot be bound.
     """
     apply_hypercorn_fixes()
+    limit_accept_error_logging()
     hc = hypercorn_config(config)
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(

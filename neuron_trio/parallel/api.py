@@ -10,11 +10,18 @@ The executor's methods block (NCCL calls, forwards): call them on worker threads
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
+from neuron_trio.engine.types import (
+    Constraint,
+    EngineStatistics,
+    SamplingParams,
+    SequenceEvent,
+    ToolFunction,
+)
 
 if TYPE_CHECKING:
     from neuron_trio.parallel.comm import Communicator
@@ -31,7 +38,10 @@ class RankInfo(msgspec.Struct, frozen=True):
 class ServingEngine(Protocol):
     """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe)."""
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: Sequence[ToolFunction] = ()
+    ) -> str: ...
+    def compile_constraint(self, constraint: Constraint) -> object: ...
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
     def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int: ...

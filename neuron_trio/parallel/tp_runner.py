@@ -88,6 +88,11 @@ class TPRunner:
                 input_ids, start_pos, slots, lengths=lengths, all_logits=all_logits
             )
 
+    def fork_rows(self, src: int, dsts: list[int], length: int) -> None:
+        with torch.inference_mode():
+            for kv in self.kv:
+                kv.copy_prefix(src, dsts, length)
+
     def _forward(
         self,
         input_ids: torch.Tensor,

@@ -6,6 +6,7 @@ The HTTP layer talks only to a `NodeService`: the daemon builds the real one
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -14,10 +15,18 @@ from typing import Any, Literal, Protocol
 from prometheus_client import CollectorRegistry
 
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.types import SamplingParams, SequenceEvent, TokenLogprob
+from neuron_trio.engine.types import (
+    Constraint,
+    SamplingParams,
+    SequenceEvent,
+    TokenLogprob,
+    ToolCall,
+    ToolFunction,
+)
 
 __all__ = [
     "ChatMessage",
+    "Constraint",
     "GenerationJob",
     "HealthSnapshot",
     "ModelSummary",
@@ -25,6 +34,9 @@ __all__ = [
     "SamplingParams",
     "SequenceEvent",
     "TokenLogprob",
+    "ToolCall",
+    "ToolFunction",
+    "template_message",
 ]
 
 HealthStatus = Literal["starting", "ok", "draining", "recovering", "wedged"]
@@ -32,8 +44,28 @@ HealthStatus = Literal["starting", "ok", "draining", "recovering", "wedged"]
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: Literal["system", "user", "assistant"]  # "developer" arrives here as "system"
+    role: Literal["system", "user", "assistant", "tool"]  # "developer" arrives as "system"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """`message` as chat templates read it (transformers' convention: a call's arguments as
+    an object, under `tool_calls[i].function`)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 @dataclass(frozen=True)

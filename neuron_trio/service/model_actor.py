@@ -30,6 +30,7 @@ from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
+    ContextLengthError,
     ModelLoadError,
     NeuronError,
     QueueFullError,
@@ -38,7 +39,7 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.parallel.api import ModelExecutor, RankInfo, ServingEngine
-from neuron_trio.service.api import GenerationJob
+from neuron_trio.service.api import GenerationJob, template_message
 from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.watchdog import InflightRequest, Watchdog, WatchdogStatistics
 
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread
+# ... and chats of more messages: the template's cost grows with the count, not the text
+# (34,000 empty messages stalled the event loop 446 ms when only characters were counted).
+INLINE_ENCODE_MESSAGES = 32
+# No tokenizer packs more characters than this into one token on average, so a prompt with
+# more than context x this many characters cannot fit: refused before it is rendered.
+MAX_CHARS_PER_TOKEN = 64
 WARM_UP_MIN_S = 120.0  # the least time a model's first (warm-up) forward gets
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
 
@@ -55,6 +62,9 @@ def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
     logprobs = None
     if a.logprobs is not None or b.logprobs is not None:
         logprobs = [*(a.logprobs or ()), *(b.logprobs or ())]
+    tool_calls = None
+    if a.tool_calls is not None or b.tool_calls is not None:
+        tool_calls = [*(a.tool_calls or ()), *(b.tool_calls or ())]
     return SequenceEvent(
         seq_id=b.seq_id,
         text=a.text + b.text,
@@ -64,6 +74,9 @@ def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
         prompt_tokens=max(a.prompt_tokens, b.prompt_tokens),
         completion_tokens=max(a.completion_tokens, b.completion_tokens),
         error=b.error or a.error,
+        index=b.index,
+        tool_calls=tool_calls,
+        more_choices=b.more_choices,
     )
 
 
@@ -125,7 +138,13 @@ class EventStream:
         if self._closed:
             return
         if len(self._buffer) >= self._capacity:
-            self._buffer[-1] = merge_events(self._buffer[-1], event)
+            # merge into the latest event of the same choice (n > 1 interleaves choices)
+            for i in range(len(self._buffer) - 1, -1, -1):
+                if self._buffer[i].index == event.index:
+                    self._buffer[i] = merge_events(self._buffer[i], event)
+                    break
+            else:
+                self._buffer.append(event)  # at most one extra per choice
         else:
             self._buffer.append(event)
         self._lot.unpark_all()
@@ -352,17 +371,35 @@ class ModelActor:
         assert self.executor is not None
         engine: ServingEngine = self.executor.engine
         size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
+        n_messages = len(job.messages or ())
+        if size > self.spec.context * MAX_CHARS_PER_TOKEN:
+            self._count("rejected_invalid")
+            raise ContextLengthError(
+                f"the prompt has {size} characters, far more than model {self.name!r}'s "
+                f"context of {self.spec.context} tokens can hold",
+                param="messages" if job.messages is not None else "prompt",
+            )
 
         def encode() -> tuple[list[int], bool]:
             if job.prompt_ids is not None:
                 return list(job.prompt_ids), False
+            if job.params.constraint is not None:
+                engine.compile_constraint(job.params.constraint)  # cached for `add`
             if job.messages is not None:
-                messages = [{"role": m.role, "content": m.content} for m in job.messages]
-                return engine.encode_prompt(engine.render_chat(messages), chat=True), True
+                messages = [template_message(m) for m in job.messages]
+                prompt = engine.render_chat(messages, job.params.tools)
+                return engine.encode_prompt(prompt, chat=True), True
             return engine.encode_prompt(job.prompt or "", chat=False), False
 
         try:
-            if size > INLINE_ENCODE_CHARS:
+            # A grammar may take milliseconds (seconds for a huge schema) to compile, and
+            # tools are rendered into the prompt as JSON of any size.
+            if (
+                size > INLINE_ENCODE_CHARS
+                or n_messages > INLINE_ENCODE_MESSAGES
+                or job.params.constraint is not None
+                or job.params.tools
+            ):
                 ids, chat = await trio.to_thread.run_sync(encode, abandon_on_cancel=True)
             else:
                 ids, chat = encode()
@@ -595,7 +632,8 @@ class ModelActor:
         self._cancels.clear()
 
     def _admit(self, engine: ServingEngine) -> None:
-        while self._queue and engine.free_slots > 0:
+        # a request of n choices takes n slots at once (its prompt is prefilled once, shared)
+        while self._queue and engine.free_slots >= self._queue[0].job.params.n:
             request = self._queue.popleft()
             try:
                 seq_id = engine.add(request.prompt_ids, request.job.params, chat=request.chat)
@@ -694,6 +732,6 @@ class ModelActor:
                 if self._metrics is not None:
                     self._metrics.generated(n)
             request.stream.push(event)
-            if event.finish_reason is not None:
+            if event.finish_reason is not None and not event.more_choices:
                 request.stream.close()
                 self._finish(request, event.finish_reason)

@@ -20,6 +20,7 @@ MODEL_STATES = ("loading", "serving", "recovering", "wedged", "unloading", "unlo
 OUTCOMES = (
     "stop",  # finished: EOS, end-of-turn or a stop string
     "length",  # finished: max_tokens
+    "tool_calls",  # finished: the answer is a call to one of the request's tools
     "cancelled",  # the client left before the end
     "error",  # the engine reported an error for the sequence
     "unavailable",  # failed in flight: the model wedged, recovered or was stopped

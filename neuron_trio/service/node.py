@@ -39,9 +39,11 @@ from prometheus_client import CollectorRegistry
 import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
+from neuron_trio.engine.chat_probe import probe_gguf_chat_template
 from neuron_trio.errors import (
     ApiError,
     ConfigError,
+    ModelFileError,
     ModelLoadError,
     ModelNotFoundError,
     RequestError,
@@ -58,9 +60,10 @@ from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,
     estimate_model_bytes,
+    host_memory_available,
     place,
 )
-from neuron_trio.service.sources import resolve_source
+from neuron_trio.service.sources import HubLimits, resolve_source
 from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.watchdog import Watchdog, WatchdogStatistics
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
@@ -71,6 +74,19 @@ TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled
 
 ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
+
+
+class TooManyModelsError(RequestError):
+    """Raised by a runtime load if `node.max_models` models are already loaded (409)."""
+
+    status = 409
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"{limit} models are loaded, the most this node holds (node.max_models); "
+            "unload one first",
+            code="too_many_models",
+        )
 
 
 class ModelExistsError(RequestError):
@@ -126,7 +142,11 @@ def _default_factory(
 
 
 def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
-    return estimate_model_bytes(spec, path, on_gpu=on_gpu)
+    """The header's size estimate, after the chat template has rendered a probe conversation
+    in time (both read only the header: a file refused here costs no weights)."""
+    estimate = estimate_model_bytes(spec, path, on_gpu=on_gpu)
+    probe_gguf_chat_template(path, str(path))
+    return estimate
 
 
 class LastForensics(msgspec.Struct, frozen=True):
@@ -207,6 +227,7 @@ class Node:
         failpoints: fp.Failpoints | None = None,
         executor_factory: ExecutorFactory | None = None,
         estimator: Estimator | None = None,
+        host_memory: Callable[[], int | None] | None = None,
         watchdog_factory: Callable[[ModelConfig], Watchdog | None] | None = None,
         hostname: str | None = None,
     ) -> None:
@@ -219,6 +240,7 @@ class Node:
         self._notifier = notifier
         self._factory = executor_factory or _default_factory
         self._estimator = estimator or _default_estimator
+        self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
         self._registry = CollectorRegistry()
         self._metrics = NodeMetrics(self._registry, self._model_statistics)
@@ -342,7 +364,10 @@ class Node:
         """
         if self._draining or self._nursery is None:
             raise UnavailableError("the node is not taking new models now", code="draining")
-        actor = await self._start_model(spec)
+        loaded = len(self._actors) + len(self._reserved)
+        if loaded >= self.config.node.max_models and spec.name not in self._actors:
+            raise TooManyModelsError(self.config.node.max_models)
+        actor = await self._start_model(spec, hub_limits=HubLimits.from_config(self.config))
         return msgspec.to_builtins(actor.info())  # type: ignore[no-any-return]
 
     async def unload_model(self, name: str) -> None:
@@ -514,7 +539,9 @@ class Node:
         snapshot: GpuSnapshotLike = await self._gpus.live()
         return snapshot
 
-    async def _start_model(self, spec: ModelConfig) -> ModelActor:
+    async def _start_model(
+        self, spec: ModelConfig, *, hub_limits: HubLimits | None = None
+    ) -> ModelActor:
         if spec.name in self._actors or spec.name in self._reserved:
             raise ModelExistsError(spec.name)
         assert self._nursery is not None
@@ -527,19 +554,26 @@ class Node:
                     self.config,
                     progress=self._status,
                     on_bytes=self._download_progress(spec),
+                    limits=hub_limits,
                 ),
                 abandon_on_cancel=True,
             )
             snapshot = await self._live_gpus(spec)
             on_gpu = spec.devices != "cpu" and bool(snapshot and snapshot.gpus)
-            estimate = await trio.to_thread.run_sync(
-                self._estimator, spec, path, on_gpu, abandon_on_cancel=True
-            )
+            try:
+                estimate = await trio.to_thread.run_sync(
+                    self._estimator, spec, path, on_gpu, abandon_on_cancel=True
+                )
+            except ModelFileError as exc:
+                # Name the file as the client did: where a source resolves to is not theirs.
+                detail = str(exc).replace(str(path), spec.source)
+                raise type(exc)(f"model {spec.name!r}: {detail}") from None
             devices = place(
                 spec,
                 estimate.total_bytes,
                 snapshot,
                 cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                host_available_bytes=await trio.to_thread.run_sync(self._host_memory),
             )
             log.info(
                 "model %s: %s on %s (estimate %.2f GiB)",

@@ -94,16 +94,47 @@ def cuda_ordinals(gpus: Sequence[GpuMemoryReading], visible: str | None) -> dict
     return ordinals
 
 
+def host_memory_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The kernel's MemAvailable in bytes (what can be allocated without swapping), or None
+    where it cannot be read (not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_host_fits(spec: ModelConfig, model_bytes_estimate: int, available: int | None) -> None:
+    """PlacementError with the numbers if CPU ranks would need more than MemAvailable.
+
+    Checked before anything is allocated: torch would otherwise ask for it all (a
+    max_batch = 256, context = 8192 KV cache is ~96 GB) and fail, or meet the OOM killer.
+    """
+    if available is None:
+        return
+    need = model_bytes_estimate + headroom(model_bytes_estimate)
+    if need > available:
+        raise PlacementError(
+            f"model {spec.name!r} needs {_gib(need)} of host memory on the CPU (estimate "
+            f"{_gib(model_bytes_estimate)} + headroom; lower max_batch or context); "
+            f"{_gib(available)} available (MemAvailable)"
+        )
+
+
 def place(
     spec: ModelConfig,
     model_bytes_estimate: int,
     gpus_snapshot: GpuSnapshotLike | None,
     *,
     cuda_visible_devices: str | None = None,
+    host_available_bytes: int | None = None,
 ) -> list[torch.device]:
     """The `spec.tp` devices (one per rank) for `spec`, or PlacementError with the numbers.
 
-    - `"cpu"`: `tp` CPU ranks.
+    - `"cpu"`: `tp` CPU ranks, if the estimate fits `host_available_bytes` (MemAvailable)
+      plus headroom.
     - a list of GPU indices: those GPUs; each must be present in the snapshot (no fit check:
       the operator chose them, and the allocator will say so if they are full).
     - `"auto"`: the `tp` GPUs with the most free memory, each of which must fit
@@ -117,6 +148,7 @@ def place(
     ordinal = cuda_ordinals(every_gpu, cuda_visible_devices)  # a GPU NVML cannot read still counts
     gpus = [g for g in every_gpu if not g.error and g.index in ordinal]
     if spec.devices == "cpu":
+        _check_host_fits(spec, model_bytes_estimate, host_available_bytes)
         return [torch.device("cpu")] * tp
     if isinstance(spec.devices, list):
         if len(spec.devices) != tp:
@@ -138,6 +170,7 @@ def place(
     if not gpus:
         why = (gpus_snapshot.reason if gpus_snapshot else None) or "no GPU found"
         log.info("model %s: %s; placing %d rank(s) on the CPU", spec.name, why, tp)
+        _check_host_fits(spec, model_bytes_estimate, host_available_bytes)
         return [torch.device("cpu")] * tp
     per_rank = -(-model_bytes_estimate // tp)
     ranked = sorted(gpus, key=lambda g: (-g.memory_free_bytes, g.index))

@@ -8,6 +8,7 @@ huggingface_hub is first imported). Foreign errors become SourceError here, once
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import tempfile
@@ -36,6 +37,36 @@ class HubFile:
         return f"hf:{self.repo_id}{rev}/{self.filename}"
 
 
+@dataclass(frozen=True)
+class HubLimits:
+    """What a runtime load (POST /v1/models) may fetch from the hub: repos matching one of
+    `allow_repos` (`fnmatch` globs), files of at most `max_bytes`."""
+
+    allow_repos: tuple[str, ...]
+    max_bytes: int
+
+    @classmethod
+    def from_config(cls, config: NeuronConfig) -> HubLimits:
+        return cls(tuple(config.node.hf_allow_repos), config.node.hf_max_download_bytes)
+
+    def check_repo(self, source: str, hub: HubFile) -> None:
+        if not any(fnmatch.fnmatchcase(hub.repo_id, p) for p in self.allow_repos):
+            allowed = ", ".join(self.allow_repos) or "none"
+            raise SourceError(
+                f"source {source!r}: repository {hub.repo_id} is not one a runtime load may "
+                f"fetch (node.hf_allow_repos: {allowed})"
+            )
+
+    def check_size(self, source: str, size: int | None) -> None:
+        if size is None:
+            raise SourceError(f"source {source!r}: the hub does not say how large the file is")
+        if size > self.max_bytes:
+            raise SourceError(
+                f"source {source!r}: the file is {size} bytes, more than a runtime load may "
+                f"download (node.hf_max_download_bytes = {self.max_bytes})"
+            )
+
+
 def parse_hub_source(source: str) -> HubFile:
     """`hf:OWNER/NAME[@REVISION]/PATH/FILE.gguf` -> HubFile; SourceError if malformed."""
     rest = source.removeprefix("hf:")
@@ -62,7 +93,8 @@ def _within(path: Path, root: Path) -> bool:
 def resolve_local(source: str, model_dirs: list[Path]) -> Path:
     """A local GGUF file that lies under one of `model_dirs` once symlinks are resolved.
 
-    A relative path is looked up in each model directory in turn.
+    A relative path is looked up in each model directory in turn. Error messages quote the
+    source as given, never where it resolves to (a symlink's target is nobody's business).
     """
     roots = [d.expanduser().resolve() for d in model_dirs]
     listed = ", ".join(str(d) for d in model_dirs) or "(none configured)"
@@ -72,8 +104,7 @@ def resolve_local(source: str, model_dirs: list[Path]) -> Path:
         resolved = candidate.resolve()
         if not any(_within(resolved, root) for root in roots):
             raise SourceError(
-                f"source {source!r}: {resolved} is outside the model directories "
-                f"(node.model_dirs: {listed})"
+                f"source {source!r} is outside the model directories (node.model_dirs: {listed})"
             )
         if resolved.is_file():
             return resolved
@@ -101,16 +132,35 @@ def check_cache_dir(cache_dir: Path) -> None:
     os.unlink(probe)
 
 
+def _check_before_download(source: str, hub: HubFile, limits: HubLimits, cache_dir: Path) -> bool:
+    """With `limits`: the repo is allowed and the file, unless already cached, is small
+    enough (its size asked of the hub before a byte of it is fetched). True if cached."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+
+    limits.check_repo(source, hub)
+    cached = try_to_load_from_cache(
+        hub.repo_id, hub.filename, cache_dir=cache_dir, revision=hub.revision
+    )
+    if isinstance(cached, str):
+        return True
+    meta = get_hf_file_metadata(hf_hub_url(hub.repo_id, hub.filename, revision=hub.revision))
+    limits.check_size(source, meta.size)
+    return False
+
+
 def resolve_hub(
     source: str,
     *,
     progress: Progress | None = None,
     quiet: bool = False,
     on_bytes: ByteProgress | None = None,
+    limits: HubLimits | None = None,
 ) -> Path:
     """Download `hf:REPO/FILE.gguf` into the hub cache (or find it there); return its path.
 
-    `on_bytes(done, total)` follows the download (service.download_progress).
+    With `limits` (a runtime load), the repo must be allowed and the file small enough,
+    both checked before the download starts. `on_bytes(done, total)` follows the download
+    (service.download_progress).
     """
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub import errors as hub_errors
@@ -129,6 +179,15 @@ def resolve_hub(
         where = "the hub cache (HF_HUB_OFFLINE)" if offline else constants.ENDPOINT
         progress(f"fetching {hub} from {where} into {cache_dir}")
     tqdm_class = None
+    if limits is not None and offline:
+        limits.check_repo(source, hub)  # nothing will be downloaded
+    elif limits is not None:
+        try:
+            _check_before_download(source, hub, limits, cache_dir)
+        except SourceError:
+            raise
+        except Exception as exc:
+            raise SourceError(f"source {source!r}: cannot ask the hub for its size: {exc}") from exc
     if quiet or on_bytes is not None:
         tqdm_class = reporting_tqdm(on_bytes or (lambda done, total: None), quiet=quiet)
     try:
@@ -169,15 +228,17 @@ def resolve_source(
     *,
     progress: Progress | None = None,
     on_bytes: ByteProgress | None = None,
+    limits: HubLimits | None = None,
 ) -> Path:
     """The local GGUF file for `source`; blocking (may download). Raises SourceError.
 
     `progress`, when given, receives one-line human messages (for STATUS= and the log).
+    `limits` (runtime loads) bound what may be fetched from the hub.
     """
     if source.startswith("builtin:"):
         return builtin_model_path(source.removeprefix("builtin:"))
     if source.startswith("hf:"):
-        return resolve_hub(source, progress=progress, quiet=True, on_bytes=on_bytes)
+        return resolve_hub(source, progress=progress, quiet=True, on_bytes=on_bytes, limits=limits)
     return resolve_local(source, config.model_dir_paths)
 
 

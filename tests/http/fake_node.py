@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -58,6 +59,8 @@ class FakeNode:
         self.loaded: list[ModelConfig] = []
         self.unloaded: list[str] = []
         self.next_seq = 0
+        # when set: the events every request gets, as they are (seq_id aside)
+        self.script: list[SequenceEvent] | None = None
 
     # --- NodeService ----------------------------------------------------------------------
 
@@ -113,6 +116,12 @@ class FakeNode:
     async def _events(
         self, job: GenerationJob, seq_id: int, state: dict[str, bool]
     ) -> AsyncIterator[SequenceEvent]:
+        if self.script is not None:
+            for event in self.script:
+                await trio.lowlevel.checkpoint()
+                yield replace(event, seq_id=seq_id)
+            state["done"] = True
+            return
         count = min(len(self.tokens), job.params.max_tokens)
         reason = "length" if job.params.max_tokens < len(self.tokens) else self.finish_reason
         for i in range(count):

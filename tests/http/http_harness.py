@@ -57,6 +57,17 @@ async def serving(node: Any, config: NeuronConfig | None = None) -> AsyncIterato
             stop.set()
 
 
+@asynccontextmanager
+async def serving_node(node: Any, config: NeuronConfig) -> AsyncIterator[str]:
+    """A real Node run and served as the daemon does; yields the base URL once serving."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        async with serving(node, config) as running:
+            node.mark_serving()
+            yield running.url
+        nursery.cancel_scope.cancel()
+
+
 def h2_client(base_url: str, **kw: Any) -> httpx.AsyncClient:
     """A cleartext HTTP/2 (prior knowledge) client."""
     return httpx.AsyncClient(base_url=base_url, http1=False, http2=True, timeout=10.0, **kw)

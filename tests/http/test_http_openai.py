@@ -214,6 +214,19 @@ COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
 # (path, body, status, param the error must name; None: no field to name)
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
 BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": MSGS}, 400, "model"),
     (CHAT, {"model": "fake-model"}, 400, "messages"),
@@ -226,7 +239,39 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         CHAT,
         {"model": "fake-model", "messages": [{"role": "tool", "content": "x"}]},
         400,
+        "messages[0].tool_call_id",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": [{"role": "robot", "content": "x"}]},
+        400,
         "messages[0].role",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": [{"role": "assistant", "content": None}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        {
+            "model": "fake-model",
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "[1]"},
+                        }
+                    ],
+                }
+            ],
+        },
+        400,
+        "messages[0].tool_calls",
     ),
     (CHAT, {"model": "fake-model", "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     (
@@ -293,7 +338,7 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         400,
         "max_completion_tokens",
     ),
-    (CHAT, {"model": "fake-model", "messages": MSGS, "n": 2}, 400, "n"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "n": 9}, 400, "n"),
     (CHAT, {"model": "fake-model", "messages": MSGS, "logprobs": 1}, 400, "logprobs"),
     (
         CHAT,
@@ -309,10 +354,57 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         400,
         "stream_options.x",
     ),
-    (CHAT, {"model": "fake-model", "messages": MSGS, "tools": []}, 400, "tools"),
     (
         CHAT,
-        {"model": "fake-model", "messages": MSGS, "response_format": {"type": "json_object"}},
+        {"model": "fake-model", "messages": MSGS, "tools": [{"type": "function", "function": {}}]},
+        400,
+        "tools[0].function.name",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "tools": [{"type": "function"}]},
+        400,
+        "tools[0].function",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "tools": [TOOL], "tool_choice": named("nope")},
+        400,
+        "tool_choice",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "tools": [TOOL, TOOL]}, 400, "tools"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "tools": [TOOL], "tool_choice": "sometimes"},
+        400,
+        "tool_choice",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "response_format": {"type": "yaml"}},
+        400,
+        "response_format.type",
+    ),
+    (
+        CHAT,
+        {
+            "model": "fake-model",
+            "messages": MSGS,
+            "response_format": {"type": "json_object"},
+            "tools": [TOOL],
+        },
         400,
         "response_format",
     ),
@@ -359,9 +451,9 @@ def test_unsupported_fields_are_all_named() -> None:
     async def body() -> None:
         async with serving(FakeNode()) as srv, h2_client(srv.url) as client:
             r = await client.post(
-                "/v1/chat/completions", json=chat_body(tools=[], tool_choice="auto", audio={})
+                "/v1/chat/completions", json=chat_body(functions=[], logit_bias={}, audio={})
             )
             err = assert_error(r, 400)
-            assert err["message"] == "unsupported field(s): audio, tool_choice, tools"
+            assert err["message"] == "unsupported field(s): audio, functions, logit_bias"
 
     run(body)

@@ -112,8 +112,9 @@ def test_openai_client_sees_errors_as_its_exceptions(tmp_path: Path) -> None:
                         model="fake-model",
                         messages=[{"role": "user", "content": "x"}],
                         tools=[{"type": "function", "function": {"name": "f"}}],
+                        tool_choice={"type": "function", "function": {"name": "g"}},
                     )
-                assert bad.value.param == "tools"
+                assert bad.value.param == "tool_choice"
                 node.fail_at = 1
                 stream = await client.chat.completions.create(
                     model="fake-model", messages=[{"role": "user", "content": "x"}], stream=True

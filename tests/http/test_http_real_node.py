@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -14,8 +13,7 @@ import trio
 
 from neuron_trio.config import ModelConfig, NeuronConfig, NodeConfig, ServerConfig
 from neuron_trio.errors import SourceError
-from neuron_trio.http import BoundAddress, create_app, serve_http
-from tests.http.http_harness import run
+from tests.http.http_harness import run, serving_node
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +43,8 @@ async def real_node(state: Path) -> AsyncIterator[str]:
         default_models=[spec],
     )
     node = Node(config)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(node.run)
-        bound: list[BoundAddress] = await nursery.start(
-            partial(serve_http, create_app(node, config), config, shutdown_trigger=stop.wait)
-        )
-        node.mark_serving()
-        try:
-            yield bound[0].url
-        finally:
-            stop.set()
-            nursery.cancel_scope.cancel()
+    async with serving_node(node, config) as url:
+        yield url
 
 
 async def _slots_in_use(client: httpx.AsyncClient) -> int:

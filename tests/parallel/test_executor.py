@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.types import SamplingParams
+from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
 from neuron_trio.parallel.api import RankInfo
 from neuron_trio.parallel.executor import Executor, build_executor
@@ -146,3 +146,26 @@ def test_context_is_capped_at_the_models(tiny: Path) -> None:
     executor = build_executor(spec, tiny, CPU)
     assert executor.engine.context == 256  # the tiny file's context_length
     assert executor.runner.kv[0].context == 256
+
+
+def test_tp3_forks_n_choices_and_masks_the_gathered_logits(tiny: Path) -> None:
+    """n = 2 forks every rank's K/V rows; a grammar masks the logits all ranks computed."""
+    schema = '{"enum":["yes","no"]}'
+    outputs = []
+    for tp in (1, 3):
+        executor, _ = _build(tiny, tp)
+        engine = executor.engine
+        params = SamplingParams(
+            max_tokens=8, temperature=0.0, n=2, constraint=Constraint("json", schema=schema)
+        )
+        seq_id = engine.add(PROMPTS[0], params, chat=False)
+        texts: dict[int, str] = {0: "", 1: ""}
+        while engine.has_work:
+            for event in executor.step():
+                assert event.seq_id == seq_id
+                texts[event.index] += event.text
+        outputs.append(texts)
+        plain = _generate(executor, PROMPTS, n=4)
+        assert plain == _generate(executor, PROMPTS, n=4)  # forked slots left nothing behind
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0] == outputs[0][1] and outputs[0][0] in ('"yes"', '"no"'), outputs

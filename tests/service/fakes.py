@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -101,9 +102,14 @@ class FakeEngine:
         self.added: list[list[int]] = []
         self.cancelled: list[int] = []
         self.steps = 0
+        self.rendered_on: list[bool] = []  # True: on the trio (main) thread
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = ()) -> str:
+        self.rendered_on.append(threading.current_thread() is threading.main_thread())
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def compile_constraint(self, constraint: Any) -> object:
+        return constraint
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         return [ord(c) for c in text]
@@ -172,7 +178,6 @@ class FakeExecutor:
         self.closed = False
         self.probes = 0
         self.fail_next_step: Exception | None = None
-        self.fail_next_probe: Exception | None = None
         self.fail_next_probe: Exception | None = None
 
     def step(self) -> list[SequenceEvent]:

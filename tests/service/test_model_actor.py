@@ -182,6 +182,30 @@ def test_bad_requests_are_refused_before_queueing() -> None:
     run_actor(test)
 
 
+def test_many_messages_render_off_the_event_loop_and_far_too_long_is_refused_first() -> None:
+    async def test(h: Harness) -> None:
+        def chat(n: int, content: str = "") -> GenerationJob:
+            messages = tuple(ChatMessage("user", content) for _ in range(n))
+            return GenerationJob(model="m", params=SamplingParams(max_tokens=1), messages=messages)
+
+        with pytest.raises(ContextLengthError):  # rendered, then too long for context 64
+            async with h.actor.generate(chat(2000)):
+                pass
+        async with h.actor.generate(chat(2)):
+            pass
+        # Empty messages count: 2000 of them went to a worker thread, 2 stayed inline.
+        assert h.engine.rendered_on == [False, True]
+        # Beyond context x 64 characters: refused before the template ever runs.
+        huge = "y" * (4096 * 64 + 1)
+        with pytest.raises(ContextLengthError, match="characters") as err:
+            async with h.actor.generate(chat(1, huge)):
+                pass
+        assert err.value.param == "messages"
+        assert h.engine.rendered_on == [False, True]
+
+    run_actor(test)
+
+
 def test_queue_full_beyond_busy_slots_and_max_queue() -> None:
     async def test(h: Harness) -> None:
         h.threads.hold()  # the first step blocks: slots stay busy

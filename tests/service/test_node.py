@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -25,6 +26,7 @@ from neuron_trio.errors import (
     ModelLoadError,
     ModelNotFoundError,
     PlacementError,
+    RequestError,
     SourceError,
     UnavailableError,
 )
@@ -98,7 +100,7 @@ def make_config(
 ) -> NeuronConfig:
     models_dir = tmp_path / "models"
     models_dir.mkdir(exist_ok=True)
-    for name in ("a.gguf", "b.gguf"):
+    for name in ("a.gguf", "b.gguf", "c.gguf"):
         (models_dir / name).write_bytes(b"GGUF")
     data: dict[str, Any] = {
         "node": {"state_dir": str(tmp_path / "state"), "model_dirs": [str(models_dir)]},
@@ -152,6 +154,7 @@ class World:
             failpoints=self.failpoints,
             executor_factory=self.factory,
             estimator=self.estimator,
+            host_memory=lambda: 1 << 40,  # the fake estimates are not this machine's
             watchdog_factory=self.watchdog,
             hostname="node-1",
         )
@@ -552,3 +555,25 @@ def test_serves_the_builtin_model(tmp_path: Path) -> None:
             await node.unload_all()
 
     trio.run(main)
+
+
+def test_runtime_loads_stop_at_max_models(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    config = msgspec.structs.replace(
+        config, node=msgspec.structs.replace(config.node, max_models=2)
+    )
+
+    async def test(w: World) -> None:
+        node = w.node(config)
+        await w.nursery.start(node.run)
+        node.mark_serving()
+        await node.load_model(ModelConfig(name="b", source="b.gguf", devices="cpu"))
+        with pytest.raises(RequestError, match=r"node\.max_models") as refused:
+            await node.load_model(ModelConfig(name="c", source="c.gguf", devices="cpu"))
+        assert refused.value.status == 409 and "c" not in node.models
+        assert [b[0] for b in w.built] == ["a", "b"]  # nothing built for c
+        await node.unload_model("b")
+        await node.load_model(ModelConfig(name="c", source="c.gguf", devices="cpu"))
+        assert "c" in node.models
+
+    run_world(tmp_path, test)

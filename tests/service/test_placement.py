@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.errors import PlacementError
-from neuron_trio.service.placement import cuda_ordinals, estimate_model_bytes, place
+from neuron_trio.service.placement import (
+    cuda_ordinals,
+    estimate_model_bytes,
+    host_memory_available,
+    place,
+)
 
 GIB = 1 << 30
 
@@ -160,3 +166,18 @@ def test_cli_makes_cuda_count_in_pci_bus_order(caplog: pytest.LogCaptureFixture)
     use_pci_bus_order(chosen)
     assert chosen == {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}  # the operator's choice stands
     assert "CUDA_DEVICE_ORDER=FASTEST_FIRST" in caplog.text
+
+
+def test_cpu_ranks_must_fit_memavailable(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 25165824 kB\nMemAvailable:    8388608 kB\n")
+    available = host_memory_available(meminfo)
+    assert available == 8 << 30
+    assert host_memory_available(tmp_path / "missing") is None
+    for devices in ("cpu", "auto"):  # "auto" with no GPU places on the CPU too
+        spec = ModelConfig(name="m", source="x", devices=devices)  # type: ignore[arg-type]
+        assert place(spec, 4 << 30, None, host_available_bytes=available) == [torch.device("cpu")]
+        with pytest.raises(PlacementError) as err:
+            place(spec, 96 << 30, None, host_available_bytes=available)
+        assert "100.80 GiB of host memory" in str(err.value)
+        assert "8.00 GiB available (MemAvailable)" in str(err.value)

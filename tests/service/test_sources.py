@@ -81,16 +81,18 @@ def hub() -> Iterator[str]:
         server.server_close()
 
 
-def _resolve_in_subprocess(source: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _resolve_in_subprocess(
+    source: str, env: dict[str, str], limits: str = "None"
+) -> subprocess.CompletedProcess[str]:
     # huggingface_hub reads HF_ENDPOINT / HF_HOME / HF_HUB_OFFLINE at import: a fresh process.
     code = textwrap.dedent(
         f"""
         from neuron_trio.config import config_from_mapping
         from neuron_trio.errors import SourceError
-        from neuron_trio.service.sources import resolve_source
+        from neuron_trio.service.sources import HubLimits, resolve_source
         config = config_from_mapping({{}}, origin="test", environ={{}})
         try:
-            print(resolve_source({source!r}, config))
+            print(resolve_source({source!r}, config, limits={limits}))
         except SourceError as exc:
             print("SourceError:", exc)
         """
@@ -119,6 +121,25 @@ def test_hub_download_into_hf_home_then_offline(hub: str, tmp_path: Path) -> Non
 
     done = _resolve_in_subprocess("hf:acme/tiny/other.gguf", {**env, "HF_HUB_OFFLINE": "1"})
     assert "SourceError:" in done.stdout and "HF_HUB_OFFLINE" in done.stdout
+
+
+def test_runtime_limits_are_checked_before_downloading(hub: str, tmp_path: Path) -> None:
+    env = {"HF_ENDPOINT": hub, "HF_HOME": str(tmp_path / "hf")}
+    source = "hf:acme/tiny/tiny.Q4_0.gguf"
+    size = len(GGUF_BYTES)
+    # A repo that is not allowed: the hub is not even asked.
+    done = _resolve_in_subprocess(source, env, "HubLimits(('other/*',), 1 << 30)")
+    assert "SourceError:" in done.stdout and "node.hf_allow_repos: other/*" in done.stdout
+    assert not [p for _, p in _HubHandler.requests if "/resolve/" in p]
+    # Allowed, but larger than the cap: only a HEAD, no GET, nothing in the cache.
+    done = _resolve_in_subprocess(source, env, f"HubLimits(('acme/*',), {size - 1})")
+    assert "SourceError:" in done.stdout and f"is {size} bytes" in done.stdout, done.stdout
+    file_requests = {m for m, path in _HubHandler.requests if "/resolve/" in path}
+    assert file_requests == {"HEAD"}, _HubHandler.requests
+    assert not list((tmp_path / "hf").rglob("*.gguf"))
+    # Within the cap: downloaded.
+    done = _resolve_in_subprocess(source, env, f"HubLimits(('acme/tiny',), {size})")
+    assert Path(done.stdout.strip().splitlines()[-1]).read_bytes() == GGUF_BYTES
 
 
 def test_hub_missing_file_is_a_source_error(hub: str, tmp_path: Path) -> None:

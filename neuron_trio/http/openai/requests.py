@@ -1,8 +1,8 @@
-"""The OpenAI wire format: request schemas, validation into a `GenerationJob`, response shapes.
+"""OpenAI requests: the wire schemas and their validation into a `GenerationJob`.
 
 Requests are decoded with msgspec Structs that forbid unknown fields: a field neuron does not
-implement (`tools`, `response_format`, `logit_bias`, …) is a 400 that names it, never silently
-ignored. Every other validation error names its field too (`param` in the error body).
+implement (`logit_bias`, …) is a 400 that names it, never silently ignored. Every other
+validation error names its field too (`param` in the error body).
 
 Accepted and ignored on purpose: `user` (an end-user id for the caller's own abuse tracking;
 metadata that never changes the output). `stream_options` without `stream` is accepted and
@@ -16,9 +16,7 @@ completions; for chat without `max_tokens`/`max_completion_tokens` the engine's 
 from __future__ import annotations
 
 import re
-import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -26,19 +24,19 @@ import msgspec
 from neuron_trio.errors import RequestError
 from neuron_trio.service.api import (
     ChatMessage,
+    Constraint,
     GenerationJob,
     SamplingParams,
-    SequenceEvent,
-    TokenLogprob,
+    ToolCall,
+    ToolFunction,
 )
 
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "ParsedRequest",
-    "Transcript",
+    "RequestKind",
     "decode_struct",
-    "error_body",
     "parse_chat_request",
     "parse_completion_request",
 ]
@@ -60,6 +58,8 @@ ModelId = Annotated[str, msgspec.Meta(min_length=1)]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
+RequestKind = Literal["chat", "completion"]
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -68,9 +68,58 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
+
+
 class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message of tool calls
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # neuron always enforces the parameters when it constrains
+
+
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # neuron always enforces the schema
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -89,7 +138,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
     stop: Stop | None = None
     max_tokens: MaxTokens | None = None
-    n: int | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=8)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored: caller metadata
@@ -100,6 +149,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -116,7 +169,7 @@ class CompletionRequest(_Common, kw_only=True):
 class ParsedRequest:
     """A validated request: the job for the node plus how to shape the response."""
 
-    kind: Literal["chat", "completion"]
+    kind: RequestKind
     job: GenerationJob
     stream: bool
     include_usage: bool
@@ -124,17 +177,6 @@ class ParsedRequest:
 
 
 # --- errors -------------------------------------------------------------------------------
-
-
-def error_body(
-    message: str,
-    *,
-    error_type: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-) -> dict[str, Any]:
-    """The one error shape of every non-2xx response and of a mid-stream SSE error event."""
-    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
 
 
 _AT_RE = re.compile(r"^(?P<detail>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
@@ -174,7 +216,7 @@ def _validation_error(
 def _all_unknown_fields(body: bytes, cls: type[msgspec.Struct]) -> list[str]:
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return []
     if not isinstance(data, dict):
         return []
@@ -189,14 +231,11 @@ def decode_struct(body: bytes, cls: type[S]) -> S:
         raise _validation_error(exc, body, cls) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth limit, e.g. in a field nobody reads
+        raise RequestError("request body is nested too deeply", code="invalid_json") from None
 
 
 # --- requests -> jobs -----------------------------------------------------------------------
-
-
-def _common_checks(req: _Common) -> None:
-    if req.n is not None and req.n != 1:
-        raise RequestError("n: only n = 1 is supported", param="n", code="unsupported_value")
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -231,15 +270,116 @@ def _sampling(
         stop=_stops(req.stop),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        n=req.n or 1,
     )
 
 
-def _message(msg: InputMessage) -> ChatMessage:
-    content = (
-        msg.content if isinstance(msg.content, str) else "\n".join(p.text for p in msg.content)
+def _message(i: int, msg: InputMessage) -> ChatMessage:
+    where = f"messages[{i}]"
+    if msg.content is None:
+        content = ""
+        if not msg.tool_calls:
+            raise RequestError(
+                f"{where}.content: required (only an assistant message with tool_calls may omit "
+                "it)",
+                param=f"{where}.content",
+                code="missing_field",
+            )
+    elif isinstance(msg.content, str):
+        content = msg.content
+    else:
+        content = "\n".join(p.text for p in msg.content)
+    if msg.tool_calls and msg.role != "assistant":
+        raise RequestError(
+            f"{where}.tool_calls: only assistant messages carry tool calls",
+            param=f"{where}.tool_calls",
+        )
+    if msg.role == "tool" and not msg.tool_call_id:
+        raise RequestError(
+            f"{where}.tool_call_id: required for a message with role tool",
+            param=f"{where}.tool_call_id",
+            code="missing_field",
+        )
+    calls = tuple(
+        ToolCall(c.id, c.function.name, _json_object(c.function.arguments, f"{where}.tool_calls"))
+        for c in msg.tool_calls or ()
     )
-    role: Literal["system", "user", "assistant"] = "system" if msg.role == "developer" else msg.role
-    return ChatMessage(role=role, content=content)
+    role: Literal["system", "user", "assistant", "tool"] = (
+        "system" if msg.role == "developer" else msg.role
+    )
+    return ChatMessage(role=role, content=content, tool_calls=calls, tool_call_id=msg.tool_call_id)
+
+
+def _json_object(text: str, param: str) -> str:
+    """`text` if it is a JSON object (a call's arguments), else a RequestError naming `param`."""
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise RequestError(f"{param}: arguments must be a JSON object as a string", param=param)
+    return text
+
+
+def _compact(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[ToolFunction, ...]]:
+    """The grammar the answer must follow, and the tools whose calls are parsed from it."""
+    tools = tuple(
+        ToolFunction(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters=_compact(
+                t.function.parameters
+                if t.function.parameters is not None
+                else {"type": "object", "properties": {}}
+            ),
+        )
+        for t in req.tools or ()
+    )
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise RequestError("tools: two functions have the same name", param="tools")
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and tools and choice != "none":
+        raise RequestError(
+            "response_format: cannot be combined with tools (unless tool_choice is none)",
+            param="response_format",
+        )
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t.name == choice.function.name]
+        if not chosen:
+            raise RequestError(
+                f"tool_choice: no function named {choice.function.name!r} in tools",
+                param="tool_choice",
+                code="unknown_function",
+            )
+        return Constraint("tool_call", tools=(chosen[0],)), tools
+    if choice == "required":
+        if not tools:
+            raise RequestError("tool_choice: required needs tools", param="tool_choice")
+        parallel = req.parallel_tool_calls is not False
+        return Constraint("tool_call", tools=tools, parallel=parallel), tools
+    if choice == "auto":
+        if not tools:
+            raise RequestError("tool_choice: auto needs tools", param="tool_choice")
+        return None, tools
+    # choice "none": the tools are neither offered to the model nor parsed
+    if fmt is None or fmt.type == "text":
+        return None, ()
+    if fmt.type == "json_object":
+        return Constraint("json", schema='{"type":"object"}'), ()
+    if fmt.json_schema is None:
+        raise RequestError(
+            "response_format.json_schema: required with type json_schema",
+            param="response_format.json_schema",
+            code="missing_field",
+        )
+    schema = fmt.json_schema.schema if fmt.json_schema.schema is not None else {}
+    return Constraint("json", schema=_compact(schema)), ()
 
 
 def _include_usage(req: _Common) -> bool:
@@ -249,7 +389,6 @@ def _include_usage(req: _Common) -> bool:
 def parse_chat_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body; RequestError names the offending field."""
     req = decode_struct(body, ChatCompletionRequest)
-    _common_checks(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(
             "top_logprobs: needs logprobs = true", param="top_logprobs", code="invalid_value"
@@ -263,16 +402,17 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
     )
-    job = GenerationJob(
-        model=req.model, params=params, messages=tuple(_message(m) for m in req.messages)
-    )
+    constraint, tools = _constraint(req)
+    parallel = req.parallel_tool_calls is not False
+    params = replace(params, constraint=constraint, tools=tools, parallel_tool_calls=parallel)
+    messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
+    job = GenerationJob(model=req.model, params=params, messages=messages)
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
 
 
 def parse_completion_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/completions` body; RequestError names the offending field."""
     req = decode_struct(body, CompletionRequest)
-    _common_checks(req)
     if req.echo:
         raise RequestError("echo: not supported", param="echo", code="unsupported_field")
     if req.suffix:
@@ -318,208 +458,3 @@ def _one_prompt(raw: str | list[str | int]) -> tuple[str, tuple[int, ...] | None
         "prompt: a string, a list of one string, or a list of token ids (ints), not a mix",
         param="prompt",
     )
-
-
-# --- responses ------------------------------------------------------------------------------
-
-
-@dataclass
-class Transcript:
-    """Everything one request's events said, for the response body and the usage."""
-
-    text_parts: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-    def add(self, event: SequenceEvent) -> None:
-        if event.text:
-            self.text_parts.append(event.text)
-        if event.logprobs:
-            self.logprobs.extend(event.logprobs)
-        if event.prompt_tokens:
-            self.prompt_tokens = event.prompt_tokens
-        if event.completion_tokens:
-            self.completion_tokens = event.completion_tokens
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-            self.error = event.error
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-
-def new_id(kind: Literal["chat", "completion"]) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": lp.text,
-                "logprob": lp.logprob,
-                "bytes": _token_bytes(lp.text),
-                "top_logprobs": [
-                    {"token": text, "logprob": value, "bytes": _token_bytes(text)}
-                    for _, text, value in lp.top
-                ],
-            }
-            for lp in items
-        ]
-    }
-
-
-def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    offsets = []
-    for lp in items:
-        offsets.append(offset)
-        offset += len(lp.text)
-    return {
-        "tokens": [lp.text for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in items],
-        "text_offset": offsets,
-    }
-
-
-def completion_response(
-    parsed: ParsedRequest, rid: str, created: int, t: Transcript
-) -> dict[str, Any]:
-    """The whole non-streaming body: a `chat.completion` or a `text_completion`."""
-    want_logprobs = parsed.job.params.logprobs
-    if parsed.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": t.text},
-            "logprobs": chat_logprobs(t.logprobs) if want_logprobs else None,
-            "finish_reason": t.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": t.text,
-            "logprobs": completion_logprobs(t.logprobs, parsed.prompt_chars)
-            if want_logprobs
-            else None,
-            "finish_reason": t.finish_reason,
-        }
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": parsed.job.model,
-        "choices": [choice],
-        "usage": t.usage(),
-    }
-
-
-class ChunkWriter:
-    """Builds the SSE chunks of one streaming response, in order."""
-
-    def __init__(self, parsed: ParsedRequest) -> None:
-        self.parsed = parsed
-        self.id = new_id(parsed.kind)
-        self.created = now()
-        self.object = "chat.completion.chunk" if parsed.kind == "chat" else "text_completion"
-        self._offset = parsed.prompt_chars
-        self._want_logprobs = parsed.job.params.logprobs
-
-    def _chunk(self, choice: dict[str, Any] | None) -> bytes:
-        doc: dict[str, Any] = {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.parsed.job.model,
-            "choices": [] if choice is None else [choice],
-        }
-        if self.parsed.include_usage:
-            doc["usage"] = None
-        return sse_data(doc)
-
-    def opening(self) -> bytes:
-        """Chat streams open with the assistant's role, before any token (as OpenAI's do)."""
-        if self.parsed.kind != "chat":
-            return b""
-        return self._chunk(
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        )
-
-    def event(self, event: SequenceEvent, finish_reason: str | None) -> bytes:
-        """The chunk(s) for one event: its text and, on the last one, the finish reason."""
-        out = b""
-        lps = event.logprobs or []
-        if event.text or lps:
-            if self.parsed.kind == "chat":
-                out += self._chunk(
-                    {
-                        "index": 0,
-                        "delta": {"content": event.text},
-                        "logprobs": chat_logprobs(lps) if self._want_logprobs else None,
-                        "finish_reason": None,
-                    }
-                )
-            else:
-                logprobs = completion_logprobs(lps, self._offset) if self._want_logprobs else None
-                self._offset += len(event.text)
-                return self._chunk(
-                    {
-                        "index": 0,
-                        "text": event.text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                    }
-                )
-        if finish_reason is not None:
-            if self.parsed.kind == "chat":
-                out += self._chunk(
-                    {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-                )
-            else:
-                out += self._chunk(
-                    {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
-                )
-        return out
-
-    def usage(self, t: Transcript) -> bytes:
-        doc = {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.parsed.job.model,
-            "choices": [],
-            "usage": t.usage(),
-        }
-        return sse_data(doc)
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_data(doc: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(doc) + b"\n\n"

@@ -1,0 +1,38 @@
+"""The OpenAI wire format: `requests` (schemas, validation into a job) and `responses`
+(bodies, SSE chunks, the error shape)."""
+
+from neuron_trio.http.openai.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ParsedRequest,
+    decode_struct,
+    parse_chat_request,
+    parse_completion_request,
+)
+from neuron_trio.http.openai.responses import (
+    SSE_DONE,
+    ChunkWriter,
+    Transcript,
+    completion_response,
+    error_body,
+    new_id,
+    now,
+    sse_data,
+)
+
+__all__ = [
+    "SSE_DONE",
+    "ChatCompletionRequest",
+    "ChunkWriter",
+    "CompletionRequest",
+    "ParsedRequest",
+    "Transcript",
+    "completion_response",
+    "decode_struct",
+    "error_body",
+    "new_id",
+    "now",
+    "parse_chat_request",
+    "parse_completion_request",
+    "sse_data",
+]
