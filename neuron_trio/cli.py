@@ -1,4 +1,4 @@
-"""The `neuron` command: serve (the daemon), gpus, check-config, pull.
+"""The `neuron` command: serve (the daemon), gpus, check-config, pull, status.
 
 Exit codes (sysexits, DESIGN.md): 0 clean; 64 bad usage; 69 a model could not be loaded or
 fetched; 70 the deadman fired; 78 bad config. Messages go to stderr; stdout carries only
@@ -27,6 +27,7 @@ from neuron_trio.service.signals import flush_logs
 log = logging.getLogger("neuron")
 
 LOG_LEVEL_ENV = "NEURON_LOG_LEVEL"
+SYSTEM_CONFIG = "/etc/neuron/neuron.toml"  # deploy/neuron.service's; `status` reads it by default
 NVML_TIMEOUT_S = 5.0
 
 # syslog priorities, as journald reads them from a "<N>" line prefix.
@@ -141,6 +142,19 @@ def build_parser() -> UsageParser:
         "source", metavar="SOURCE", help='"hf:REPO/FILE.gguf", "builtin:NAME" or a path'
     )
     pull.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help="TOML config")
+
+    status = sub.add_parser(
+        "status",
+        help="one screen: state, models, queues, watchdog, the last forensics report",
+        description=(
+            "Read /v1/node and /metrics of the running daemon (with the API key of the "
+            f"config; default config {SYSTEM_CONFIG} when it exists). Exit 0 when the node "
+            "is serving, 69 when it is not (starting, draining, recovering, wedged, down)."
+        ),
+    )
+    status.add_argument("--url", metavar="URL", help="default: the config's first listen address")
+    status.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    status.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help="TOML config")
     return parser
 
 
@@ -270,11 +284,36 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return EX_OK
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from neuron_trio import status
+
+    path = _config_path(args)
+    if path is None and Path(SYSTEM_CONFIG).is_file():
+        path = SYSTEM_CONFIG
+    try:
+        config = load_config(path)
+        key = status.api_key(config)
+    except ConfigError as exc:
+        print(f"neuron: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    url = args.url or status.default_url(config)
+    try:
+        found = status.fetch_status(url, key=key, config=config)
+    except status.StatusError as exc:
+        print(f"neuron: {exc}", file=sys.stderr)
+        if args.json:
+            sys.stdout.write(json.dumps({"url": url, "serving": False, "error": str(exc)}) + "\n")
+        return EX_UNAVAILABLE
+    sys.stdout.write(status.as_json(found, url=url) if args.json else status.render(found, url=url))
+    return found.exit_code()
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "gpus": cmd_gpus,
     "check-config": cmd_check_config,
     "pull": cmd_pull,
+    "status": cmd_status,
 }
 
 

@@ -129,6 +129,7 @@ class Daemon:
         self.http_done = trio.Event()
         self._http_running = False
         self.node: DaemonNode | None = None
+        self.identity: Identity | None = None
         self._startup_scope: trio.CancelScope | None = None
 
     def begin_drain(self, signum: int) -> None:
@@ -154,13 +155,15 @@ class Daemon:
             await self._drain()
             root.cancel_scope.cancel()
         self.phase = "stopped"
+        if self.identity is not None:
+            self.identity.record_clean_stop()
         log.info("stopped")
         return EX_OK
 
     async def _start(self, root: trio.Nursery) -> None:
         config = self.config
         status = self.notifier.status
-        identity = Identity.create(config.state_path)
+        identity = self.identity = Identity.create(config.state_path)
         log.info(
             "neuron starting: boot %s, start %d in %s, config %s",
             identity.boot_id,

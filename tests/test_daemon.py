@@ -187,6 +187,13 @@ def test_start_ready_drain_exit_0(
     assert "STATUS=loading tiny 1/1" in messages[:ready]
     assert ready < stopping and messages[-1] == "STATUS=stopped"
     assert d.phase == "stopped"
+    assert not (config.state_path / "running").exists()  # a clean stop: the next start is not
+    # an unexpected restart
+
+
+def test_a_failed_start_leaves_the_next_start_unclean(config: NeuronConfig) -> None:
+    assert daemon.run(config, _wiring([], {}, fail_load=True)) == 69
+    assert (config.state_path / "running").exists()
 
 
 def test_drain_waits_for_in_flight_up_to_the_timeout(config: NeuronConfig) -> None:

@@ -4,6 +4,12 @@
 start is 1), so a router can tell a node that restarts every minute. The counter file is
 replaced atomically (temporary file, fsync, `os.replace`, fsync of the directory): a crash
 mid-write leaves the old count, never a torn one.
+
+`previous_stop_clean` says whether the process before this one stopped cleanly: each start
+writes `state_dir/running`, and only a clean stop (a drain that ended in exit 0) removes it.
+A start that finds it follows a crash, a kill, an OOM, a deadman exit 70 or a failed start,
+which `/metrics` exports (`neuron_node_previous_stop_clean`) for an alert on unexpected
+restarts that a planned restart does not trip.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from neuron_trio.service.timefmt import utc_iso
 log = logging.getLogger(__name__)
 
 COUNTER_FILE = "starts"
+RUNNING_FILE = "running"  # present from a start until its clean stop
 
 
 class StateDirError(ConfigError):
@@ -75,6 +82,7 @@ class Identity:
     started_at: str  # RFC 3339, UTC
     starts: int  # starts recorded in state_dir, this one included
     state_dir: Path
+    previous_stop_clean: bool = True  # False: the last process did not stop cleanly
 
     @classmethod
     def create(cls, state_dir: str | Path, *, now: datetime | None = None) -> Identity:
@@ -85,17 +93,35 @@ class Identity:
             state.mkdir(parents=True, exist_ok=True)
             starts = _read_count(counter) + 1
             _write_atomically(counter, f"{starts}\n")
+            running = state / RUNNING_FILE
+            previous_clean = not running.exists()
+            boot_id = uuid.uuid4().hex
+            _write_atomically(running, f"{boot_id}\n")
         except OSError as exc:
             raise StateDirError(
                 f"state directory {state}: cannot record this start in {counter}: "
                 f"{exc.strerror or exc}"
             ) from None
+        if not previous_clean:
+            log.warning(
+                "the previous neuron did not stop cleanly (%s was left behind): a crash, a kill, "
+                "a deadman exit or a failed start; see the journal and state_dir/forensics",
+                running,
+            )
         return cls(
-            boot_id=uuid.uuid4().hex,
+            boot_id=boot_id,
             started_at=utc_iso(now or datetime.now(UTC)),
             starts=starts,
             state_dir=state,
+            previous_stop_clean=previous_clean,
         )
+
+    def record_clean_stop(self) -> None:
+        """After a drain that ends in exit 0: the next start is not an unexpected restart."""
+        try:
+            (self.state_dir / RUNNING_FILE).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot record a clean stop in %s: %s", self.state_dir, exc)
 
     def to_dict(self) -> dict[str, object]:
         return {"boot_id": self.boot_id, "started_at": self.started_at, "starts": self.starts}

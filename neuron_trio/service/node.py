@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ import torch
 import trio
 from prometheus_client import CollectorRegistry
 
+import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.engine.chat_probe import probe_gguf_chat_template
@@ -50,8 +52,10 @@ from neuron_trio.errors import (
 from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
+from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.model_actor import EventStream, ModelActor, ModelInfo, ModelMemory
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
+from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,
@@ -65,6 +69,8 @@ from neuron_trio.service.watchdog import Watchdog, WatchdogStatistics
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
+
+TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
 
 ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
 Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
@@ -107,9 +113,12 @@ class GpuSource(Protocol):
 
 
 class StatusSink(Protocol):
-    """What the node needs of `service.notifier.Notifier`: STATUS= lines."""
+    """What the node needs of `service.notifier.Notifier`: STATUS= lines, and more time for
+    the start while a default model downloads (EXTEND_TIMEOUT_USEC=)."""
 
     def status(self, text: str) -> Any: ...
+
+    def extend_timeout(self, seconds: float, status: str | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,7 @@ class _Identity:
     boot_id: str
     started_at: str
     starts: int
+    previous_stop_clean: bool = True
 
 
 def _ephemeral_identity() -> _Identity:
@@ -169,11 +179,13 @@ class NodeInfo(msgspec.Struct, frozen=True):
     boot_id: str
     started_at: str
     starts: int
+    previous_stop_clean: bool  # False: the process before this one crashed, was killed, exited 70
     status: str
     draining: bool
     config: str  # the config file read, or "<built-in default>"
     gpus: Any  # a live NVML snapshot, or {"available": false, "error": why}
     models: list[ModelInfo]
+    generated_tokens_per_s_1m: dict[str, float | None]  # per model; None before two samples
     watchdog: NodeWatchdog
     last_forensics: LastForensics | None
     failpoints: FailpointsInfo
@@ -239,6 +251,9 @@ class Node:
         self._draining = False
         self._closed = trio.Event()
         self._last_forensics: LastForensics | None = None
+        self._last_forensics_unix: float | None = None  # when it was written (its mtime)
+        self._token_rates: dict[str, RateWindow] = {}
+        self._registry.register(NodeCollector(self))
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -297,11 +312,13 @@ class Node:
             boot_id=health.boot_id,
             started_at=health.started_at,
             starts=health.starts,
+            previous_stop_clean=bool(self.identity.previous_stop_clean),
             status=health.status,
             draining=self._draining,
             config=self.config.source_path,
             gpus=gpus,
             models=[actor.info() for actor in self._actors.values()],
+            generated_tokens_per_s_1m={name: self._tokens_per_s(name) for name in self._actors},
             watchdog=NodeWatchdog(
                 step_timeout_s=tp.step_timeout_s,
                 abort_deadline_s=tp.abort_deadline_s,
@@ -376,9 +393,12 @@ class Node:
         )
         if self._last_forensics is not None:
             log.warning("last forensics report: %s", self._last_forensics.path)
+            with contextlib.suppress(OSError):
+                self._last_forensics_unix = Path(self._last_forensics.path).stat().st_mtime
         failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._sample_token_rates)
             try:
                 await self._load_defaults()
             except (ModelLoadError, ConfigError) as exc:
@@ -395,7 +415,10 @@ class Node:
     async def _load_defaults(self) -> None:
         models = self.config.default_models
         for i, spec in enumerate(models, 1):
-            self._status(f"loading {spec.name} ({i}/{len(models)}) from {spec.source}…")
+            self._status(
+                f"loading {spec.name} ({i}/{len(models)}) from {spec.source}…",
+                extend_s=LOAD_SILENCE_S,
+            )
             started = time.monotonic()
             await self._start_model(spec)
             self._status(f"loaded {spec.name} in {time.monotonic() - started:.1f} s")
@@ -435,19 +458,68 @@ class Node:
 
     # ---- inside ---------------------------------------------------------------------------
 
-    def _status(self, text: str) -> None:
+    def _status(self, text: str, *, extend_s: float | None = None) -> None:
+        """Log `text` and show it as STATUS=; with `extend_s`, also ask systemd for that much
+        more time to start (a default model's load is progress, not silence)."""
         log.info("%s", text)
         if self._notifier is not None:
             with contextlib.suppress(Exception):
-                self._notifier.status(text)
+                if extend_s is None:
+                    self._notifier.status(text)
+                else:
+                    self._notifier.extend_timeout(extend_s, text)
+
+    def _download_progress(self, spec: ModelConfig) -> DownloadProgress | None:
+        """Bytes and percent to systemd while a default model downloads, each report with more
+        time for the start. Not for run-time loads: the node is started by then."""
+        if self._notifier is None or self._serving:
+            return None
+        return DownloadProgress(self._notifier, f"{spec.name} ({spec.source})")
 
     def _make_watchdog(self, spec: ModelConfig) -> Watchdog:
+        metrics = WatchdogMetrics.for_registry(self._registry)
+        metrics.zero(spec.name)
         return Watchdog(
-            model_name=spec.name,
-            tp=self.config.tp,
-            deadman=self.deadman,
-            metrics=WatchdogMetrics.for_registry(self._registry),
+            model_name=spec.name, tp=self.config.tp, deadman=self.deadman, metrics=metrics
         )
+
+    def node_statistics(self) -> NodeStatistics:
+        """For `/metrics` (service.node_metrics): identity, health, the last deadman exit."""
+        try:
+            started = datetime.fromisoformat(str(self.identity.started_at)).timestamp()
+        except ValueError:
+            started = 0.0
+        return NodeStatistics(
+            boot_id=str(self.identity.boot_id),
+            hostname=self.hostname,
+            version=neuron_trio.__version__,
+            starts=int(self.identity.starts),
+            started_at_unix=started,
+            status=self.health().status,
+            last_forensics_unix=self._last_forensics_unix,
+            previous_stop_clean=bool(self.identity.previous_stop_clean),
+        )
+
+    async def _sample_token_rates(self) -> None:
+        """Every TOKEN_RATE_SAMPLE_S, each model's generated tokens into its 1-minute window."""
+        while True:
+            now = trio.current_time()
+            totals = {
+                sample.labels["model"]: sample.value
+                for family in self._metrics.generated_tokens.collect()
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            }
+            for name in list(self._actors):
+                self._token_rates.setdefault(name, RateWindow()).add(now, totals.get(name, 0.0))
+            for gone in set(self._token_rates) - set(self._actors):
+                del self._token_rates[gone]
+            await trio.sleep(TOKEN_RATE_SAMPLE_S)
+
+    def _tokens_per_s(self, model: str) -> float | None:
+        window = self._token_rates.get(model)
+        rate = window.rate() if window is not None else None
+        return round(rate, 2) if rate is not None else None
 
     def _model_statistics(self) -> list[ModelActorStatistics]:
         return [actor.statistics() for actor in list(self._actors.values())]
@@ -481,6 +553,7 @@ class Node:
                     spec.source,
                     self.config,
                     progress=self._status,
+                    on_bytes=self._download_progress(spec),
                     limits=hub_limits,
                 ),
                 abandon_on_cancel=True,

@@ -1,9 +1,10 @@
-"""sd_notify by hand: READY=1, STATUS=…, WATCHDOG=1, STOPPING=1 to `$NOTIFY_SOCKET`.
+"""sd_notify by hand: READY=1, STATUS=…, WATCHDOG=1, EXTEND_TIMEOUT_USEC=…, STOPPING=1.
 
 The protocol is one unix datagram per message (newline-separated `KEY=value` lines) to the
 path in `$NOTIFY_SOCKET`; a leading `@` names an abstract socket (replaced by NUL). The
 socket is non-blocking: a full or vanished systemd socket costs a log line, never a stall
 of the event loop. Without `$NOTIFY_SOCKET` (not under systemd) every call is a no-op.
+Thread-safe: download progress is reported from a worker thread.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Mapping
 
 import trio
 
 log = logging.getLogger(__name__)
+
+SENT_KEPT = 100  # progress reports every second would otherwise grow the list forever
 
 
 def _address(raw: str) -> str:
@@ -45,7 +49,8 @@ class Notifier:
         self.watchdog_interval_s = watchdog_interval_s(env) if self.address else None
         self._sock: socket.socket | None = None
         self._failed = False
-        self.sent: list[str] = []  # every message handed to the socket, for status pages
+        self._lock = threading.Lock()
+        self.sent: list[str] = []  # the last SENT_KEPT messages, for tests and status pages
 
     @property
     def enabled(self) -> bool:
@@ -56,6 +61,11 @@ class Notifier:
         if self.address is None:
             return False
         message = "\n".join(lines)
+        with self._lock:
+            return self._send(message)
+
+    def _send(self, message: str) -> bool:
+        assert self.address is not None
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -68,6 +78,8 @@ class Notifier:
             return False
         self._failed = False
         self.sent.append(message)
+        if len(self.sent) > SENT_KEPT:
+            del self.sent[0]
         return True
 
     def ready(self, status: str | None = None) -> bool:
@@ -76,6 +88,17 @@ class Notifier:
     def status(self, text: str) -> bool:
         # A newline would start a new KEY=value line: keep the status on one line.
         return self.notify("STATUS=" + " ".join(text.splitlines()))
+
+    def extend_timeout(self, seconds: float, status: str | None = None) -> bool:
+        """EXTEND_TIMEOUT_USEC: the current start (or stop) may take `seconds` more from now.
+
+        Only while starting: sent during a stop, it would stretch TimeoutStopSec= as well.
+        """
+        # STATUS= first: whoever reads the datagrams for progress finds it where a plain
+        # status() puts it.
+        lines = ["STATUS=" + " ".join(status.splitlines())] if status else []
+        lines.append(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}")
+        return self.notify(*lines)
 
     def stopping(self, status: str | None = None) -> bool:
         return self.notify("STOPPING=1", *([f"STATUS={status}"] if status else []))

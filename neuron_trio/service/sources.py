@@ -19,6 +19,7 @@ from pathlib import Path
 from neuron_trio.config import NeuronConfig
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
+from neuron_trio.service.download_progress import ByteProgress, reporting_tqdm
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,14 @@ def resolve_hub(
     *,
     progress: Progress | None = None,
     quiet: bool = False,
+    on_bytes: ByteProgress | None = None,
     limits: HubLimits | None = None,
 ) -> Path:
     """Download `hf:REPO/FILE.gguf` into the hub cache (or find it there); return its path.
 
     With `limits` (a runtime load), the repo must be allowed and the file small enough,
-    both checked before the download starts.
+    both checked before the download starts. `on_bytes(done, total)` follows the download
+    (service.download_progress).
     """
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub import errors as hub_errors
@@ -185,15 +188,8 @@ def resolve_hub(
             raise
         except Exception as exc:
             raise SourceError(f"source {source!r}: cannot ask the hub for its size: {exc}") from exc
-    if quiet:
-        from tqdm import tqdm as _tqdm
-
-        class _Silent(_tqdm):  # type: ignore[misc,type-arg]
-            def __init__(self, *args: object, **kwargs: object) -> None:
-                kwargs["disable"] = True
-                super().__init__(*args, **kwargs)
-
-        tqdm_class = _Silent
+    if quiet or on_bytes is not None:
+        tqdm_class = reporting_tqdm(on_bytes or (lambda done, total: None), quiet=quiet)
     try:
         path = hf_hub_download(
             hub.repo_id,
@@ -231,6 +227,7 @@ def resolve_source(
     config: NeuronConfig,
     *,
     progress: Progress | None = None,
+    on_bytes: ByteProgress | None = None,
     limits: HubLimits | None = None,
 ) -> Path:
     """The local GGUF file for `source`; blocking (may download). Raises SourceError.
@@ -241,7 +238,7 @@ def resolve_source(
     if source.startswith("builtin:"):
         return builtin_model_path(source.removeprefix("builtin:"))
     if source.startswith("hf:"):
-        return resolve_hub(source, progress=progress, quiet=True, limits=limits)
+        return resolve_hub(source, progress=progress, quiet=True, on_bytes=on_bytes, limits=limits)
     return resolve_local(source, config.model_dir_paths)
 
 

@@ -14,6 +14,8 @@ from typing import ClassVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _ABORT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
+ABORT_OUTCOMES = ("returned", "error", "deadline")
+PROBE_RESULTS = ("ok", "error", "timeout")
 
 
 class WatchdogMetrics:
@@ -63,6 +65,21 @@ class WatchdogMetrics:
             ["model", "result"],
             registry=registry,
         )
+
+    def zero(self, model: str, wedge_kinds: tuple[str, ...] = ("step", "probe")) -> None:
+        """Export every counter of `model` at 0 from its load on.
+
+        A labelled counter has no series until its first increment, and Prometheus's
+        `increase()` needs two samples: the first wedge of a process would be invisible to
+        `increase(neuron_watchdog_wedges_total[10m]) > 0` without a 0 before it.
+        """
+        for what in wedge_kinds:
+            self.wedges.labels(model, what)
+        for outcome in ABORT_OUTCOMES:
+            self.aborts.labels(model, outcome)
+        self.recoveries.labels(model)
+        for result in PROBE_RESULTS:
+            self.probes.labels(model, result)
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry) -> WatchdogMetrics:

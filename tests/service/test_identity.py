@@ -20,7 +20,7 @@ def test_counts_starts(tmp_path: Path) -> None:
     assert (first.starts, second.starts) == (1, 2)
     assert first.boot_id != second.boot_id and re.fullmatch(r"[0-9a-f]{32}", first.boot_id)
     assert (state / "starts").read_text() == "2\n"
-    assert sorted(p.name for p in state.iterdir()) == ["starts"]  # no temporary file left
+    assert sorted(p.name for p in state.iterdir()) == ["running", "starts"]  # no temporary file
 
 
 def test_started_at_is_rfc3339_utc(tmp_path: Path) -> None:
@@ -58,3 +58,15 @@ def test_state_dir_that_is_a_file(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(StateDirError, match=re.escape(str(blocker / "state"))):
         Identity.create(blocker / "state")
+
+
+def test_a_start_after_an_unclean_stop_says_so(tmp_path: Path) -> None:
+    first = Identity.create(tmp_path)
+    assert first.previous_stop_clean  # the first start follows nothing
+    assert (tmp_path / "running").read_text() == first.boot_id + "\n"
+    second = Identity.create(tmp_path)  # the first never stopped cleanly (a kill, exit 70)
+    assert not second.previous_stop_clean
+    second.record_clean_stop()
+    assert not (tmp_path / "running").exists()
+    third = Identity.create(tmp_path)
+    assert third.previous_stop_clean and third.starts == 3

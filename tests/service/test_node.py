@@ -74,8 +74,16 @@ class FakeGpus:
 class FakeNotifier:
     lines: list[str] = field(default_factory=list)
 
+    extended: list[tuple[float, str | None]] = field(default_factory=list)
+
     def status(self, text: str) -> bool:
         self.lines.append(text)
+        return True
+
+    def extend_timeout(self, seconds: float, status: str | None = None) -> bool:
+        self.extended.append((seconds, status))
+        if status is not None:
+            self.lines.append(status)
         return True
 
 
@@ -84,6 +92,7 @@ class Identity:
     boot_id: str = "b00t"
     started_at: str = "2026-01-01T00:00:00Z"
     starts: int = 3
+    previous_stop_clean: bool = False
 
 
 def make_config(
@@ -455,8 +464,9 @@ def test_node_info_document(tmp_path: Path) -> None:
         assert info["failpoints"]["configured"] == {"engine.step": "hang"}
         # the contract's keys (DESIGN.md, /v1/node), exactly
         assert list(info) == [
-            "hostname", "boot_id", "started_at", "starts", "status", "draining", "config",
-            "gpus", "models", "watchdog", "last_forensics", "failpoints",
+            "hostname", "boot_id", "started_at", "starts", "previous_stop_clean", "status",
+            "draining", "config", "gpus", "models", "generated_tokens_per_s_1m", "watchdog",
+            "last_forensics", "failpoints",
         ]  # fmt: skip
         assert list(model) == [
             "name", "state", "source", "path", "dtype", "weights", "tp", "max_batch",
