@@ -140,7 +140,7 @@ class Engine:
 
         RequestError (param "messages") if the model has no template or it refuses them.
         """
-        source = getattr(self.chat_template, "source", None) or ""
+        source = self.chat_template.source or ""
         has_tool_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if (tools or has_tool_history) and "tool" not in source:
             messages = render_tools_as_text(messages, tools)
@@ -151,7 +151,7 @@ class Engine:
     @property
     def tool_format(self) -> ToolCallFormat:
         if self._tool_format is None:
-            source = getattr(self.chat_template, "source", None)
+            source = self.chat_template.source
             self._tool_format = detect_tool_format(self.tokenizer, source)
         return self._tool_format
 
