@@ -10,10 +10,7 @@ Real time is unavoidable with a subprocess: every wait below is a bounded pollin
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.neuron_process import free_port, spawn_neuron
+
 pytestmark = pytest.mark.slow
 
 MODEL = "drill"
@@ -32,12 +31,6 @@ ABORT_S = 5.0
 READY_S = 360.0  # start-up on 2 shared, busy cores at tp = 3 (the contract: 60 s, tp = 1, idle)
 EXIT_SLACK_S = 10.0  # "within step timeout + abort deadline + a few seconds"
 RECOVER_SLACK_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -150,22 +143,12 @@ max_batch = 2
 context = 512
 """
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-        env.update(
-            NEURON_FAILPOINTS=failpoints,
-            XDG_STATE_HOME=str(tmp_path / "xdg"),
-            HF_HUB_OFFLINE="1",
-            PYTHONUNBUFFERED="1",
-        )
         log_path = tmp_path / "neuron.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+        proc = spawn_neuron(
+            config,
+            log_path,
+            {"NEURON_FAILPOINTS": failpoints, "XDG_STATE_HOME": str(tmp_path / "xdg")},
+        )
         daemon = Daemon(proc, f"http://127.0.0.1:{port}", state_dir, log_path)
         started.append(daemon)
         daemon.wait_ready()

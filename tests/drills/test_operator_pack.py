@@ -31,7 +31,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.drills.test_drills import READY_S, free_port
+from tests.drills.test_drills import READY_S
+from tests.neuron_process import free_port, spawn_neuron
 from tests.promql_names import (
     dashboard_exprs,
     exported_names,
@@ -130,17 +131,8 @@ max_batch = 2
 context = 512
 """
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    env.update(NEURON_FAILPOINTS="engine.step=hang", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     log_path = tmp / "neuron.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    proc = spawn_neuron(config, log_path, {"NEURON_FAILPOINTS": "engine.step=hang"})
     node = Node(proc, f"http://127.0.0.1:{port}", config, log_path)
 
     def ready() -> bool:

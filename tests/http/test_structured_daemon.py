@@ -4,14 +4,10 @@ driven by the official `openai` client (as a user would)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -20,20 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
+from tests.neuron_process import free_port, spawn_neuron
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 READY_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +33,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     except SourceError as e:
         pytest.skip(str(e))
     tmp = tmp_path_factory.mktemp("structured")
-    port = _free_port()
+    port = free_port()
     config = tmp / "neuron.toml"
     config.write_text(
         f"""
@@ -60,14 +50,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         """
     )
     log_path = tmp / "neuron.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
-        )
+    proc = spawn_neuron(config, log_path)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_S
