@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +19,13 @@ import trio
 
 from neuron_trio import cli
 from neuron_trio.config import config_from_mapping
-from neuron_trio.http import BoundAddress, create_app, serve_http
 from neuron_trio.service.node import Node
 from neuron_trio.status import NodeStatus, default_url, parse_metrics, render
+from tests.http.http_harness import serving_node
+from tests.neuron_process import free_port
 from tests.service.test_node import World, collect, job, make_config
 
 KEY = "s3cret-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -63,25 +56,15 @@ def live_node(tmp_path: Path) -> Iterator[LiveNode]:
         async with trio.open_nursery() as nursery:
             w = World(nursery, tmp_path)
             node = w.node(config)
-            await nursery.start(node.run)
-            shutdown = trio.Event()
-            bound: list[BoundAddress] = await nursery.start(
-                partial(
-                    serve_http, create_app(node, config), config, shutdown_trigger=shutdown.wait
+            async with serving_node(node, config) as url:
+                config_path = tmp_path / "neuron.toml"
+                config_path.write_text(
+                    f'[server]\nlisten = ["{url.removeprefix("http://")}"]\n'
+                    f'api_key_file = "{key_file}"\n'
                 )
-            )
-            node.mark_serving()
-            port = bound[0].port
-            config_path = tmp_path / "neuron.toml"
-            config_path.write_text(
-                f'[server]\nlisten = ["127.0.0.1:{port}"]\napi_key_file = "{key_file}"\n'
-            )
-            ready.append(
-                LiveNode(bound[0].url, config_path, node, trio.lowlevel.current_trio_token())
-            )
-            started.set()
-            await trio.to_thread.run_sync(stop.wait)
-            shutdown.set()
+                ready.append(LiveNode(url, config_path, node, trio.lowlevel.current_trio_token()))
+                started.set()
+                await trio.to_thread.run_sync(stop.wait)
             nursery.cancel_scope.cancel()
 
     def thread() -> None:
