@@ -85,6 +85,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Dtype = "auto"
     max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
     context: Annotated[int, msgspec.Meta(ge=16, le=1_048_576)] = 4096
+    # The KV cache's memory budget in MiB (in all: split over the ranks under tp > 1); 0: enough for max_batch
+    # sequences of `context` tokens. Sequences share it in blocks of 16 tokens as they grow,
+    # so max_batch limits concurrency, not memory.
+    kv_cache_mb: Annotated[int, msgspec.Meta(ge=0, le=16 << 20)] = 0
+    # Reuse the K/V of a prompt prefix seen before; false: every prompt is computed from scratch.
+    prefix_cache: bool = True
 
 
 class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -1,12 +1,14 @@
 """The engine: requests in, one batched step at a time, text events out.
 
-`Engine` joins the scheduler (which sequences run, in which slot), the runner (one forward
-over a batch of rows), the sampler and each sequence's text pipeline. It is synchronous,
-blocking code; the service layer drives it from a worker thread, one call at a time (it is
-not thread-safe).
+`Engine` joins the scheduler (which sequences run, on which KV blocks), the runner (one
+forward over a batch of rows), the sampler and each sequence's text pipeline. It is
+synchronous, blocking code; the service layer drives it from a worker thread, one call at a
+time (it is not thread-safe).
 
-Slots `0 .. max_batch-1` hold sequences; the runner's row `max_batch` is scratch, used only
-by `probe`, so a probe never disturbs a running sequence.
+The KV cache is a pool of blocks (`block_pool`): sequences take blocks as they grow, share
+the full blocks of a common prompt prefix (prefix cache) and are preempted and recomputed
+when the pool runs out (see `scheduler`). The pool's probe block is scratch, used only by
+`probe`, so a probe never disturbs a running sequence.
 
 A step that raises (a failed or aborted forward) leaves no sequence half-advanced: state is
 changed only after the forwards returned. The caller then usually calls `cancel_all`.
@@ -14,9 +16,9 @@ changed only after the forwards returned. The caller then usually calls `cancel_
 Structured output: a sequence with a `Constraint` holds a grammar state; each step fills the
 masks of the rows it samples (on a thread beside the forward) and applies them to the logits
 the runner returns, which under tensor parallelism are already gathered. A request of n
-choices is n sequences: the first prefills the prompt, the others (FORKING until then) copy
-its K/V rows and sample their first token from the same logits; every event carries the
-first one's id and the choice's `index`.
+choices is n sequences: the first prefills the prompt, the others (FORKING until then) share
+its full K/V blocks, copy its partial last one and sample their first token from the same
+logits; every event carries the first one's id and the choice's `index`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ from typing import Any
 
 import torch
 
+from neuron_trio.engine.block_pool import (
+    BLOCK_TOKENS,
+    NULL_BLOCK,
+    PROBE_BLOCK,
+    BlockPool,
+    blocks_for,
+)
 from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.grammar import (
@@ -40,7 +49,7 @@ from neuron_trio.engine.grammar import (
     detect_tool_format,
     fill_masks,
 )
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import SingleRunner, kv_pool_blocks, load_transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
@@ -70,12 +79,8 @@ class Engine:
         context: int,
         prefill_chunk: int = 256,
         chat_template: Any = None,
+        prefix_cache: bool = True,
     ):
-        if runner.slots < max_batch + 1:
-            raise ValueError(
-                f"the runner has {runner.slots} KV rows; max_batch={max_batch} needs "
-                f"{max_batch + 1} (one scratch row for probes)"
-            )
         if context > runner.context:
             raise ValueError(f"context {context} exceeds the runner's {runner.context}")
         self.runner = runner
@@ -84,7 +89,8 @@ class Engine:
         self.context = context
         self.prefill_chunk = prefill_chunk
         self.vocab_size = runner.config.vocab_size
-        self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk)
+        self.pool = BlockPool(runner.blocks, prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk, pool=self.pool)
         self.sampler = Sampler(token_text=tokenizer.token_text)
         if chat_template is None or isinstance(chat_template, str):
             chat_template = ChatTemplate(
@@ -115,20 +121,37 @@ class Engine:
         max_batch: int = 8,
         context: int = 4096,
         prefill_chunk: int = 256,
+        kv_cache_mb: int = 0,
+        prefix_cache: bool = True,
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
         The one way to build an unsharded engine: the daemon's `build_executor` calls it for
-        tp = 1. `context` (tokens per slot) is capped at the context the model was trained
-        for. The file is parsed once (weights and tokenizer) and closed before this returns.
+        tp = 1. `context` (tokens per sequence) is capped at the context the model was
+        trained for. The KV pool holds `kv_cache_mb` MiB, or with 0, `max_batch` × `context`
+        tokens (`loader.kv_pool_blocks`). The file is parsed once (weights and tokenizer)
+        and closed before this returns.
         """
         with GGUFFile(path) as gguf:
             context = min(context, gguf.config.context_length)
+            blocks = kv_pool_blocks(
+                gguf.config,
+                dtype,
+                device,
+                kv_cache_mb=kv_cache_mb,
+                max_batch=max_batch,
+                context=context,
+            )
             model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
             tokenizer = Tokenizer.from_gguf(gguf)
-        runner = SingleRunner(model, slots=max_batch + 1, context=context)
+        runner = SingleRunner(model, blocks=blocks, context=context)
         return cls(
-            runner, tokenizer, max_batch=max_batch, context=context, prefill_chunk=prefill_chunk
+            runner,
+            tokenizer,
+            max_batch=max_batch,
+            context=context,
+            prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache,
         )
 
     # ---- prompts -------------------------------------------------------------------------
@@ -197,6 +220,14 @@ class Engine:
                 f"this model's context is {self.context} tokens; the prompt has "
                 f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
             )
+        # A sequence must fit in the KV pool alone: then the oldest always progresses
+        # (younger ones are preempted for it), and nothing is refused half-way.
+        capacity = self.pool.total * BLOCK_TOKENS
+        if blocks_for(needed) > self.pool.total:
+            raise ContextLengthError(
+                f"this model's KV cache (kv_cache_mb) holds {capacity} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
+            )
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -218,8 +249,9 @@ class Engine:
     # ---- sequences -----------------------------------------------------------------------
 
     def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
-        """Start a request's sequence (its `params.n` choices: n slots); its id, which every
-        event of the request carries. NoFreeSlotError when the slots are taken (queue, retry).
+        """Start a request's sequence (its `params.n` choices: n of max_batch); its id, which
+        every event of the request carries. NoFreeSlotError when max_batch sequences run
+        (queue, retry); `can_admit` says whether to add now.
         """
         self.validate(prompt_ids, params)
         if self.scheduler.free_slots < params.n:
@@ -255,7 +287,7 @@ class Engine:
         return seq
 
     def cancel(self, seq_id: int) -> None:
-        """Drop a request's sequences now; their slots are free for the next `add`. Unknown
+        """Drop a request's sequences now; their blocks are free for the next `add`. Unknown
         ids are ignored."""
         group = self._groups.pop(seq_id, None)
         if group is None:
@@ -271,6 +303,9 @@ class Engine:
         self._epoch += 1
         self._groups.clear()
         dropped = self.scheduler.release_all()
+        # A step abandoned in flight may still write its rows' blocks: cached prefixes could
+        # be among them once reused, so the cache starts over.
+        self.pool.clear_cache()
         for seq in dropped:
             seq.finish_reason = "cancelled"
         return sorted({seq.group_id or seq.seq_id for seq in dropped})
@@ -279,11 +314,18 @@ class Engine:
     def free_slots(self) -> int:
         return self.scheduler.free_slots
 
+    def can_admit(self, prompt_tokens: int, n: int = 1) -> bool:
+        """Whether a request of `n` choices of a `prompt_tokens` prompt should be added now:
+        `n` of max_batch are free and the pool has the blocks of its prompt (cached prefixes
+        not counted). Admitting only then keeps preemption for growth, not for arrivals."""
+        return self.free_slots >= n and self.pool.available >= blocks_for(prompt_tokens) + n - 1
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def statistics(self) -> EngineStatistics:
+        pool = self.pool.statistics()
         return EngineStatistics(
             slots_total=self.max_batch,
             slots_in_use=self.max_batch - self.scheduler.free_slots,
@@ -292,6 +334,12 @@ class Engine:
             steps=self._steps,
             prompt_tokens_total=self._prompt_tokens_total,
             generated_tokens_total=self._generated_tokens_total,
+            kv_blocks_total=pool.total,
+            kv_blocks_used=pool.used,
+            kv_blocks_cached=pool.cached,
+            prefix_cache_queries_tokens=pool.query_tokens,
+            prefix_cache_hits_tokens=pool.hit_tokens,
+            preemptions=self.scheduler.preemptions,
         )
 
     # ---- stepping ------------------------------------------------------------------------
@@ -300,7 +348,7 @@ class Engine:
         """One step: a token for every decoding sequence, and a batch of prefill chunks.
 
         A sequence whose prompt is complete gets its first token in the same step. Finished
-        sequences give their slot back before this returns.
+        sequences give their blocks back before this returns.
         """
         epoch = self._epoch
         plan = self.scheduler.schedule()
@@ -313,7 +361,7 @@ class Engine:
         # Structured output: the masks of the rows sampled this step depend only on the tokens
         # so far, so they are computed on a thread of their own while the forward runs
         # (llguidance releases the GIL; so do torch's kernels).
-        sampled = [*plan.decode, *(c.seq for c in chunks if c.is_last)]
+        sampled = [*plan.decode, *(c.seq for c in chunks if c.samples)]
         sampled += [f for seq in sampled for f in seq.forks]
         grammars = [s.sampling.grammar for s in sampled]
         masks = None
@@ -323,28 +371,28 @@ class Engine:
             if plan.decode:
                 ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
                 pos = torch.tensor([s.decode_pos for s in plan.decode], dtype=torch.int64)
-                slots = torch.tensor([s.slot for s in plan.decode], dtype=torch.int64)
-                out = self.runner.forward(ids.to(device), pos, slots)  # pos, slots: host
+                tables = _block_tables([s.blocks for s in plan.decode])
+                out = self.runner.forward(ids.to(device), pos, tables)  # pos, tables: host
                 logits.append(out)
                 rows.extend(plan.decode)
             if chunks:
                 # One forward for every chunk: rows padded to the longest (with token 0: the
-                # model neither caches nor attends padding), each continuing its own slot.
+                # model neither caches nor attends padding), each continuing its own blocks.
                 sizes = [c.end - c.start for c in chunks]
                 width = max(sizes)
                 tokens = [
-                    c.seq.prompt_ids[c.start : c.end] + [0] * (width - n)
+                    c.seq.tokens(c.start, c.end) + [0] * (width - n)
                     for c, n in zip(chunks, sizes, strict=True)
                 ]
                 ids = torch.tensor(tokens, dtype=torch.int64)
                 pos = torch.tensor([c.start for c in chunks], dtype=torch.int64)
-                slots = torch.tensor([c.seq.slot for c in chunks], dtype=torch.int64)
+                tables = _block_tables([c.seq.blocks for c in chunks])
                 lengths = None
                 if min(sizes) != width:
                     lengths = torch.tensor(sizes, dtype=torch.int64)
-                # pos, slots, lengths: host tensors (the model reads them without a GPU sync)
-                out = self.runner.forward(ids.to(device), pos, slots, lengths=lengths)
-                done = [i for i, c in enumerate(chunks) if c.is_last]
+                # pos, tables, lengths: host tensors (the model reads them without a GPU sync)
+                out = self.runner.forward(ids.to(device), pos, tables, lengths=lengths)
+                done = [i for i, c in enumerate(chunks) if c.samples]
                 if done:
                     logits.append(out if len(done) == len(chunks) else out[done])
                     rows.extend(chunks[i].seq for i in done)
@@ -366,14 +414,18 @@ class Engine:
         self._steps += 1
         if epoch != self._epoch:
             # cancel_all ran while this step was in flight (a wedged step that came back late):
-            # its sequences are gone and their slots may already hold new ones.
+            # its sequences are gone and their blocks may already hold new ones.
             return []
+        for seq in plan.decode:
+            self.scheduler.cache_blocks(seq, seq.decode_pos + 1)
         for chunk in chunks:
-            chunk.seq.prefilled = chunk.end
+            seq = chunk.seq
+            seq.prefilled = chunk.end
+            self.scheduler.cache_blocks(seq, chunk.end)
             self._prompt_tokens_total += chunk.end - chunk.start
             if chunk.is_last:
-                chunk.seq.status = SequenceStatus.DECODING
-                self._fork(chunk.seq)
+                seq.status = SequenceStatus.DECODING
+                self._fork(seq)
         return [
             self._accept(seq, result)
             for seq, result in zip(rows, results, strict=True)
@@ -386,13 +438,15 @@ class Engine:
         return self._masks
 
     def _fork(self, seq: Sequence) -> None:
-        """The prompt of `seq` is in its slot: copy it to the slots of its other choices."""
-        live = [f for f in seq.forks if not f.is_finished]
-        if live:
-            self.runner.fork_rows(seq.slot, [f.slot for f in live], seq.num_prompt)
-        for fork in live:
-            fork.prefilled = fork.num_prompt
-            fork.status = SequenceStatus.DECODING
+        """The prompt of `seq` is in its blocks: its other choices share them (the partial
+        last block copied)."""
+        copies = [
+            pair
+            for fork in seq.forks
+            if not fork.is_finished and (pair := self.scheduler.fork(seq, fork)) is not None
+        ]
+        if copies:
+            self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
         seq.forks = []
 
     def _accept(self, seq: Sequence, result: Any) -> SequenceEvent:
@@ -450,7 +504,7 @@ class Engine:
         return token in (self._end_of_turn_ids if seq.chat else self._eos_ids)
 
     def probe(self) -> None:
-        """One tiny forward (one token) on the scratch KV row; touches no sequence."""
+        """One tiny forward (one token) on the probe's own KV block; touches no sequence."""
         device = self.runner.device
         bos = self.tokenizer.bos_id
         token = 0 if bos is None else int(bos)
@@ -458,11 +512,17 @@ class Engine:
             out = self.runner.forward(
                 torch.tensor([[token]], dtype=torch.int64, device=device),
                 torch.zeros(1, dtype=torch.int64),  # host tensors, as in `step`
-                torch.tensor([self.max_batch], dtype=torch.int64),
+                torch.tensor([[PROBE_BLOCK]], dtype=torch.int64),
             )
             # Wait for the result: CUDA returns before its kernels (and a TP step's
             # collectives) have run, and a probe must see a device or collective that hangs.
             out.reshape(-1)[0].item()
+
+
+def _block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Rows' block tables as one host tensor `[B, longest]`, padded with the null block."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int64)
 
 
 def _token_text(tokenizer: Any, token_id: int | None) -> str:

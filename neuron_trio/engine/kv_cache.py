@@ -1,15 +1,20 @@
-"""Per-slot K/V rows: the attention memory of every sequence being served.
+"""The paged KV cache: a pool of blocks of BLOCK_TOKENS positions, the attention memory of
+every sequence being served (`block_pool.BlockPool` decides which block holds what).
 
-One tensor `[n_layers, slots, 2 · n_kv_heads, context, head_dim]` (per layer and slot: the
-K heads, then the V heads) is allocated up front, so memory is bounded by `slots × context`
-and never grows while serving:
+Per layer one tensor `[2 · n_kv_heads, n_blocks · BLOCK_TOKENS, head_dim]`: the K heads,
+then the V heads, head-major, so a sequence whose blocks are consecutive reads its keys as a
+plain slice (no copy), and scattered blocks are gathered with one index of token rows
+(`block · BLOCK_TOKENS + position % BLOCK_TOKENS`). The pool is sized once, by a memory
+budget, and never grows:
 
-    nbytes = 2 · n_layers · slots · n_kv_heads · context · head_dim · itemsize(dtype)
+    nbytes = 2 · n_layers · n_kv_heads · head_dim · itemsize(dtype) · BLOCK_TOKENS · n_blocks
 
-e.g. the built-in model (30 layers, 3 KV heads of 64) with 9 slots of 4096 tokens in
-bfloat16: 2·30·9·3·4096·64·2 = 849 MB (float32: twice that). A slot is a row: a sequence
-writes position p of layer l to `layers[l][slot, :, p]` (K and V together, one copy). `config` is the shard-local shape under
-tensor parallelism (each rank holds its own KV heads).
+e.g. the built-in model (30 layers, 3 KV heads of 64, bfloat16) spends 23,040 bytes a token,
+368,640 a block; `max_batch` 8 × `context` 4096 is 2,048 blocks + 2 reserved: 755 MB reserved.
+The storage comes from `torch.empty`: on CPU the pages are committed only as blocks are first
+written, so memory use follows the blocks in use. Only the null block (block 0, what padding
+reads) is zeroed up front. `config` is the shard-local shape under tensor parallelism (each
+rank holds its own KV heads; every rank's pool has the same blocks).
 """
 
 from __future__ import annotations
@@ -18,49 +23,67 @@ from dataclasses import dataclass
 
 import torch
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK, RESERVED_BLOCKS
 from neuron_trio.engine.llama_config import LlamaConfig
 
 
 @dataclass
 class KVCache:
-    """K and V of every layer: `layers[l]` is `[slots, 2 · n_kv_heads, context, head_dim]`.
-
-    `k[l]` and `v[l]` are views of its K and V halves, `[slots, n_kv_heads, context, head_dim]`.
-    """
+    """K and V of every layer: `layers[l]` is `[2 · n_kv_heads, n_blocks · BLOCK_TOKENS, head_dim]`."""
 
     layers: list[torch.Tensor]
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    slots: int
-    context: int
+    n_blocks: int  # reserved blocks included
     storage: torch.Tensor  # the one allocation the per-layer views live in
 
     @staticmethod
-    def bytes_needed(config: LlamaConfig, slots: int, context: int, dtype: torch.dtype) -> int:
-        """What `allocate` with these arguments takes, in bytes."""
+    def bytes_per_block(config: LlamaConfig, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.n_layers * slots * config.n_kv_heads * context * config.head_dim * item
+        return 2 * config.n_layers * config.n_kv_heads * config.head_dim * BLOCK_TOKENS * item
+
+    @classmethod
+    def bytes_needed(cls, config: LlamaConfig, n_blocks: int, dtype: torch.dtype) -> int:
+        """What `allocate` with these arguments reserves, in bytes."""
+        return n_blocks * cls.bytes_per_block(config, dtype)
+
+    @classmethod
+    def blocks_for_budget(
+        cls,
+        config: LlamaConfig,
+        dtype: torch.dtype,
+        *,
+        budget_mb: int,
+        max_batch: int,
+        context: int,
+    ) -> int:
+        """Blocks in a pool (reserved ones included) of `budget_mb` MiB, or with 0, of
+        enough blocks for `max_batch` sequences of `context` tokens each."""
+        if budget_mb > 0:
+            usable = (budget_mb << 20) // cls.bytes_per_block(config, dtype) - RESERVED_BLOCKS
+        else:
+            usable = max_batch * -(-context // BLOCK_TOKENS)
+        if usable < 1:
+            raise ValueError(
+                f"a KV cache of {budget_mb} MiB holds no block of {BLOCK_TOKENS} tokens "
+                f"({cls.bytes_per_block(config, dtype)} bytes each, {RESERVED_BLOCKS} reserved)"
+            )
+        return usable + RESERVED_BLOCKS
 
     @classmethod
     def allocate(
         cls,
         config: LlamaConfig,
-        slots: int,
-        context: int,
+        n_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVCache:
-        """Zeroed K/V rows for `slots` sequences of up to `context` tokens each."""
-        if slots < 1 or context < 1:
-            raise ValueError(f"KV cache needs slots >= 1 and context >= 1, got {slots}, {context}")
-        kv = config.n_kv_heads
-        storage = torch.zeros(
-            (config.n_layers, slots, 2 * kv, context, config.head_dim), dtype=dtype, device=device
-        )
-        layers = list(storage.unbind(0))
-        k = [layer[:, :kv] for layer in layers]
-        v = [layer[:, kv:] for layer in layers]
-        return cls(layers=layers, k=k, v=v, slots=slots, context=context, storage=storage)
+        """An uninitialised pool of `n_blocks` blocks, the null block zeroed."""
+        if n_blocks <= RESERVED_BLOCKS:
+            raise ValueError(f"a KV cache needs more than {RESERVED_BLOCKS} blocks, got {n_blocks}")
+        shape = (config.n_layers, 2 * config.n_kv_heads, n_blocks * BLOCK_TOKENS, config.head_dim)
+        storage = torch.empty(shape, dtype=dtype, device=device)
+        null = NULL_BLOCK * BLOCK_TOKENS
+        storage[:, :, null : null + BLOCK_TOKENS].zero_()
+        return cls(layers=list(storage.unbind(0)), n_blocks=n_blocks, storage=storage)
 
     @property
     def nbytes(self) -> int:
@@ -70,12 +93,10 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
 
-    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy the first `length` positions of slot `src` into each of `dsts` (n choices of
-        one prompt: prefilled once, then forked)."""
-        for dst in dsts:
-            self.storage[:, dst, :, :length].copy_(self.storage[:, src, :, :length])
-
-    def clear(self, slot: int) -> None:
-        """Zero one slot's rows (not needed for correctness: attention masks past a row's end)."""
-        self.storage[:, slot].zero_()
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy each block `src[i]` into `dst[i]`, every layer (a fork's partial last block)."""
+        for s, d in zip(src, dst, strict=True):
+            s0, d0 = s * BLOCK_TOKENS, d * BLOCK_TOKENS
+            self.storage[:, :, d0 : d0 + BLOCK_TOKENS].copy_(
+                self.storage[:, :, s0 : s0 + BLOCK_TOKENS]
+            )

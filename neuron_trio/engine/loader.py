@@ -40,7 +40,7 @@ from neuron_trio.engine.model import (
     Transformer,
     run_to_end,
 )
-from neuron_trio.errors import ModelLoadError
+from neuron_trio.errors import ConfigError, ModelLoadError
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -216,58 +216,94 @@ def make_linear(
 
 
 class SingleRunner:
-    """The `Runner` of one unsharded model: owns its KV cache, runs each forward to the end.
+    """The `Runner` of one unsharded model: owns its KV pool, runs each forward to the end.
 
-    `slots` is the number of KV rows (the scheduler asks for max_batch + 1: the last row is a
-    scratch row for probes). `kv_dtype` defaults to the model's activation dtype.
+    `blocks` is the pool's size in blocks, the reserved null and probe blocks included
+    (`KVCache.blocks_for_budget`); `context` the positions RoPE is precomputed for.
+    `kv_dtype` defaults to the model's activation dtype.
     """
 
     def __init__(
         self,
         model: Transformer,
         *,
-        slots: int,
+        blocks: int,
         context: int,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config: LlamaConfig = model.config
-        self.slots = slots
+        self.blocks = blocks
         self.context = context
         self.device = model.device
-        self.kv = KVCache.allocate(
-            model.config, slots, context, kv_dtype or model.act_dtype, self.device
-        )
+        self.kv = KVCache.allocate(model.config, blocks, kv_dtype or model.act_dtype, self.device)
         model.init_rope(context)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
-        slots: torch.Tensor,
+        tables: torch.Tensor,
         *,
         lengths: torch.Tensor | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Write the rows' K/V into their slots; return float32 logits ([B, V] or [B, T, V])."""
+        """Write the rows' K/V into their blocks; return float32 logits ([B, V] or [B, T, V])."""
         with torch.inference_mode():
             steps = self.model.forward_steps(
-                input_ids, start_pos, slots, self.kv, lengths=lengths, all_logits=all_logits
+                input_ids, start_pos, tables, self.kv, lengths=lengths, all_logits=all_logits
             )
             return run_to_end(steps)
 
-    def fork_rows(self, src: int, dsts: list[int], length: int) -> None:
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         with torch.inference_mode():
-            self.kv.copy_prefix(src, dsts, length)
+            self.kv.copy_blocks(src, dst)
+
+
+def kv_dtype_for(dtype: str, device: torch.device | str) -> torch.dtype:
+    """The dtype a runner keeps K/V in for the weights' `dtype` on `device` (its activations')."""
+    act, _ = _dtypes(resolve_dtype(dtype, torch.device(device)))
+    return act
+
+
+def kv_pool_blocks(
+    config: LlamaConfig,
+    dtype: str,
+    device: torch.device | str,
+    *,
+    kv_cache_mb: int,
+    max_batch: int,
+    context: int,
+) -> int:
+    """Blocks of the KV pool a model's config asks for (reserved ones included): `kv_cache_mb`
+    MiB of K/V in the activation dtype, or with 0, `max_batch` × `context` tokens' worth
+    (`context` capped at the model's own). ConfigError if the budget holds no block."""
+    try:
+        return KVCache.blocks_for_budget(
+            config,
+            kv_dtype_for(dtype, device),
+            budget_mb=kv_cache_mb,
+            max_batch=max_batch,
+            context=min(context, config.context_length),
+        )
+    except ValueError as exc:
+        raise ConfigError(f"kv_cache_mb: {exc}") from None
 
 
 def estimate_kv_bytes(
-    config: LlamaConfig, dtype: str, context: int, slots: int, device: torch.device | str
+    config: LlamaConfig,
+    dtype: str,
+    device: torch.device | str,
+    *,
+    kv_cache_mb: int,
+    max_batch: int,
+    context: int,
 ) -> int:
-    """Bytes of the KV cache of `slots` rows of `context` positions, as a runner allocates it
-    (in the activation dtype of `dtype` on `device`)."""
-    act, _ = _dtypes(resolve_dtype(dtype, torch.device(device)))
-    return KVCache.bytes_needed(config, slots, context, act)
+    """Bytes of the KV pool (`kv_pool_blocks`), as a runner reserves it."""
+    blocks = kv_pool_blocks(
+        config, dtype, device, kv_cache_mb=kv_cache_mb, max_batch=max_batch, context=context
+    )
+    return KVCache.bytes_needed(config, blocks, kv_dtype_for(dtype, device))
 
 
 def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) -> int:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK, blocks_for
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
 
@@ -198,7 +199,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,  # [N, dim] residual stream, N = B · T rows (row-major over B, T)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [N, H + 2KV, D]
-        cache: torch.Tensor,  # this layer's K/V rows: [slots, 2KV, context, D]
+        cache: torch.Tensor,  # this layer's K/V pool: [2KV, pool tokens, D]
         at: _Placement,
         act: torch.dtype,
         partial: bool,
@@ -222,13 +223,13 @@ class Block(nn.Module):
         cos, sin = rope
         qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
         new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
-        if at.rows is None:  # one row of T tokens at positions p0 .. p0 + T - 1
-            cache[at.slot, :, at.p0 : at.p0 + n] = new_kv.transpose(0, 1)
-        elif at.real is None:  # decode rows (one token each), or packed rows without padding
-            cache[at.rows, :, at.positions] = new_kv
-        else:  # packed rows: only the real tokens are written, never the padding
-            cache[at.rows, :, at.positions] = new_kv[at.real]
-        kv_rows = cache[at.read, :, : at.length]  # [B, 2KV, L, D]
+        if at.real is not None:  # padded rows: only the real tokens are written, never padding
+            new_kv = new_kv[at.real]
+        cache[:, at.write] = new_kv.transpose(0, 1)  # cache: [2KV, pool tokens, D]
+        if isinstance(at.read, slice):  # one row on consecutive blocks: a view
+            kv_rows = cache[:, at.read].unsqueeze(0)  # [1, 2KV, L, D]
+        else:  # gathered token rows [B · L] (padding positions read the zeroed null block)
+            kv_rows = cache[:, at.read].view(2 * kv, at.b, at.length, d).transpose(0, 1)
         if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
             kv_rows = kv_rows.to(act)
         keys, values = kv_rows[:, :kv], kv_rows[:, kv:]
@@ -297,24 +298,20 @@ class Block(nn.Module):
 
 
 class _Placement:
-    """Where one forward's rows read and write the KV cache; computed once, used by every layer."""
+    """Where one forward's rows write and read the KV pool; computed once, used by every layer."""
 
-    __slots__ = (
-        "b", "causal", "length", "mask", "p0", "positions", "read", "real", "rows", "slot", "t",
-        "window_mask",
-    )  # fmt: skip
+    __slots__ = ("b", "causal", "length", "mask", "read", "real", "t", "window_mask", "write")
 
     def __init__(self) -> None:
         self.b = 1  # rows
         self.t = 1  # tokens per row (padded rows: the longest row's)
-        self.slot = 0  # one row: its slot
-        self.p0 = 0  # one row: position of its first token
-        # Several rows: the slot and position each token written goes to, [B] (decode) or
-        # [real tokens] (packed prefill rows).
-        self.rows: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        # The pool's token rows the real tokens are written to, in order: a slice (one row
+        # on consecutive blocks) or an index [R].
+        self.write: slice | torch.Tensor = slice(0, 0)
         self.real: torch.Tensor | None = None  # padded rows: indices of the real tokens in N
-        self.read: slice | torch.Tensor = slice(0, 1)  # the rows' slots, to read K/V
+        # The token rows the rows' keys are read from: a slice of L rows (one row on
+        # consecutive blocks) or an index [B · L] (row-major) to gather.
+        self.read: slice | torch.Tensor = slice(0, 0)
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
         self.causal = False
@@ -395,10 +392,10 @@ class Transformer(nn.Module):
     def forward_steps(
         self,
         input_ids: torch.Tensor,  # [B, T] int64
-        # start_pos, slots and lengths are read on the host to place the rows: pass CPU
+        # start_pos, tables and lengths are read on the host to place the rows: pass CPU
         # tensors (a device tensor costs a GPU sync per forward)
-        start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row's slot
-        slots: torch.Tensor,  # [B] int64: KV cache row of each sequence (all different)
+        start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row
+        tables: torch.Tensor,  # [B, W] int64: each row's KV blocks in position order
         kv: KVCache,
         *,
         lengths: torch.Tensor | None = None,  # [B] int64: real tokens per row (default T)
@@ -407,10 +404,12 @@ class Transformer(nn.Module):
         """Run the model over the rows, writing their K/V; return float32 logits.
 
         Returns `[B, V]` (each row's last real token) or `[B, T, V]` with `all_logits` (at
-        padding, garbage). Every row continues its own slot from its `start_pos` and attends
-        to its own cached prefix and its own new tokens only: decode rows (T == 1) of
+        padding, garbage). Every row continues its own sequence from its `start_pos` and
+        attends to its own cached prefix and its own new tokens only: decode rows (T == 1) of
         different lengths, or prompt chunks (T > 1), several of them packed into one batch
-        by padding the shorter ones to T (`lengths`). Padding is never written to the cache.
+        by padding the shorter ones to T (`lengths`). Row b's position p lives in block
+        `tables[b, p // BLOCK_TOKENS]`; its table must cover its last position (entries past
+        that are ignored). Rows never share a block they write. Padding is never written.
         With `partial_sums`, yields each row-parallel partial output `[B · T, dim]` and
         continues with the tensor sent back (the sum over ranks, same shape).
         """
@@ -424,17 +423,20 @@ class Transformer(nn.Module):
                 raise ValueError(f"row lengths must be within 1 .. T = {t}, got {lens}")
         ends = [s + n for s, n in zip(starts, lens, strict=True)]
         length = max(ends)
-        if length > kv.context:
-            raise ValueError(f"position {length - 1} is past the KV cache's context {kv.context}")
+        n_blocks = blocks_for(length)
+        if tables.shape[1] < n_blocks:
+            raise ValueError(
+                f"position {length - 1} needs {n_blocks} KV blocks; the tables have "
+                f"{tables.shape[1]}"
+            )
         self.init_rope(length)
         at = _Placement()
         at.b, at.t, at.length = b, t, length
+        self._place_blocks(at, tables[:, :n_blocks], starts, ends)
         if t > 1 and (b > 1 or lens[0] != t):  # prompt chunks packed into one batch
-            positions = self._place_packed(at, start_pos, slots, lens)
+            positions = self._place_packed(at, start_pos, lens)
         elif b == 1:  # one prompt chunk, or one decode row
             positions = start_pos.to(dev) + torch.arange(t, device=dev)  # [T]
-            at.slot, at.p0 = int(slots[0]), starts[0]
-            at.read = slice(at.slot, at.slot + 1)
             if t > 1 and starts[0] == 0:
                 at.causal = True
             elif t > 1:  # a chunk after a cached prefix: query i sees keys 0 .. start + i
@@ -442,8 +444,6 @@ class Transformer(nn.Module):
                 at.mask = (cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L]
         else:  # decode rows, one token each
             positions = start_pos.to(dev)  # [B]
-            at.rows, at.positions = slots.to(dev), positions
-            at.read = _read_rows(slots.tolist(), at.rows)
             if min(ends) != length:
                 cols = torch.arange(length, device=dev)
                 ends_t = torch.tensor(ends, device=dev)
@@ -482,29 +482,48 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
 
+    def _place_blocks(
+        self, at: _Placement, tables: torch.Tensor, starts: list[int], ends: list[int]
+    ) -> None:
+        """Fill `at.write` and `at.read`: the pool's token rows of the rows' new tokens and
+        of their keys, from their block tables `[B, blocks_for(L)]` (host)."""
+        dev, length = self.device, at.length
+        first = int(tables[0, 0])
+        if at.b == 1 and tables[0].tolist() == list(range(first, first + tables.shape[1])):
+            base = first * BLOCK_TOKENS  # consecutive blocks: one slice of the pool
+            at.write = slice(base + starts[0], base + ends[0])
+            at.read = slice(base, base + length)
+            return
+        cols = torch.arange(length)
+        offsets = cols % BLOCK_TOKENS
+        rows = tables.repeat_interleave(BLOCK_TOKENS, dim=1)[:, :length] * BLOCK_TOKENS + offsets
+        # Positions past a row's end (another row is longer) read the zeroed null block, never
+        # stale or uninitialised memory: masked garbage could be NaN, and NaN - inf is NaN.
+        beyond = cols[None, :] >= torch.tensor(ends)[:, None]
+        rows = torch.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
+        at.read = rows.reshape(-1).to(dev)
+        spans = zip(starts, ends, strict=True)
+        at.write = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)]).to(dev)
+
     def _place_packed(
-        self, at: _Placement, start_pos: torch.Tensor, slots: torch.Tensor, lens: list[int]
+        self, at: _Placement, start_pos: torch.Tensor, lens: list[int]
     ) -> torch.Tensor:
         """Fill `at` for B prompt chunks padded to T tokens; return the N = B · T positions.
 
-        Row b's real tokens go to positions start_b .. start_b + len_b - 1 of its slot. A
-        padding token takes its row's last real position (so it stays inside the RoPE tables
-        and attends to its own row only); it is not written to the cache, so it can never be
-        attended by anyone, and its output is dropped.
+        Row b's real tokens go to positions start_b .. start_b + len_b - 1. A padding token
+        takes its row's last real position (so it stays inside the RoPE tables and attends to
+        its own row only); it is not written to the cache, so it can never be attended by
+        anyone, and its output is dropped.
         """
         dev, b, t = self.device, at.b, at.t
         lens_t = torch.tensor(lens, device=dev)[:, None]  # [B, 1]
         offsets = torch.arange(t, device=dev)[None, :]  # [1, T]
         pos = start_pos.to(dev)[:, None] + torch.minimum(offsets, lens_t - 1)  # [B, T]
-        real = offsets < lens_t  # [B, T]
-        row_slots = slots.to(dev)
-        at.rows = row_slots[:, None].expand(b, t)[real]  # [R]: the slot of each real token
-        at.positions = pos[real]  # [R]
         if sum(lens) != b * t:
+            real = offsets < lens_t  # [B, T]
             at.real = real.reshape(-1).nonzero().squeeze(1)  # [R] indices into N
-        at.read = _read_rows(slots.tolist(), row_slots)
-        # Query (b, i) sees its own slot's keys up to its own position: the cached prefix,
-        # then its chunk causally. Keys past a row's end (stale, or another row's length) never.
+        # Query (b, i) sees its own row's keys up to its own position: the cached prefix,
+        # then its chunk causally. Keys past a row's end (another row's length) never.
         cols = torch.arange(at.length, device=dev)
         at.mask = (cols <= pos[:, :, None])[:, None]  # [B, 1, T, L]
         return pos.reshape(-1)
@@ -523,14 +542,6 @@ class Transformer(nn.Module):
         ones = cos.new_ones(n, c.n_kv_heads, c.head_dim)
         zeros = sin.new_zeros(n, c.n_kv_heads, c.head_dim)
         return torch.cat((cos, ones), dim=1), torch.cat((sin, zeros), dim=1)
-
-
-def _read_rows(slot_list: list[int], rows: torch.Tensor) -> slice | torch.Tensor:
-    """How rows in these slots read their K/V: a view when the slots are contiguous, else a gather."""
-    first = slot_list[0]
-    if slot_list == list(range(first, first + len(slot_list))):
-        return slice(first, first + len(slot_list))
-    return rows
 
 
 def run_to_end(

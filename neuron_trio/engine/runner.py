@@ -2,7 +2,8 @@
 
 `SingleRunner` (here, written with the model) drives one unsharded model; the parallel layer's
 `TPRunner` drives one shard per rank and all-reduces their partial sums. The scheduler only
-sees this protocol, so batching never depends on how the model is split.
+sees this protocol, so batching never depends on how the model is split. Block tables are
+computed once, by the engine, and are the same for every rank.
 """
 
 from __future__ import annotations
@@ -16,25 +17,25 @@ from neuron_trio.engine.llama_config import LlamaConfig
 
 class Runner(Protocol):
     config: LlamaConfig  # the whole model's shape (not a shard's)
-    slots: int  # KV cache rows (max_batch)
-    context: int  # tokens per slot
+    blocks: int  # KV pool blocks, the reserved ones (block_pool.RESERVED_BLOCKS) included
+    context: int  # positions a row may reach
     device: torch.device  # where logits come back
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] int64: decode rows (T == 1) or prompt chunks
-        start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row's slot
-        slots: torch.Tensor,  # [B] int64: KV cache row of each sequence
+        start_pos: torch.Tensor,  # [B] int64: position of input_ids[:, 0] in each row
+        tables: torch.Tensor,  # [B, W] int64: each row's KV blocks in position order (host)
         *,
         lengths: torch.Tensor | None = None,  # [B] int64: real tokens per row, the rest padding
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Write the rows' K/V (not the padding) into their slots; return float32 logits.
+        """Write the rows' K/V (not the padding) into their blocks; return float32 logits.
 
         [B, V] for the last real token of each row, or [B, T, V] with all_logits.
         """
         ...
 
-    def fork_rows(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy slot `src`'s first `length` K/V positions into slots `dsts` (every rank's)."""
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy K/V block `src[i]` into `dst[i]` (every layer, every rank's pool)."""
         ...

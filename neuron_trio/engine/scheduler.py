@@ -1,44 +1,62 @@
-"""Continuous batching: which sequences run in the next step, and in which slot.
+"""Continuous batching: which sequences run in the next step, and on which KV blocks.
 
 Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
 
-- `admit` gives a new sequence a free slot (KV row) or refuses (the caller queues);
+- `admit` takes a new sequence while fewer than `max_batch` run (`max_batch` limits
+  concurrency; memory is the block pool's) or refuses (the caller queues);
 - `schedule` plans one step: one decode row for every sequence that is decoding, plus
   prefill chunks of the sequences still prefilling, oldest first, run together as one batch
   padded to its longest chunk. The batch (rows × longest chunk, padding included) stays
   within `prefill_chunk` tokens, so a long prompt is spread over several steps and never
-  stalls the decodes, while several short prompts that arrive together are prefilled at once;
-- `release` gives a finished or cancelled sequence's slot back at once.
+  stalls the decodes, while several short prompts that arrive together are prefilled at once.
+  Every planned row gets the blocks its new tokens need; a sequence starting its prefill
+  first takes the longest cached prefix of its tokens (prefix cache);
+- when the pool runs out, a decode row (or the oldest prefill, when nothing else can run)
+  preempts the youngest sequence holding blocks, itself included if it is the youngest
+  (vLLM's recompute): its blocks go back to the pool (its full ones stay cached, so
+  recomputing is cheap) and it is prefilled again when blocks are free, ahead of every
+  younger sequence: prompt + output but the last token, without sampling, then decodes on.
+  Prefill chunks never preempt running decodes; they wait. `Engine.validate` refuses a
+  request that could not fit in the pool alone, so the oldest sequence always progresses;
+- `cache_blocks` (after a step) registers the blocks that became full in the prefix cache;
+- `release` gives a finished or cancelled sequence's blocks back at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS, BlockPool, block_key, blocks_for
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.errors import NeuronError
 
 
 class NoFreeSlotError(NeuronError):
-    """Raised by `Scheduler.admit` (and `Engine.add`) if every slot is taken: queue and retry."""
+    """Raised by `Scheduler.admit` (and `Engine.add`) if max_batch sequences run: queue, retry."""
 
 
 @dataclass(frozen=True)
 class PrefillChunk:
     seq: Sequence
-    start: int  # first prompt position of the chunk
+    start: int  # first position of the chunk
     end: int  # one past its last
 
     @property
     def is_last(self) -> bool:
-        """The chunk completes the prompt: its logits give the first token."""
-        return self.end == self.seq.num_prompt
+        """The chunk completes the sequence's prefill."""
+        return self.end == self.seq.prefill_len
+
+    @property
+    def samples(self) -> bool:
+        """Its logits give the sequence's first token (not so for a preempted one: it has it)."""
+        return self.is_last and self.seq.num_output == 0
 
 
 @dataclass(frozen=True)
 class StepPlan:
     decode: list[Sequence]  # one token each, batched in one forward
     prefill: list[PrefillChunk]  # oldest first, padded to the longest and batched in another
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to prefill this step
 
     @property
     def is_empty(self) -> bool:
@@ -46,19 +64,22 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch: int, prefill_chunk: int):
+    def __init__(self, *, max_batch: int, prefill_chunk: int, pool: BlockPool):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self._free: list[int] = list(range(max_batch))  # lowest slot first
+        self.pool = pool
         self._active: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
+        self._looked_up: set[int] = set()  # sequences whose prefill start checked the cache
+        self.preemptions = 0
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        """Sequences that may still be admitted (max_batch limits concurrency)."""
+        return self.max_batch - len(self._active)
 
     @property
     def has_work(self) -> bool:
@@ -75,23 +96,21 @@ class Scheduler:
         return sum(1 for seq in self._active.values() if seq.status is status)
 
     def admit(self, seq: Sequence) -> None:
-        """Give `seq` the lowest free slot; NoFreeSlotError if there is none."""
-        if not self._free:
-            raise NoFreeSlotError(f"all {self.max_batch} slots are in use")
+        """Take `seq` (it gets blocks when scheduled); NoFreeSlotError if max_batch run."""
+        if len(self._active) >= self.max_batch:
+            raise NoFreeSlotError(f"all {self.max_batch} sequences of max_batch are running")
         if seq.seq_id in self._active:
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
-        seq.slot = self._free.pop(0)
         seq.status = SequenceStatus.PREFILLING
         seq.prefilled = 0
         self._active[seq.seq_id] = seq
 
     def release(self, seq: Sequence) -> None:
-        """Mark `seq` finished and give its slot back (no-op if it is not active)."""
+        """Mark `seq` finished and give its blocks back (no-op if it is not active)."""
         if self._active.pop(seq.seq_id, None) is None:
             return
         seq.status = SequenceStatus.FINISHED
-        self._free.append(seq.slot)
-        self._free.sort()
+        self._drop_blocks(seq)
 
     def release_all(self) -> list[Sequence]:
         dropped = list(self._active.values())
@@ -100,11 +119,18 @@ class Scheduler:
         return dropped
 
     def schedule(self) -> StepPlan:
-        decode = [s for s in self._active.values() if s.status is SequenceStatus.DECODING]
+        preempted: list[Sequence] = []
+        decode: list[Sequence] = []
+        for seq in list(self._active.values()):
+            # the row writes position decode_pos: its blocks must cover decode_pos + 1 tokens
+            if seq.status is SequenceStatus.DECODING and self._grow(
+                seq, seq.decode_pos + 1, preempted, may_preempt=True
+            ):
+                decode.append(seq)
         prefill: list[PrefillChunk] = []
         width = 0  # the longest chunk so far: every row is padded to it
         for seq in self._active.values():
-            if seq.status is not SequenceStatus.PREFILLING:
+            if seq.status is not SequenceStatus.PREFILLING or seq in preempted:
                 continue
             # The widest chunk this row may have so that rows × width fits the budget. When
             # it is narrower than a row already planned, joining would cut that row short:
@@ -112,7 +138,109 @@ class Scheduler:
             room = self.prefill_chunk // (len(prefill) + 1)
             if room < max(width, 1):
                 break
-            end = min(seq.num_prompt, seq.prefilled + room)
+            if seq.seq_id not in self._looked_up:
+                self._reuse_cached_prefix(seq)
+            end = min(seq.prefill_len, seq.prefilled + room)
+            if decode or prefill:  # only the blocks free now: younger rows wait, in order
+                end = min(end, (len(seq.blocks) + self.pool.available) * BLOCK_TOKENS)
+                self._grow(seq, end, preempted, may_preempt=False)
+            elif not self._grow(seq, end, preempted, may_preempt=True):
+                break
+            if end <= seq.prefilled:
+                break
             prefill.append(PrefillChunk(seq, seq.prefilled, end))
             width = max(width, end - seq.prefilled)
-        return StepPlan(decode, prefill)
+        return StepPlan(decode, prefill, preempted)
+
+    def cache_blocks(self, seq: Sequence, written: int) -> None:
+        """Positions 0 .. written - 1 of `seq` are in its blocks: register the full ones not
+        registered yet in the prefix cache (their keys name their tokens and all before)."""
+        if not self.pool.prefix_cache:
+            return
+        keys = seq.block_keys
+        for i in range(len(keys), written // BLOCK_TOKENS):
+            key = block_key(
+                keys[-1] if keys else None, seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
+            )
+            self.pool.register(seq.blocks[i], key)
+            keys.append(key)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """`child` (another choice of `parent`'s request, FORKING) takes the prompt `parent`
+        has just prefilled: it shares the full blocks and gets a copy of the partial last one.
+        Returns (source, destination) of the block to copy, if any.
+
+        With no block free for that copy, the child keeps the shared blocks and prefills the
+        partial block's tokens itself (as after a preemption: without sampling).
+        """
+        full = parent.prefilled // BLOCK_TOKENS
+        shared = parent.blocks[:full]
+        self.pool.share(shared)
+        child.blocks = list(shared)
+        child.block_keys = list(parent.block_keys[:full])
+        self._looked_up.add(child.seq_id)
+        if parent.prefilled % BLOCK_TOKENS and not self.pool.available:
+            child.prefilled = full * BLOCK_TOKENS
+            child.status = SequenceStatus.PREFILLING
+            return None
+        child.prefilled = parent.prefilled
+        child.status = SequenceStatus.DECODING
+        if parent.prefilled % BLOCK_TOKENS == 0:
+            return None
+        copy = self.pool.allocate()
+        child.blocks.append(copy)
+        return parent.blocks[full], copy
+
+    # ---- blocks ----------------------------------------------------------------------------
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """A sequence starting (or restarting) its prefill takes the longest cached prefix of
+        its tokens; at least the last one is computed (its logits, or its K/V row)."""
+        self._looked_up.add(seq.seq_id)
+        if seq.blocks or not self.pool.prefix_cache:
+            return
+        n = seq.prefill_len
+        seq.blocks, seq.block_keys = self.pool.lookup(seq.tokens(0, n), n - 1)
+        seq.prefilled = len(seq.blocks) * BLOCK_TOKENS
+
+    def _grow(
+        self, seq: Sequence, tokens: int, preempted: list[Sequence], *, may_preempt: bool
+    ) -> bool:
+        """Give `seq` blocks for `tokens` positions; False if the pool cannot (then `seq`
+        keeps what it got). With `may_preempt`, younger sequences (or `seq` itself, when it is
+        the youngest holding blocks) are preempted until it can."""
+        need = blocks_for(tokens)
+        while len(seq.blocks) < need:
+            if self.pool.available:
+                seq.blocks.append(self.pool.allocate())
+                continue
+            victim = self._youngest_holder(seq) if may_preempt else None
+            if victim is None:
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _youngest_holder(self, seq: Sequence) -> Sequence | None:
+        """The youngest sequence holding blocks that is not older than `seq`."""
+        for other in reversed(self._active.values()):
+            if other.blocks:
+                return other
+            if other is seq:
+                break
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._drop_blocks(seq)
+        seq.prefilled = 0
+        seq.status = SequenceStatus.PREFILLING
+        seq.preemptions += 1
+        self.preemptions += 1
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.block_keys = []
+        self._looked_up.discard(seq.seq_id)

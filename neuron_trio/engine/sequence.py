@@ -1,8 +1,10 @@
-"""One request's life inside the engine: its prompt, its slot, how far it has got.
+"""One request's life inside the engine: its prompt, its KV blocks, how far it has got.
 
-A sequence is prefilled first (its prompt written into its slot's KV row, a chunk per step),
-then decoded (one token per step) until it finishes. Derived counts are properties, so the
-scheduler and the engine never keep two copies of the same number.
+A sequence is prefilled first (its prompt written into its KV blocks, a chunk per step),
+then decoded (one token per step) until it finishes. A sequence preempted when the KV pool ran
+out is prefilled again, over its prompt and its output but the last token (which it already
+holds, sampled and sent), then decodes on. Derived counts are properties, so the scheduler and
+the engine never keep two copies of the same number.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from neuron_trio.engine.types import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    PREFILLING = "prefilling"  # prompt not yet (fully) in the KV cache
+    PREFILLING = "prefilling"  # prompt (or, after preemption, its tokens) not yet all cached
     DECODING = "decoding"  # prompt in the cache, at least one token sampled
     FORKING = "forking"  # another choice of its request prefills the prompt, then it copies
-    FINISHED = "finished"  # slot given back
+    FINISHED = "finished"  # blocks given back
 
 
 @dataclass(eq=False)
@@ -27,9 +29,11 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     chat: bool = False
-    slot: int = -1
     status: SequenceStatus = SequenceStatus.PREFILLING
-    prefilled: int = 0  # prompt tokens already written into the slot's KV row
+    prefilled: int = 0  # tokens (of `prefill_len`) already in its KV blocks
+    blocks: list[int] = field(default_factory=list)  # its block table, in position order
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # Per-sequence helpers owned by the engine (sampling state, text pipeline); the
@@ -38,7 +42,7 @@ class Sequence:
     text: Any = None
     tool_calls: Any = None  # a ToolCallParser when the request has tools
     # n choices: every choice reports as the request's first sequence (`group_id`) with its
-    # `index`; that sequence prefills the prompt and then `forks` copy its K/V rows.
+    # `index`; that sequence prefills the prompt and then `forks` share its K/V blocks.
     group_id: int = 0
     index: int = 0
     forks: list[Sequence] = field(default_factory=list)
@@ -50,6 +54,21 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens whose K/V must be cached before the next decode step: the prompt, and after a
+        preemption the output so far but its last token (which that step feeds)."""
+        return self.num_prompt + max(0, self.num_output - 1)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens `start .. end - 1` of prompt + output."""
+        prompt = self.num_prompt
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return [*self.prompt_ids[start:], *self.output_ids[: end - prompt]]
 
     @property
     def last_token(self) -> int:

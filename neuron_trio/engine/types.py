@@ -105,5 +105,11 @@ class EngineStatistics:
     prefilling: int
     decoding: int
     steps: int
-    prompt_tokens_total: int
+    prompt_tokens_total: int  # tokens prefilled (computed: cached prefixes not counted)
     generated_tokens_total: int
+    kv_blocks_total: int = 0  # KV pool blocks sequences may use
+    kv_blocks_used: int = 0  # ... held by running sequences
+    kv_blocks_cached: int = 0  # ... held by no one but a cached prefix (evictable)
+    prefix_cache_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_tokens: int = 0  # ... found there (not computed again)
+    preemptions: int = 0  # sequences sent back to prefill when the pool ran out

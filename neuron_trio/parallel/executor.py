@@ -28,7 +28,7 @@ from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.llama_config import LlamaConfig
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import SingleRunner, kv_pool_blocks, load_transformer
 from neuron_trio.engine.model import Transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.tokenizer import Tokenizer
@@ -194,6 +194,8 @@ def build_executor(
             device=rank_devices[0],
             max_batch=spec.max_batch,
             context=spec.context,
+            kv_cache_mb=spec.kv_cache_mb,
+            prefix_cache=spec.prefix_cache,
         )
         single = engine.runner
         assert isinstance(single, SingleRunner)
@@ -215,8 +217,18 @@ def build_executor(
             check_tp(config, tp)
         except ConfigError as exc:
             raise ConfigError(f"model {spec.name!r}: {exc}") from None
-        # Tokens per slot: at most what the model was trained for (as Engine.from_gguf does).
+        # Tokens per sequence: at most what the model was trained for (as Engine.from_gguf
+        # does); the KV pool's blocks from the whole model's shape: every rank holds them all,
+        # each for its own KV heads (so each rank holds 1/tp of kv_cache_mb).
         context = min(spec.context, config.context_length)
+        blocks = kv_pool_blocks(
+            config,
+            spec.dtype,
+            rank_devices[0],
+            kv_cache_mb=spec.kv_cache_mb,
+            max_batch=spec.max_batch,
+            context=context,
+        )
         models = [
             load_transformer(
                 gguf,
@@ -231,13 +243,17 @@ def build_executor(
     factory = make_comm_factory(rank_devices, failpoints)
     comm = factory()
     try:
-        runner = TPRunner(
-            models, comm, slots=spec.max_batch + 1, context=context, config=config
-        )  # one scratch row for probes
+        runner = TPRunner(models, comm, blocks=blocks, context=context, config=config)
     except BaseException:
         _destroy_quietly(comm)
         raise
-    engine = Engine(runner, tokenizer, max_batch=spec.max_batch, context=context)
+    engine = Engine(
+        runner,
+        tokenizer,
+        max_batch=spec.max_batch,
+        context=context,
+        prefix_cache=spec.prefix_cache,
+    )
     return Executor(
         engine=engine,
         models=models,

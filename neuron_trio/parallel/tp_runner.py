@@ -34,7 +34,7 @@ class TPRunner:
         models: list[Transformer],
         comm: Communicator,
         *,
-        slots: int,
+        blocks: int,
         context: int,
         config: LlamaConfig | None = None,
     ) -> None:
@@ -43,7 +43,7 @@ class TPRunner:
         self.models = models
         self.comm = comm
         self.tp = len(models)
-        self.slots = slots
+        self.blocks = blocks
         self.context = context
         shard_config: LlamaConfig = models[0].config
         # The whole model's shape (what the scheduler sees), unless given.
@@ -56,8 +56,9 @@ class TPRunner:
         self.devices = [m.device for m in models]
         self.device = self.devices[0]
         self.kv = [
-            # K and V are stored in what the model computes them in: its activation dtype
-            KVCache.allocate(m.config, slots, context, m.act_dtype, d)
+            # Each rank's pool holds its own KV heads, in the same blocks (one block table for
+            # every rank); K and V are stored in what the model computes them in.
+            KVCache.allocate(m.config, blocks, m.act_dtype, d)
             for m, d in zip(models, self.devices, strict=True)
         ]
         for model in models[1:]:
@@ -78,26 +79,26 @@ class TPRunner:
         self,
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
-        slots: torch.Tensor,
+        tables: torch.Tensor,
         *,
         lengths: torch.Tensor | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
         with torch.inference_mode():
             return self._forward(
-                input_ids, start_pos, slots, lengths=lengths, all_logits=all_logits
+                input_ids, start_pos, tables, lengths=lengths, all_logits=all_logits
             )
 
-    def fork_rows(self, src: int, dsts: list[int], length: int) -> None:
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         with torch.inference_mode():
             for kv in self.kv:
-                kv.copy_prefix(src, dsts, length)
+                kv.copy_blocks(src, dst)
 
     def _forward(
         self,
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
-        slots: torch.Tensor,
+        tables: torch.Tensor,
         *,
         lengths: torch.Tensor | None,
         all_logits: bool,
@@ -106,7 +107,7 @@ class TPRunner:
             model.forward_steps(
                 input_ids.to(device),
                 start_pos,  # host tensors: the model reads them to place rows (no GPU sync)
-                slots,
+                tables,
                 kv,
                 lengths=lengths,
                 all_logits=all_logits,

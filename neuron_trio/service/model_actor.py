@@ -632,8 +632,11 @@ class ModelActor:
         self._cancels.clear()
 
     def _admit(self, engine: ServingEngine) -> None:
-        # a request of n choices takes n slots at once (its prompt is prefilled once, shared)
-        while self._queue and engine.free_slots >= self._queue[0].job.params.n:
+        # A request of n choices takes n of max_batch at once (its prompt is prefilled once,
+        # shared), and waits until the KV pool has its prompt's blocks.
+        while self._queue and engine.can_admit(
+            len(self._queue[0].prompt_ids), self._queue[0].job.params.n
+        ):
             request = self._queue.popleft()
             try:
                 seq_id = engine.add(request.prompt_ids, request.job.params, chat=request.chat)

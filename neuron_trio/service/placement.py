@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from neuron_trio.config import ModelConfig
-from neuron_trio.errors import PlacementError
+from neuron_trio.errors import ConfigError, PlacementError
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,8 @@ def place(
 
 
 def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) -> ModelEstimate:
-    """Weights (as `spec.dtype` will hold them on a GPU, or on the CPU) plus the KV cache of
-    `max_batch + 1` rows (one scratch row for probes) of `context` positions.
+    """Weights (as `spec.dtype` will hold them on a GPU, or on the CPU) plus the KV pool
+    (`kv_cache_mb`, or by default `max_batch` × `context` tokens, plus two reserved blocks).
 
     The engine's own accounting (`engine.loader.estimate_weight_bytes`): under "auto" a GPU
     holds bfloat16 weights, about 3.5x a Q4 file, so the file's size is no estimate. Reads the
@@ -201,5 +201,15 @@ def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) 
     device = torch.device("cuda" if on_gpu else "cpu")
     with GGUFFile(path) as gguf:
         weights = estimate_weight_bytes(gguf, spec.dtype, device)
-        kv = estimate_kv_bytes(gguf.config, spec.dtype, spec.context, spec.max_batch + 1, device)
+        try:
+            kv = estimate_kv_bytes(
+                gguf.config,
+                spec.dtype,
+                device,
+                kv_cache_mb=spec.kv_cache_mb,
+                max_batch=spec.max_batch,
+                context=spec.context,
+            )
+        except ConfigError as exc:
+            raise PlacementError(f"model {spec.name!r}: {exc}") from None
     return ModelEstimate(weights_bytes=weights, kv_cache_bytes=kv)

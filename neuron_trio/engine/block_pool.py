@@ -1,0 +1,172 @@
+"""Which KV blocks are free, shared or cached: the paged KV cache's bookkeeping, no torch.
+
+The KV cache (`kv_cache.KVCache`) is a pool of blocks of BLOCK_TOKENS positions each; a
+sequence holds a block table (its block ids, in position order) that grows as it does. This
+module decides which block ids go where:
+
+- Blocks 0 and 1 are reserved: NULL_BLOCK stays zero (gathered padding reads it, so attention
+  never sees uninitialised memory) and PROBE_BLOCK is the health probe's scratch row.
+- `allocate` hands out the lowest-numbered free block (touched memory stays compact, and a
+  sequence alone gets consecutive blocks: a copy-free slice in attention).
+- Blocks are refcounted: the n choices of one request share their prompt's full blocks, and
+  so do requests whose prompts share a prefix. A block is written only by the one sequence
+  that allocated it, before it is full; shared blocks are full, so never written again.
+- Prefix cache: a full block is keyed by `block_key(parent's key, its tokens)`, so a key
+  names its tokens and everything before them. `lookup` finds the longest chain of cached
+  blocks for a prompt; a cached block whose last reference goes stays cached ("evictable")
+  until `allocate` runs out of free blocks and evicts the least recently used one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 16  # KV positions per block
+NULL_BLOCK = 0  # always zero: what padding positions read
+PROBE_BLOCK = 1  # the probe's one-token scratch row, never given to a sequence
+RESERVED_BLOCKS = 2
+
+
+def blocks_for(tokens: int) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // BLOCK_TOKENS)
+
+
+def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
+    """The prefix-cache key of a full block: a 128-bit digest of its parent's key and its tokens.
+
+    A digest rather than Python's `hash`: collisions (two prefixes, one key) would silently
+    serve another prompt's K/V, and 64 bits of a non-cryptographic hash are not enough.
+    """
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+class NoFreeBlockError(Exception):
+    """Raised by `BlockPool.allocate` if no block is free or evictable."""
+
+
+@dataclass(frozen=True)
+class BlockPoolStatistics:
+    total: int  # blocks sequences may use (the reserved ones not counted)
+    used: int  # held by at least one sequence
+    cached: int  # unreferenced but holding a cached prefix (evictable)
+    query_tokens: int  # prompt tokens looked up in the prefix cache
+    hit_tokens: int  # ... of which were found (their prefill skipped)
+
+
+class BlockPool:
+    """Block ids `RESERVED_BLOCKS .. n_blocks - 1`: refcounts, free list, prefix cache."""
+
+    def __init__(self, n_blocks: int, *, prefix_cache: bool = True) -> None:
+        if n_blocks <= RESERVED_BLOCKS:
+            raise ValueError(
+                f"a KV pool needs more than {RESERVED_BLOCKS} blocks (reserved), got {n_blocks}"
+            )
+        self.n_blocks = n_blocks
+        self.prefix_cache = prefix_cache
+        self._free = list(range(RESERVED_BLOCKS, n_blocks))  # a heap: lowest first
+        self._refs: dict[int, int] = {}  # block -> references, for blocks in use
+        self._key_of: dict[int, bytes] = {}  # cached block -> its key
+        self._block_of: dict[bytes, int] = {}  # key -> cached block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached, LRU first
+        self._query_tokens = 0
+        self._hit_tokens = 0
+
+    @property
+    def total(self) -> int:
+        return self.n_blocks - RESERVED_BLOCKS
+
+    @property
+    def available(self) -> int:
+        """Blocks `allocate` can hand out now: free ones, then evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    def statistics(self) -> BlockPoolStatistics:
+        return BlockPoolStatistics(
+            total=self.total,
+            used=len(self._refs),
+            cached=len(self._evictable),
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+        )
+
+    def allocate(self) -> int:
+        """A block for one sequence to write (refcount 1); NoFreeBlockError if none is left."""
+        if self._free:
+            block = heapq.heappop(self._free)
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)  # least recently used
+            del self._block_of[self._key_of.pop(block)]
+        else:
+            raise NoFreeBlockError(f"all {self.total} KV blocks are in use")
+        self._refs[block] = 1
+        return block
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of `blocks` (all in use)."""
+        for block in blocks:
+            self._refs[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks`; a block no one holds is free again, or
+        evictable when it holds a cached prefix."""
+        for block in blocks:
+            refs = self._refs[block] - 1
+            if refs:
+                self._refs[block] = refs
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._evictable[block] = None  # most recently used: evicted last
+            else:
+                heapq.heappush(self._free, block)
+
+    def register(self, block: int, key: bytes) -> None:
+        """`block` (in use, full) holds the prefix `key` names: later prompts may reuse it.
+
+        If another block already holds that prefix (two prompts computed it at once), the
+        first stays the cached one. Nothing happens with the prefix cache off.
+        """
+        if not self.prefix_cache or key in self._block_of or block in self._key_of:
+            return
+        self._block_of[key] = block
+        self._key_of[block] = key
+
+    def lookup(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """The longest chain of cached full blocks that starts `tokens`, covering at most
+        `limit` tokens; each block returned has one more reference. Also their keys."""
+        if not self.prefix_cache:
+            return [], []
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parent: bytes | None = None
+        for i in range(min(limit, len(tokens)) // BLOCK_TOKENS):
+            key = block_key(parent, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            if block in self._evictable:
+                del self._evictable[block]
+                self._refs[block] = 1
+            else:
+                self._refs[block] += 1
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        self._query_tokens += len(tokens)
+        self._hit_tokens += len(blocks) * BLOCK_TOKENS
+        return blocks, keys
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (evictable blocks become free; blocks in use stay)."""
+        for block in self._evictable:
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
