@@ -13,10 +13,11 @@ import torch
 
 from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
 from neuron_trio.engine.gguf_file import GGUFFile
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import load_transformer
 from neuron_trio.engine.model import Transformer
 from neuron_trio.engine.tokenizer import Tokenizer
 from neuron_trio.errors import UnsupportedModelError
+from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_families import FAMILIES, LLAMA3_SCALING, write_tiny_family
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +75,7 @@ def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, vocab, size=n).tolist()
 
 
-def greedy(runner: SingleRunner, ids: list[int], n: int) -> list[int]:
+def greedy(runner: SlotRunner, ids: list[int], n: int) -> list[int]:
     logits = runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]))
     out = [int(logits.argmax())]
     for i in range(n - 1):
@@ -91,7 +92,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family_dir: Path, family: s
     model = load_transformer(path, dtype="float32", device="cpu")
     hf = hf_model(family_dir, family)
     assert hf.config.num_hidden_layers == model.config.n_layers
-    runner = SingleRunner(model, slots=1, context=96)
+    runner = SlotRunner(model, slots=1, context=96)
     # 20 tokens: past gemma's sliding window of 8, and far enough for Llama 3's scaled RoPE
     ids = prompt_ids(model.config.vocab_size, 20, seed=1)
     got = runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), all_logits=True)
@@ -182,7 +183,7 @@ def test_description_read_from_metadata(family_dir: Path) -> None:
 
 
 def logits_of(model: Transformer, ids: list[int]) -> torch.Tensor:
-    runner = SingleRunner(model, slots=1, context=64)
+    runner = SlotRunner(model, slots=1, context=64)
     return runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]))[0]
 
 

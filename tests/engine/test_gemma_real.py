@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf_file import GGUFFile
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import load_transformer
 from neuron_trio.engine.tokenizer import Tokenizer
+from tests.engine.slot_runner import SlotRunner
 from tests.gemma_model import PROMPTS, gemma_path
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def test_gemma3_greedy_text_and_tokens_equal_transformers(reference: dict[str, A
         tokenizer = Tokenizer.from_metadata(gf.metadata)
         model = load_transformer(gf, dtype="float32", device="cpu")
     cases = reference["cases"]
-    runner = SingleRunner(model, slots=len(cases), context=64)
+    runner = SlotRunner(model, slots=len(cases), context=64)
     n = reference["tokens"]
     prompts = [tokenizer.encode(c["prompt"], add_special_tokens=True) for c in cases]
     outs: list[list[int]] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from neuron_trio.engine.loader import (
 )
 from neuron_trio.engine.model import Int4Linear, Int8Linear, RefinedHead
 from neuron_trio.engine.runner import Runner
+from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
 
 SHAPE: dict[str, Any] = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
@@ -86,7 +88,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def test_float32_matches_reference_maths(files: dict[str, Path]) -> None:
     ids = prompt(11, 0)
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    runner = SingleRunner(model, slots=2, context=32)
+    runner = SlotRunner(model, slots=2, context=32)
     got = runner.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([1]), all_logits=True)
     assert got.dtype == torch.float32 and got.shape == (1, 11, model.config.vocab_size)
     torch.testing.assert_close(got[0].double(), reference_logits(ids), rtol=1e-4, atol=1e-4)
@@ -95,7 +97,7 @@ def test_float32_matches_reference_maths(files: dict[str, Path]) -> None:
 def test_chunked_prefill_and_decode_match_full_prefill(files: dict[str, Path]) -> None:
     ids = torch.tensor([prompt(10, 1)])
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    runner = SingleRunner(model, slots=3, context=16)
+    runner = SlotRunner(model, slots=3, context=16)
     full = runner.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
     last = runner.forward(ids, torch.tensor([0]), torch.tensor([2]))
     torch.testing.assert_close(last[0], full[-1])
@@ -126,7 +128,8 @@ def greedy_alone(runner: SingleRunner, ids: list[int], n: int, slot: int) -> lis
 @pytest.mark.parametrize("slot_order", ["contiguous", "scattered"])
 def test_batch_of_8_decodes_like_each_alone(files: dict[str, Path], slot_order: str) -> None:
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    runner = SingleRunner(model, slots=9, context=48)
+    # scattered: the slots' blocks interleave, so every row is read by a gather
+    runner = SlotRunner(model, slots=9, context=48, scattered=slot_order == "scattered")
     prompts = [prompt(3 + 2 * i, 10 + i) for i in range(8)]  # different lengths
     n = 10
     alone = [greedy_alone(runner, p, n, slot=8) for p in prompts]
@@ -157,16 +160,20 @@ def packed_batch(
 
 def test_packed_prefill_matches_each_prompt_alone(files: dict[str, Path]) -> None:
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    runner = SingleRunner(model, slots=9, context=32)
+    runner = SlotRunner(model, slots=9, context=32)
     long, mid, short, one = prompt(13, 20), prompt(9, 21), prompt(4, 22), prompt(1, 23)
     # Alone, each in the scratch slot 8: all logits of the whole prompt.
     alone = [
         runner.forward(torch.tensor([p]), torch.tensor([0]), torch.tensor([8]), all_logits=True)[0]
         for p in (long, mid, short, one)
     ]
-    # Stale K/V in the slots the packed rows use: they must not leak into any row.
-    noise = torch.randn_like(runner.kv.storage[:, :4]) * 100
-    runner.kv.storage[:, :4] = noise
+    # Stale K/V in the slots the packed rows use, NaN included: it must not leak into any row
+    # (a gather reads the null block past a row's end; NaN - inf would be NaN).
+    rows = {slot: runner.token_rows(slot) for slot in range(4)}
+    noise = torch.randn_like(runner.kv.storage) * 100
+    noise[..., ::7] = float("nan")
+    for slot_rows in rows.values():
+        runner.kv.storage[:, :, slot_rows] = noise[:, :, slot_rows]
     # `long` was cached up to 5 in slot 2, by an earlier chunk; the other rows start afresh.
     runner.forward(torch.tensor([long[:5]]), torch.tensor([0]), torch.tensor([2]))
     ids, starts, lengths = packed_batch([(mid, 0), (long[5:], 5), (short, 0), (one, 0)])
@@ -182,7 +189,9 @@ def test_packed_prefill_matches_each_prompt_alone(files: dict[str, Path]) -> Non
         torch.testing.assert_close(every[row, :n], ref[start : start + n], rtol=1e-5, atol=1e-5)
     # Padding was never written: past each row's end its slot still holds the noise.
     for slot, end in ((3, 9), (2, 13), (0, 4), (1, 1)):
-        assert torch.equal(runner.kv.storage[:, slot, :, end:], noise[:, slot, :, end:])
+        past = rows[slot][end:]
+        kept = runner.kv.storage[:, :, past]
+        torch.testing.assert_close(kept, noise[:, :, past], rtol=0, atol=0, equal_nan=True)
     # Then greedy decoding goes on from the packed prefill exactly as from each alone.
     tokens = [[int(row.argmax())] for row in got]
     pos = torch.tensor([9, 13, 4, 1])
@@ -196,7 +205,7 @@ def test_packed_prefill_matches_each_prompt_alone(files: dict[str, Path]) -> Non
 
 def test_packed_rows_without_padding_and_a_padded_single_row(files: dict[str, Path]) -> None:
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    runner = SingleRunner(model, slots=4, context=16)
+    runner = SlotRunner(model, slots=4, context=16)
     a, b = prompt(6, 30), prompt(6, 31)
     want = [
         runner.forward(torch.tensor([p]), torch.tensor([0]), torch.tensor([3]))[0] for p in (a, b)
@@ -257,20 +266,26 @@ def test_tensor_parallel_shards_sum_to_the_whole(files: dict[str, Path]) -> None
     ]
     assert shards[0].partial_sums and shards[0].config.n_heads == 2
     assert shards[0].config.n_kv_heads == 1 and shards[0].config.ffn_dim == 64
-    caches = [KVCache.allocate(m.config, 2, 32, torch.float32, "cpu") for m in shards]
-    ref = SingleRunner(whole, slots=2, context=32)
+    caches = [
+        KVCache.allocate(m.config, slot_pool_blocks(2, 32), torch.float32, "cpu") for m in shards
+    ]
+    ref = SlotRunner(whole, slots=2, context=32)
+
+    def tables(slot_ids: list[int]) -> torch.Tensor:
+        return slot_tables(torch.tensor(slot_ids), 2, 32)
+
     ids = torch.tensor([prompt(7, 3)])
     with torch.inference_mode():
         got = run_lockstep(
             [
-                m.forward_steps(ids, torch.tensor([0]), torch.tensor([1]), c, all_logits=True)
+                m.forward_steps(ids, torch.tensor([0]), tables([1]), c, all_logits=True)
                 for m, c in zip(shards, caches, strict=True)
             ]
         )
         # then a decode row on top of the cached prefix
         nxt = run_lockstep(
             [
-                m.forward_steps(torch.tensor([[5]]), torch.tensor([7]), torch.tensor([1]), c)
+                m.forward_steps(torch.tensor([[5]]), torch.tensor([7]), tables([1]), c)
                 for m, c in zip(shards, caches, strict=True)
             ]
         )
@@ -283,7 +298,7 @@ def test_tensor_parallel_shards_sum_to_the_whole(files: dict[str, Path]) -> None
     with torch.inference_mode():
         packed = run_lockstep(
             [
-                m.forward_steps(ids, starts, torch.tensor([1, 0]), c, lengths=lengths)
+                m.forward_steps(ids, starts, tables([1, 0]), c, lengths=lengths)
                 for m, c in zip(shards, caches, strict=True)
             ]
         )
@@ -293,8 +308,8 @@ def test_tensor_parallel_shards_sum_to_the_whole(files: dict[str, Path]) -> None
 
 def test_unsharded_model_never_yields(files: dict[str, Path]) -> None:
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    kv = KVCache.allocate(model.config, 1, 8, torch.float32, "cpu")
-    gen = model.forward_steps(torch.tensor([[4, 5]]), torch.tensor([0]), torch.tensor([0]), kv)
+    kv = KVCache.allocate(model.config, 3, torch.float32, "cpu")
+    gen = model.forward_steps(torch.tensor([[4, 5]]), torch.tensor([0]), torch.tensor([[2]]), kv)
     with pytest.raises(StopIteration) as done, torch.inference_mode():
         next(gen)
     assert done.value.value.shape == (1, model.config.vocab_size)
@@ -304,11 +319,11 @@ def test_unsharded_model_never_yields(files: dict[str, Path]) -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "auto"])
 def test_other_dtypes_track_float32(files: dict[str, Path], dtype: str, length: int) -> None:
     ids = torch.tensor([prompt(length, 4)])
-    ref = SingleRunner(
+    ref = SlotRunner(
         load_transformer(files["Q4_1"], dtype="float32", device="cpu"), slots=1, context=32
     )
     model = load_transformer(files["Q4_1"], dtype=dtype, device="cpu")
-    runner = SingleRunner(model, slots=1, context=32)
+    runner = SlotRunner(model, slots=1, context=32)
     want = ref.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
     got = runner.forward(ids, torch.tensor([0]), torch.tensor([0]), all_logits=True)[0]
     assert got.dtype == torch.float32
@@ -319,21 +334,42 @@ def test_other_dtypes_track_float32(files: dict[str, Path], dtype: str, length: 
 
 def test_runner_protocol_and_kv_bytes(files: dict[str, Path]) -> None:
     model = load_transformer(files["F32"], dtype="float32", device="cpu")
-    runner: Runner = SingleRunner(model, slots=9, context=40)
-    assert runner.slots == 9 and runner.context == 40 and runner.device == torch.device("cpu")
+    runner: Runner = SingleRunner(model, blocks=7, context=40)
+    assert runner.blocks == 7 and runner.context == 40 and runner.device == torch.device("cpu")
     c = model.config
     assert isinstance(runner, SingleRunner)
-    expected = 2 * c.n_layers * 9 * c.n_kv_heads * 40 * c.head_dim * 4
-    assert runner.kv.nbytes == expected == KVCache.bytes_needed(c, 9, 40, torch.float32)
-    bf = SingleRunner(model, slots=2, context=8, kv_dtype=torch.bfloat16)
-    assert bf.kv.nbytes == KVCache.bytes_needed(c, 2, 8, torch.bfloat16)
+    expected = 2 * c.n_layers * 7 * 16 * c.n_kv_heads * c.head_dim * 4  # blocks of 16 tokens
+    assert runner.kv.nbytes == expected == KVCache.bytes_needed(c, 7, torch.float32)
+    bf = SingleRunner(model, blocks=3, context=8, kv_dtype=torch.bfloat16)
+    assert bf.kv.nbytes == KVCache.bytes_needed(c, 3, torch.bfloat16)
+    # the null block reads as zeros from the start; the rest is left uninitialised
+    assert not runner.kv.storage[:, :, :16].any()
 
 
-def estimate_model_bytes(path: Path, dtype: str, context: int, slots: int) -> int:
+def test_kv_pool_size_by_budget_or_by_batch_and_context(files: dict[str, Path]) -> None:
+    with GGUFFile(files["F32"]) as gf:
+        c = gf.config
+    per_block = KVCache.bytes_per_block(c, torch.float32)
+    assert per_block == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 16 * 4
+    # 0: max_batch x context tokens (context rounded up to whole blocks), plus 2 reserved
+    by_batch = KVCache.blocks_for_budget(c, torch.float32, budget_mb=0, max_batch=3, context=40)
+    assert by_batch == 3 * 3 + 2
+    by_budget = KVCache.blocks_for_budget(c, torch.float32, budget_mb=1, max_batch=3, context=40)
+    assert by_budget == (1 << 20) // per_block
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCache.blocks_for_budget(
+            replace(c, n_layers=4096), torch.float32, budget_mb=1, max_batch=1, context=16
+        )
+
+
+def estimate_model_bytes(path: Path, dtype: str, context: int, max_batch: int) -> int:
     """Weights plus KV cache on the CPU, as service.placement adds them up."""
     with GGUFFile(path) as gf:
         weights = estimate_weight_bytes(gf, dtype, "cpu")
-        return weights + estimate_kv_bytes(gf.config, dtype, context, slots, "cpu")
+        kv = estimate_kv_bytes(
+            gf.config, dtype, "cpu", kv_cache_mb=0, max_batch=max_batch, context=context
+        )
+        return weights + kv
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
@@ -346,17 +382,17 @@ def test_estimate_model_bytes_is_close(files: dict[str, Path], dtype: str) -> No
             continue
         seen.add(buf.untyped_storage().data_ptr())
         weights += buf.untyped_storage().nbytes()
-    kv = KVCache.bytes_needed(model.config, 3, 64, model.act_dtype)
+    kv = KVCache.bytes_needed(model.config, 3 * 4 + 2, model.act_dtype)
     est = estimate_model_bytes(files["Q4_1"], dtype, 64, 3)
     assert 0.9 * (weights + kv) <= est <= 1.1 * (weights + kv)
 
 
 def test_rows_past_context_and_bad_batches_are_refused(files: dict[str, Path]) -> None:
-    runner = SingleRunner(
+    runner = SlotRunner(
         load_transformer(files["F32"], dtype="float32", device="cpu"), slots=2, context=8
     )
-    with pytest.raises(ValueError, match="context"):
-        runner.forward(torch.tensor([[1] * 5]), torch.tensor([4]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="KV blocks"):
+        runner.forward(torch.tensor([[1] * 14]), torch.tensor([4]), torch.tensor([0]))
     two = (torch.tensor([[1, 2], [3, 4]]), torch.tensor([0, 0]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="row lengths"):
         runner.forward(*two, lengths=torch.tensor([2, 0]))
@@ -408,13 +444,11 @@ def test_auto_head_refines_its_best_candidates_exactly(
 def test_separate_output_head(tmp_path: Path, dtype: str) -> None:
     path = write_tiny_llama(tmp_path / "untied.gguf", **SHAPE, qtype="Q4_0", tied=False)
     ids = torch.tensor([prompt(9, 5)])
-    ref = SingleRunner(load_transformer(path, dtype="float32", device="cpu"), slots=1, context=16)
+    ref = SlotRunner(load_transformer(path, dtype="float32", device="cpu"), slots=1, context=16)
     model = load_transformer(path, dtype=dtype, device="cpu")
     assert not model.config.tied_output
-    got = SingleRunner(model, slots=1, context=16).forward(
-        ids, torch.tensor([0]), torch.tensor([0])
-    )
+    got = SlotRunner(model, slots=1, context=16).forward(ids, torch.tensor([0]), torch.tensor([0]))
     want = ref.forward(ids, torch.tensor([0]), torch.tensor([0]))
     assert torch.nn.functional.cosine_similarity(got, want).min() > 0.97  # tiny random model
     est = estimate_model_bytes(path, dtype, 16, 1)
-    assert est > KVCache.bytes_needed(model.config, 1, 16, model.act_dtype)
+    assert est > KVCache.bytes_needed(model.config, 3, model.act_dtype)

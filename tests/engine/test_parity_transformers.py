@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import load_transformer
 from neuron_trio.engine.model import Transformer
 from tests.engine.hf_reference import load_hf_reference
+from tests.engine.slot_runner import SlotRunner
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ def ids_of(tok: Any, text: str, *, chat: bool = False) -> list[int]:
     return list(tok(text).input_ids)
 
 
-def our_greedy(runner: SingleRunner, prompt: list[int], n: int, slot: int = 0) -> list[int]:
+def our_greedy(runner: SlotRunner, prompt: list[int], n: int, slot: int = 0) -> list[int]:
     logits = runner.forward(torch.tensor([prompt]), torch.tensor([0]), torch.tensor([slot]))
     out = [int(logits[0].argmax())]
     while len(out) < n and out[-1] != EOS:
@@ -58,7 +59,7 @@ def our_greedy(runner: SingleRunner, prompt: list[int], n: int, slot: int = 0) -
 
 def test_last_position_logits_match(pair: tuple[Any, Any, Transformer]) -> None:
     hf, tok, ours = pair
-    runner = SingleRunner(ours, slots=1, context=256)
+    runner = SlotRunner(ours, slots=1, context=256)
     worst = 0.0
     for text in PROMPTS:
         ids = ids_of(tok, text)
@@ -94,7 +95,7 @@ def test_greedy_48_tokens_identical(
             pad_token_id=EOS,
         )
     want = out[0, len(ids) :].tolist()
-    runner = SingleRunner(ours, slots=1, context=len(ids) + n + 1)
+    runner = SlotRunner(ours, slots=1, context=len(ids) + n + 1)
     got = our_greedy(runner, ids, n)
     assert got == want, tok.decode(got) + " | " + tok.decode(want)
     if chat:
@@ -105,7 +106,7 @@ def test_batch_of_8_matches_alone_on_builtin(pair: tuple[Any, Any, Transformer])
     _, tok, ours = pair
     prompts = [ids_of(tok, t) for t in PROMPTS] + [ids_of(tok, t, chat=True) for t in PROMPTS]
     n = 12
-    runner = SingleRunner(ours, slots=9, context=128)
+    runner = SlotRunner(ours, slots=9, context=128)
     alone = [our_greedy(runner, p, n, slot=8) for p in prompts]
     slots = [6, 1, 4, 0, 2, 7, 3, 5]
     tokens = [

@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from neuron_trio.engine.block_pool import (
+    BLOCK_TOKENS,
+    NULL_BLOCK,
+    PROBE_BLOCK,
+    RESERVED_BLOCKS,
+    BlockPool,
+    blocks_for,
+)
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.llama_config import LlamaConfig
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
@@ -17,21 +25,29 @@ def _seq(seq_id: int, n_prompt: int) -> Sequence:
     return Sequence(seq_id, list(range(1, n_prompt + 1)), SamplingParams())
 
 
-def test_slots_fill_then_refuse_then_free_lowest_first() -> None:
-    sched = Scheduler(max_batch=3, prefill_chunk=8)
+def _scheduler(max_batch: int, prefill_chunk: int, blocks: int = 64) -> Scheduler:
+    return Scheduler(
+        max_batch=max_batch, prefill_chunk=prefill_chunk, pool=BlockPool(blocks + RESERVED_BLOCKS)
+    )
+
+
+def test_max_batch_limits_admission_and_blocks_go_lowest_first() -> None:
+    sched = _scheduler(3, 12)
     seqs = [_seq(i, 4) for i in range(3)]
     for seq in seqs:
         sched.admit(seq)
-    assert [s.slot for s in seqs] == [0, 1, 2]
     assert sched.free_slots == 0
     with pytest.raises(NoFreeSlotError):
         sched.admit(_seq(9, 4))
+    sched.schedule()
+    assert [s.blocks for s in seqs] == [[2], [3], [4]]  # the lowest free block first
     sched.release(seqs[1])
-    assert seqs[1].status is SequenceStatus.FINISHED
+    assert seqs[1].status is SequenceStatus.FINISHED and seqs[1].blocks == []
     assert sched.free_slots == 1
     late = _seq(10, 4)
     sched.admit(late)
-    assert late.slot == 1
+    sched.schedule()
+    assert late.blocks == [3]
     sched.release(seqs[1])  # releasing twice is harmless
     assert sched.free_slots == 0
 
@@ -48,7 +64,7 @@ def _plan_spans(sched: Scheduler) -> list[tuple[int, int, int]]:
 
 
 def test_a_long_prompt_is_chunked_oldest_first_beside_decodes() -> None:
-    sched = Scheduler(max_batch=4, prefill_chunk=3)
+    sched = _scheduler(4, 3)
     running = _seq(1, 2)
     sched.admit(running)
     running.status = SequenceStatus.DECODING
@@ -69,7 +85,7 @@ def test_a_long_prompt_is_chunked_oldest_first_beside_decodes() -> None:
 
 
 def test_prompts_that_arrive_together_are_prefilled_together_within_the_budget() -> None:
-    sched = Scheduler(max_batch=8, prefill_chunk=16)
+    sched = _scheduler(8, 16)
     seqs = [_seq(i, n) for i, n in enumerate([3, 4, 2, 5, 3, 9, 1], start=1)]
     for seq in seqs:
         sched.admit(seq)
@@ -92,7 +108,7 @@ def test_prompts_that_arrive_together_are_prefilled_together_within_the_budget()
 
 
 def test_release_all_empties_everything() -> None:
-    sched = Scheduler(max_batch=2, prefill_chunk=4)
+    sched = _scheduler(2, 4)
     a, b = _seq(1, 3), _seq(2, 3)
     sched.admit(a)
     sched.admit(b)
@@ -104,9 +120,9 @@ def test_release_all_empties_everything() -> None:
 
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError):
-        Scheduler(max_batch=0, prefill_chunk=4)
+        _scheduler(0, 4)
     with pytest.raises(ValueError):
-        Scheduler(max_batch=1, prefill_chunk=0)
+        _scheduler(1, 0)
 
 
 # ---- the engine over a fake runner ---------------------------------------------------------
@@ -163,48 +179,87 @@ def _default_rule(row: list[int]) -> int:
 
 
 class FakeRunner:
-    """Keeps each KV row's tokens; logits pick `rule(row)`; checks rows are written in order."""
+    """Keeps the token of every KV position in its block; logits pick `rule(row)` of the row
+    read back through the block table, so a wrong table, a block written by two rows or a
+    gap before a row's start changes the output or trips an assertion."""
 
-    def __init__(self, *, slots: int = 5, context: int = 64, rule=_default_rule):
+    def __init__(self, *, blocks: int = 22, context: int = 64, rule=_default_rule):
         self.config = LlamaConfig(
             n_layers=1, dim=8, n_heads=1, n_kv_heads=1, head_dim=8, ffn_dim=8,
             vocab_size=VOCAB, rope_base=1e4, rope_dim=8, rms_eps=1e-5,
             context_length=context, tied_output=True,
         )  # fmt: skip
-        self.slots = slots
+        self.blocks = blocks
         self.context = context
         self.device = torch.device("cpu")
         self.rule = rule
-        self.rows: list[list[int]] = [[] for _ in range(slots)]
+        self.store: dict[int, list[int | None]] = {}  # block -> the token at each position
         self.calls: list[tuple[int, int]] = []  # (B, T) of every forward
+        self.longest = 0  # the furthest position + 1 ever written
         self.fail_next = False
 
-    def forward(self, input_ids, start_pos, slots, *, lengths=None, all_logits=False):
+    def read(self, table: list[int], length: int) -> list[int | None]:
+        return [
+            self.store.get(table[p // BLOCK_TOKENS], [None] * BLOCK_TOKENS)[p % BLOCK_TOKENS]
+            for p in range(length)
+        ]
+
+    def forward(self, input_ids, start_pos, tables, *, lengths=None, all_logits=False):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected forward failure")
         batch, width = input_ids.shape
-        assert len(set(slots.tolist())) == batch, "one row per slot"
+        assert tables.shape[0] == batch
         logits = torch.full((batch, VOCAB), -5.0)
+        written: set[int] = set()
         for b in range(batch):
-            slot, start = int(slots[b]), int(start_pos[b])
+            table, start = tables[b].tolist(), int(start_pos[b])
             length = width if lengths is None else int(lengths[b])
             assert 1 <= length <= width
             assert width == 1 or (lengths is None) == (batch == 1 or min(lengths) == width)
-            row = self.rows[slot]
-            assert start <= len(row), f"slot {slot}: a gap before position {start}"
-            assert start + length <= self.context, "past the slot's context"
-            del row[start:]
-            row.extend(int(t) for t in input_ids[b, :length])  # padding is not part of the row
-            logits[b, self.rule(row)] = 5.0
+            end = start + length
+            assert end <= self.context, "past the context"
+            own = table[start // BLOCK_TOKENS : blocks_for(end)]  # the blocks it writes
+            assert all(NULL_BLOCK < x < self.blocks for x in own), own  # never the null block
+            assert not written & set(own), "two rows write one block"
+            written |= set(own)
+            prefix = self.read(table, start)
+            assert None not in prefix, f"a gap before position {start}"
+            new = [int(t) for t in input_ids[b, :length]]  # padding is not part of the row
+            for i, token in enumerate(new):
+                p = start + i
+                block = self.store.setdefault(table[p // BLOCK_TOKENS], [None] * BLOCK_TOKENS)
+                block[p % BLOCK_TOKENS] = token
+            self.longest = max(self.longest, end)
+            logits[b, self.rule(prefix + new)] = 5.0
         self.calls.append((batch, width))
         return logits
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        for s, d in zip(src, dst, strict=True):
+            self.store[d] = list(self.store[s])
 
-def _engine(*, max_batch: int = 4, context: int = 64, prefill_chunk: int = 4, rule=_default_rule):
-    runner = FakeRunner(slots=max_batch + 1, context=context, rule=rule)
+
+def _engine(
+    *,
+    max_batch: int = 4,
+    context: int = 64,
+    prefill_chunk: int = 4,
+    rule=_default_rule,
+    blocks: int | None = None,
+    prefix_cache: bool = True,
+):
+    """An engine over a FakeRunner whose pool holds `blocks` usable blocks (default: enough for
+    max_batch x context tokens)."""
+    usable = max_batch * blocks_for(context) if blocks is None else blocks
+    runner = FakeRunner(blocks=usable + RESERVED_BLOCKS, context=context, rule=rule)
     engine = Engine(
-        runner, FakeTokenizer(), max_batch=max_batch, context=context, prefill_chunk=prefill_chunk
+        runner,
+        FakeTokenizer(),
+        max_batch=max_batch,
+        context=context,
+        prefill_chunk=prefill_chunk,
+        prefix_cache=prefix_cache,
     )
     return engine, runner
 
@@ -344,7 +399,7 @@ def test_kv_never_grows_past_context() -> None:
     events = _run(engine)
     assert [e.finish_reason for e in events[a]][-1] == "length"
     assert sum(len(e.token_ids) for e in events[b]) == 4
-    assert max(len(row) for row in runner.rows) <= 12  # FakeRunner asserts it on every write
+    assert runner.longest == 11  # 8 + 3 fed back (the 4th is not); FakeRunner checks 12
 
 
 def _scripted(prompt_len: int, script: list[int]):
@@ -431,7 +486,7 @@ def test_probe_uses_the_scratch_row_only() -> None:
     seq_id = engine.add(_prompt(3), GREEDY, chat=False)
     engine.step()
     engine.probe()
-    assert runner.rows[2] == [BOS]
+    assert runner.store[PROBE_BLOCK][:2] == [BOS, None]  # its own block, nothing else
     got = [t for e in _run(engine)[seq_id] for t in e.token_ids]
     assert got == _alone(_prompt(3), GREEDY)[1:]
 

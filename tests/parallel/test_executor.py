@@ -145,7 +145,9 @@ def test_context_is_capped_at_the_models(tiny: Path) -> None:
     )
     executor = build_executor(spec, tiny, CPU)
     assert executor.engine.context == 256  # the tiny file's context_length
-    assert executor.runner.kv[0].context == 256
+    assert executor.runner.context == 256
+    # the pool: max_batch x 256 tokens in blocks of 16, plus the null and probe blocks
+    assert executor.runner.kv[0].n_blocks == 256 // 16 + 2
 
 
 def test_tp3_forks_n_choices_and_masks_the_gathered_logits(tiny: Path) -> None:

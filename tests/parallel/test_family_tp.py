@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf_file import GGUFFile
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import load_transformer
 from neuron_trio.errors import ConfigError
 from neuron_trio.parallel.inprocess import InProcessCommunicator
 from neuron_trio.parallel.sharding import check_tp, rank_shapes, shard_fn
-from neuron_trio.parallel.tp_runner import TPRunner
+from tests.engine.slot_runner import SlotRunner, slot_tp_runner
 from tests.engine.tiny_families import FAMILIES, write_tiny_family
 
 
@@ -38,8 +38,8 @@ def run_both(path: Path, tp: int) -> tuple[list[torch.Tensor], list[torch.Tensor
             )
             for r in range(tp)
         ]
-    single = SingleRunner(whole, slots=3, context=64)
-    runner = TPRunner(ranks, InProcessCommunicator(tp), slots=3, context=64, config=config)
+    single = SlotRunner(whole, slots=3, context=64)
+    runner = slot_tp_runner(ranks, InProcessCommunicator(tp), slots=3, context=64, config=config)
     ids = np.random.default_rng(4).integers(10, config.vocab_size, size=20).tolist()
     outs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for r, out in ((single, outs[0]), (runner, outs[1])):

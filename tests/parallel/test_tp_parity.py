@@ -16,7 +16,7 @@ from neuron_trio import failpoints as fp
 from neuron_trio.errors import SourceError
 from neuron_trio.parallel.inprocess import InProcessCommunicator
 from neuron_trio.parallel.sharding import shard_fn
-from neuron_trio.parallel.tp_runner import TPRunner
+from tests.engine.slot_runner import SlotRunner, slot_tp_runner
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +36,11 @@ def _builtin() -> Path:
 
 def _runners(dtype: str, slots: int = 1):
     from neuron_trio.engine.gguf_file import GGUFFile
-    from neuron_trio.engine.loader import SingleRunner, load_transformer
+    from neuron_trio.engine.loader import load_transformer
 
     with GGUFFile(_builtin()) as gguf:
         config = gguf.config
-        single = SingleRunner(
+        single = SlotRunner(
             load_transformer(gguf, dtype=dtype, device="cpu"), slots=slots, context=CONTEXT
         )
         shards = [
@@ -48,7 +48,7 @@ def _runners(dtype: str, slots: int = 1):
             for r in range(3)
         ]
     comm = InProcessCommunicator(3, failpoints=fp.Failpoints())
-    return single, TPRunner(shards, comm, slots=slots, context=CONTEXT, config=config), comm
+    return single, slot_tp_runner(shards, comm, slots=slots, context=CONTEXT, config=config), comm
 
 
 def _greedy(runner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor, float]:
@@ -71,7 +71,7 @@ def _greedy(runner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor,
 def test_tp3_matches_tp1(dtype: str, atol: float, n: int, prompts: list[list[int]]) -> None:
     single, tp3, comm = _runners(dtype)
     assert tp3.config == single.config
-    assert [kv.k[0].shape[1] for kv in tp3.kv] == [1, 1, 1]
+    assert [kv.layers[0].shape[0] for kv in tp3.kv] == [2, 2, 2]  # K and V: one head each
     diffs, t1, t3 = [], 0.0, 0.0
     for prompt in prompts:
         tokens1, logits1, s1 = _greedy(single, prompt, n)

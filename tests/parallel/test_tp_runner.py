@@ -84,7 +84,7 @@ def _models(tp: int) -> tuple[list[ToyShard], ToyShard]:
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.tensor([[1, 5, 7]]), torch.tensor([0]), torch.tensor([0])
+    return torch.tensor([[1, 5, 7]]), torch.tensor([0]), torch.tensor([[2]])
 
 
 def _reference(full: ToyShard, *, all_logits: bool = False) -> torch.Tensor:
@@ -98,9 +98,11 @@ def _reference(full: ToyShard, *, all_logits: bool = False) -> torch.Tensor:
 def test_tp3_matches_the_unsharded_model(all_logits: bool) -> None:
     shards, full = _models(3)
     comm = InProcessCommunicator(3)
-    runner = TPRunner(shards, comm, slots=2, context=8)
+    runner = TPRunner(shards, comm, blocks=3, context=8)
     assert runner.config.n_heads == 6 and runner.config.ffn_dim == 12
-    assert [kv.k[0].shape[1] for kv in runner.kv] == [1, 1, 1]  # one KV head per rank
+    # one KV head per rank: K and V, each pool of the same blocks
+    assert [kv.layers[0].shape[0] for kv in runner.kv] == [2, 2, 2]
+    assert {kv.n_blocks for kv in runner.kv} == {3}
     logits = runner.forward(*_inputs(), all_logits=all_logits)
     torch.testing.assert_close(logits, _reference(full, all_logits=all_logits))
     assert comm.all_reduces == TOY.n_layers
@@ -110,7 +112,7 @@ def test_a_hung_collective_fails_the_step_with_comm_aborted_once_aborted() -> No
     shards, _ = _models(3)
     failpoints = SignallingFailpoints("tp.allreduce=hang")
     comm = InProcessCommunicator(3, failpoints=failpoints)
-    runner = TPRunner(shards, comm, slots=2, context=8)
+    runner = TPRunner(shards, comm, blocks=3, context=8)
     step = Worker(lambda: runner.forward(*_inputs()), "step")
     assert failpoints.reached["tp.allreduce"].wait(TIMEOUT)
     assert not step.done.wait(0.05)
@@ -127,7 +129,7 @@ def test_a_hung_collective_fails_the_step_with_comm_aborted_once_aborted() -> No
 def test_a_failing_collective_propagates() -> None:
     shards, _ = _models(3)
     comm = InProcessCommunicator(3, failpoints=SignallingFailpoints("tp.allreduce=error"))
-    runner = TPRunner(shards, comm, slots=2, context=8)
+    runner = TPRunner(shards, comm, blocks=3, context=8)
     with pytest.raises(FailpointError):
         runner.forward(*_inputs())
     runner.forward(*_inputs())  # fired once
@@ -136,4 +138,4 @@ def test_a_failing_collective_propagates() -> None:
 def test_world_size_must_match() -> None:
     shards, _ = _models(3)
     with pytest.raises(ValueError):
-        TPRunner(shards, InProcessCommunicator(2), slots=2, context=8)
+        TPRunner(shards, InProcessCommunicator(2), blocks=3, context=8)
