@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
 from neuron_trio.errors import RequestError
@@ -30,7 +31,9 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=3)
 
 
-def _engine(path: Path, *, max_batch: int = 8, prefill_chunk: int = 8) -> Engine:
+def _engine(
+    path: Path, *, max_batch: int = 8, prefill_chunk: int = 8, prefix_cache: bool = True
+) -> Engine:
     return Engine.from_gguf(
         path,
         dtype="float32",
@@ -38,6 +41,7 @@ def _engine(path: Path, *, max_batch: int = 8, prefill_chunk: int = 8) -> Engine
         max_batch=max_batch,
         context=128,
         prefill_chunk=prefill_chunk,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -182,13 +186,24 @@ def _choices(events: list[SequenceEvent]) -> dict[int, list[int]]:
 
 
 def test_n_choices_share_one_prefill_and_continue_as_if_alone(tiny_path: Path) -> None:
-    engine = _engine(tiny_path, max_batch=4)
+    engine = _engine(tiny_path, max_batch=4, prefix_cache=False)
     prompt = engine.encode_prompt(PROMPTS[3], chat=False)  # longer than a prefill chunk
+    full = len(prompt) // BLOCK_TOKENS
+    assert full >= 2 and len(prompt) % BLOCK_TOKENS  # full blocks and a partial one
     alone = _tokens(_run_one(engine, prompt, GREEDY))
     prefilled_before = engine.statistics().prompt_tokens_total
     seq_id = engine.add(prompt, replace(GREEDY, n=3), chat=False)
     assert engine.free_slots == 1
-    events = _run(engine)[seq_id]
+    events = []
+    while engine.statistics().prefilling:
+        events += engine.step()
+    # The prompt's full blocks are shared (one copy in memory); each choice has its own copy
+    # of the partial last block.
+    tables = [s.blocks for s in engine.scheduler.sequences]
+    assert all(t[:full] == tables[0][:full] for t in tables)
+    assert len({t[full] for t in tables}) == 3
+    assert engine.statistics().kv_blocks_used == full + 3
+    events += _run(engine).get(seq_id, [])
     assert engine.statistics().prompt_tokens_total - prefilled_before == len(prompt)  # once
     assert _choices(events) == {0: alone, 1: alone, 2: alone}  # forked K/V = a fresh prefill
     finishes = [e for e in events if e.finish_reason is not None]

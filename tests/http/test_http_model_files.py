@@ -98,8 +98,9 @@ def test_a_cpu_model_beyond_memavailable_is_507_with_the_numbers(tmp_path: Path)
             bare_node(models, host_memory=1 << 30) as url,
             httpx.AsyncClient(base_url=url) as http,
         ):
-            # max_batch 256 x context 1M: gigabytes of KV cache for 1 GiB available.
-            big = {**spec, "max_batch": 256, "context": 1_048_576}
+            # a KV cache of 4 GiB for 1 GiB available (max_batch x context would be capped at
+            # the tiny model's own context)
+            big = {**spec, "kv_cache_mb": 4096}
             r = await http.post("/v1/models", json=big)
             assert r.status_code == 507, r.text
             message = r.json()["error"]["message"]

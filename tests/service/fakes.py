@@ -94,9 +94,11 @@ class FakeDeadman:
 class FakeEngine:
     """One token ("x") per running sequence per step; finishes at max_tokens ("length")."""
 
-    def __init__(self, max_batch: int, context: int = 64) -> None:
+    def __init__(self, max_batch: int, context: int = 64, kv_tokens: int | None = None) -> None:
         self.max_batch = max_batch
         self.context = context
+        # the KV pool: every running sequence holds its prompt and what it produced
+        self.kv_tokens = max_batch * context if kv_tokens is None else kv_tokens
         self.seqs: dict[int, list[Any]] = {}  # seq_id -> [params, produced, prompt_len]
         self.next_id = 1
         self.added: list[list[int]] = []
@@ -139,6 +141,10 @@ class FakeEngine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self.seqs)
+
+    def can_admit(self, prompt_tokens: int, n: int = 1) -> bool:
+        used = sum(prompt_len + produced for _, produced, prompt_len in self.seqs.values())
+        return self.free_slots >= n and used + prompt_tokens <= self.kv_tokens
 
     @property
     def has_work(self) -> bool:
