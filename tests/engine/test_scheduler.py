@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -522,3 +524,204 @@ def test_text_held_back_for_a_stop_string_comes_out_at_the_end() -> None:
     events = _run(engine)[seq_id]
     assert [e.text for e in events] == [" the", " cat"]
     assert events[-1].finish_reason == "length"
+
+
+# ---- the paged KV cache: prefix reuse, preemption, forks in a small pool ----------------------
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_a_repeated_prompt_prefills_only_past_its_cached_prefix() -> None:
+    engine, runner = _engine(prefill_chunk=64)
+    system = _prompt(40, 7)  # two full blocks and 8 tokens
+    first = system + [TOKEN[" cat"]] * 5
+    a = engine.add(first, _greedy(4), chat=False)
+    got_a = [t for e in _run(engine)[a] for t in e.token_ids]
+    runner.calls.clear()
+    second = system + [TOKEN[" mat"]] * 9  # the same system prompt, another question
+    b = engine.add(second, _greedy(4), chat=False)
+    got_b = [t for e in _run(engine)[b] for t in e.token_ids]
+    # the first two blocks came from the cache: 49 - 32 = 17 tokens prefilled, not 49
+    assert runner.calls[0] == (1, len(second) - 2 * BLOCK_TOKENS)
+    stats = engine.statistics()
+    assert stats.prefix_cache_queries_tokens == len(first) + len(second)
+    assert stats.prefix_cache_hits_tokens == 2 * BLOCK_TOKENS
+    assert stats.prompt_tokens_total == len(first) + len(second) - 2 * BLOCK_TOKENS
+    # and the outputs are those of each prompt alone on a fresh engine
+    assert got_a == _alone(first, _greedy(4))
+    assert got_b == _alone(second, _greedy(4))
+
+
+def test_a_chat_turn_reuses_the_previous_answer_and_never_its_own_last_token() -> None:
+    engine, runner = _engine(prefill_chunk=64)
+    prompt = _prompt(30, 3)
+    a = engine.add(prompt, _greedy(20), chat=False)
+    answer = [t for e in _run(engine)[a] for t in e.token_ids]
+    # The next turn resends prompt + answer: blocks filled while decoding were cached too.
+    turn = prompt + answer + [TOKEN[" the"]]  # 51 tokens: three full blocks
+    runner.calls.clear()
+    b = engine.add(turn, _greedy(3), chat=False)
+    got = [t for e in _run(engine)[b] for t in e.token_ids]
+    assert runner.calls[0] == (1, len(turn) - 3 * BLOCK_TOKENS)
+    assert got == _alone(turn, _greedy(3))
+    # A prompt of whole blocks only, all cached: its last block is computed again (logits).
+    whole = turn[: 3 * BLOCK_TOKENS]
+    runner.calls.clear()
+    c = engine.add(whole, _greedy(2), chat=False)
+    assert [t for e in _run(engine)[c] for t in e.token_ids] == _alone(whole, _greedy(2))
+    assert runner.calls[0] == (1, BLOCK_TOKENS)
+
+
+def test_without_the_prefix_cache_every_prompt_is_computed() -> None:
+    engine, runner = _engine(prefill_chunk=64, prefix_cache=False)
+    prompt = _prompt(40, 7)
+    for _ in range(2):
+        runner.calls.clear()
+        seq = engine.add(prompt, _greedy(3), chat=False)
+        assert [t for e in _run(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(3))
+        assert runner.calls[0] == (1, 40)
+    stats = engine.statistics()
+    assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (0, 0)
+    assert stats.kv_blocks_cached == 0
+
+
+def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
+    engine, _ = _engine(prefill_chunk=64)
+    system = _prompt(32, 9)
+    warm = engine.add(system + [5], _greedy(1), chat=False)
+    _run(engine)
+    assert warm and engine.statistics().kv_blocks_cached == 2
+    a = engine.add(system + [6, 7], _greedy(6), chat=False)
+    b = engine.add(system + [8], _greedy(6), chat=False)
+    first = {e.seq_id: e.token_ids for e in engine.step()}  # both prefilled
+    seq_a, seq_b = engine.scheduler.get(a), engine.scheduler.get(b)
+    assert seq_a is not None and seq_b is not None
+    assert seq_a.blocks[:2] == seq_b.blocks[:2]  # one copy of the system prompt
+    assert seq_a.blocks[2] != seq_b.blocks[2]
+    assert engine.statistics().kv_blocks_used == 4
+    events = _run(engine)
+    got_a = first[a] + [t for e in events[a] for t in e.token_ids]
+    assert got_a == _alone(system + [6, 7], _greedy(6))
+    got_b = first[b] + [t for e in events[b] for t in e.token_ids]
+    assert got_b == _alone(system + [8], _greedy(6))
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_an_exhausted_pool_preempts_the_youngest_and_every_output_is_unchanged(
+    prefix_cache: bool,
+) -> None:
+    # 6 blocks (96 tokens) for three sequences that grow to 40 tokens (3 blocks) each.
+    engine, _ = _engine(max_batch=3, prefill_chunk=16, blocks=6, prefix_cache=prefix_cache)
+    prompts = [_prompt(14 + i, 20 + i) for i in range(3)]
+    params = _greedy(26 - 1)
+    ids = [engine.add(p, params, chat=False) for p in prompts]
+    preempted_seen: set[int] = set()
+    events: dict[int, list[SequenceEvent]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+        stats = engine.statistics()
+        assert stats.kv_blocks_used <= 6
+        preempted_seen |= {s.seq_id for s in engine.scheduler.sequences if s.preemptions}
+    assert engine.statistics().preemptions >= 1
+    assert ids[0] not in preempted_seen  # the oldest always progresses
+    for seq_id, prompt in zip(ids, prompts, strict=True):
+        tokens = [t for e in events[seq_id] for t in e.token_ids]
+        # no token lost or repeated: exactly the output of the prompt alone
+        assert tokens == _alone(prompt, params), seq_id
+        assert [e.completion_tokens for e in events[seq_id]] == list(range(1, 26))
+        assert events[seq_id][-1].finish_reason == "length"
+
+
+def test_a_preempted_sequence_resumes_without_sampling_again() -> None:
+    engine, runner = _engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
+    # each fits the pool alone (three blocks), not both together
+    old, young = _prompt(15, 1), _prompt(10, 2)
+    a = engine.add(old, _greedy(30), chat=False)
+    b = engine.add(young, _greedy(30), chat=False)
+    events: dict[int, list[SequenceEvent]] = {}
+
+    def step() -> None:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+
+    step()  # both prefilled: a holds one block, b one
+    seq_b = engine.scheduler.get(b)
+    assert seq_b is not None
+    while seq_b.preemptions == 0:  # a takes the last block at position 16; b needs one next
+        assert seq_b.num_output < 10
+        step()
+    assert seq_b.status is SequenceStatus.PREFILLING and seq_b.blocks == []
+    produced = seq_b.num_output
+    assert produced == 16 - len(young) + 1  # it fed position 15 and sampled: then it stopped
+    while seq_b.status is SequenceStatus.PREFILLING:  # it waits until a no longer needs them
+        step()
+        assert len(events[b]) == produced
+    while engine.has_work:
+        step()
+    got_b = [t for e in events[b] for t in e.token_ids]
+    assert got_b == _alone(young, _greedy(30))
+    # the client saw a pause, not a token lost or repeated
+    assert [e.completion_tokens for e in events[b]] == list(range(1, 31))
+    assert [t for e in events[a] for t in e.token_ids] == _alone(old, _greedy(30))
+    assert runner.longest == 15 + 29
+
+
+def test_a_request_that_cannot_fit_the_pool_alone_is_refused_up_front() -> None:
+    engine, runner = _engine(context=64, blocks=2)
+    engine.validate(_prompt(20), _greedy(12))  # 32 tokens: two blocks
+    with pytest.raises(ContextLengthError, match="KV cache .* holds 32 tokens"):
+        engine.add(_prompt(20), _greedy(13), chat=False)
+    assert runner.calls == []
+
+
+def test_admission_waits_for_the_blocks_of_the_prompt() -> None:
+    engine, _ = _engine(max_batch=4, blocks=4, prefill_chunk=64)
+    assert engine.can_admit(64) and not engine.can_admit(65)
+    assert not engine.can_admit(1, n=5)  # more choices than max_batch
+    a = engine.add(_prompt(40), _greedy(8), chat=False)
+    engine.step()  # its 40 tokens take three blocks
+    assert engine.can_admit(16) and not engine.can_admit(17)
+    assert not engine.can_admit(16, n=2)  # two choices need a block each for their last block
+    engine.cancel(a)
+    assert engine.can_admit(64)
+
+
+def test_n_choices_in_a_full_pool_recompute_their_partial_block() -> None:
+    # The prompt fills one block and 4 tokens; nothing is left for the forks' copies of the
+    # partial block, so they prefill those 4 tokens themselves (shared full block kept).
+    engine, _ = _engine(max_batch=3, prefill_chunk=64, blocks=2)
+    prompt = _prompt(20, 4)
+    params = replace(_greedy(8), n=3)
+    group = engine.add(prompt, params, chat=False)
+    first = engine.step()
+    forks = [s for s in engine.scheduler.sequences if s.seq_id != group]
+    parent = engine.scheduler.get(group)
+    assert parent is not None
+    for fork in forks:
+        assert fork.blocks == parent.blocks[:1]  # shared; the rest is theirs to recompute
+        assert fork.status is SequenceStatus.PREFILLING and fork.num_output == 1
+    events = first + _run(engine)[group]
+    alone = _alone(prompt, _greedy(8))
+    by_choice: dict[int, list[int]] = {}
+    for e in events:
+        by_choice.setdefault(e.index, []).extend(e.token_ids)
+    assert by_choice == {0: alone, 1: alone, 2: alone}
+
+
+def test_cancel_all_forgets_the_prefix_cache() -> None:
+    engine, runner = _engine(prefill_chunk=64)
+    prompt = _prompt(40, 7)
+    engine.add(prompt, _greedy(2), chat=False)
+    _run(engine)
+    assert engine.statistics().kv_blocks_cached == 2
+    engine.add(prompt, _greedy(2), chat=False)
+    engine.cancel_all()
+    stats = engine.statistics()
+    assert (stats.kv_blocks_used, stats.kv_blocks_cached) == (0, 0)
+    runner.calls.clear()
+    seq = engine.add(prompt, _greedy(2), chat=False)
+    assert [t for e in _run(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(2))
+    assert runner.calls[0] == (1, 40)

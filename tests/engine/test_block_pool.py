@@ -1,0 +1,178 @@
+"""The block allocator alone: allocation order, sharing, the prefix cache, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_trio.engine.block_pool import (
+    BLOCK_TOKENS,
+    RESERVED_BLOCKS,
+    BlockPool,
+    NoFreeBlockError,
+    block_key,
+    blocks_for,
+)
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
+
+
+def _keys(tokens: list[int]) -> list[bytes]:
+    keys: list[bytes] = []
+    for i in range(len(tokens) // BLOCK_TOKENS):
+        chunk = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
+        keys.append(block_key(keys[-1] if keys else None, chunk))
+    return keys
+
+
+def test_blocks_go_lowest_first_and_come_back() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 4)
+    assert pool.total == 4 and pool.available == 4
+    got = [pool.allocate() for _ in range(3)]
+    assert got == [2, 3, 4]  # the reserved null and probe blocks are never handed out
+    pool.free([3])
+    pool.free([2])
+    assert pool.allocate() == 2  # the lowest free one, not the last freed
+    assert pool.allocate() == 3
+    assert pool.allocate() == 5
+    stats = pool.statistics()
+    assert (stats.used, stats.cached, pool.available) == (4, 0, 0)
+
+
+def test_exhaustion_raises_and_a_freed_block_serves_again() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 2)
+    a, b = pool.allocate(), pool.allocate()
+    with pytest.raises(NoFreeBlockError, match="all 2 KV blocks"):
+        pool.allocate()
+    pool.free([b])
+    assert pool.allocate() == b
+    assert a != b
+
+
+def test_a_shared_block_is_free_only_after_its_last_reference() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 2)
+    block = pool.allocate()
+    pool.share([block])
+    pool.share([block])
+    pool.free([block])
+    pool.free([block])
+    assert pool.statistics().used == 1 and pool.available == 1
+    pool.free([block])
+    assert pool.statistics().used == 0 and pool.available == 2
+    with pytest.raises(KeyError):
+        pool.free([block])  # a double free is a bug, never silently absorbed
+
+
+def test_lookup_finds_the_longest_cached_chain_within_the_limit() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 8)
+    prompt = _tokens(3 * BLOCK_TOKENS + 5)
+    blocks = [pool.allocate() for _ in range(4)]
+    for block, key in zip(blocks, _keys(prompt), strict=False):
+        pool.register(block, key)  # three full blocks cached; the partial one never is
+    pool.free(blocks)
+    assert pool.statistics().cached == 3 and pool.statistics().used == 0
+
+    # the same prompt: its three full blocks back (the limit leaves its last token)
+    got, keys = pool.lookup(prompt, len(prompt) - 1)
+    assert got == blocks[:3] and keys == _keys(prompt)
+    assert pool.statistics().used == 3 and pool.statistics().cached == 0
+    # a prompt of exactly three blocks: only two (its last token must be computed)
+    got2, _ = pool.lookup(prompt[: 3 * BLOCK_TOKENS], 3 * BLOCK_TOKENS - 1)
+    assert got2 == blocks[:2]
+    # one token changed in the second block: only the first block matches
+    other = list(prompt)
+    other[BLOCK_TOKENS + 3] += 1
+    got3, _ = pool.lookup(other, len(other) - 1)
+    assert got3 == blocks[:1]
+    # the same tokens after a different first block: nothing (a key names its whole prefix)
+    shifted = _tokens(BLOCK_TOKENS, seed=5) + prompt[BLOCK_TOKENS:]
+    assert pool.lookup(shifted, len(shifted) - 1) == ([], [])
+    stats = pool.statistics()
+    hits = (3 + 2 + 1) * BLOCK_TOKENS
+    assert (stats.query_tokens, stats.hit_tokens) == (len(prompt) * 3 + 3 * 16 + 0, hits)
+
+
+def test_unreferenced_cached_blocks_are_evicted_least_recently_used() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 3)
+    prompts = [_tokens(BLOCK_TOKENS, seed=s) for s in range(3)]
+    blocks = []
+    for p in prompts:
+        block = pool.allocate()
+        pool.register(block, _keys(p)[0])
+        blocks.append(block)
+    pool.free([blocks[0]])
+    pool.free([blocks[2]])
+    pool.free([blocks[1]])  # released last: most recently used
+    assert pool.available == 3 and pool.statistics().cached == 3
+    # a lookup refreshes prompt 0's block: now prompt 2's is the least recently used
+    hit, _ = pool.lookup(prompts[0] + [1], BLOCK_TOKENS)
+    assert hit == [blocks[0]]
+    pool.free(hit)
+    assert pool.allocate() == blocks[2]  # evicted: its prefix is forgotten
+    assert pool.lookup(prompts[2] + [1], BLOCK_TOKENS) == ([], [])
+    assert pool.allocate() == blocks[1]
+    assert pool.allocate() == blocks[0]
+    with pytest.raises(NoFreeBlockError):
+        pool.allocate()
+    assert pool.statistics().cached == 0
+
+
+def test_free_blocks_are_used_before_cached_ones_are_evicted() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 2)
+    cached = pool.allocate()
+    pool.register(cached, _keys(_tokens(BLOCK_TOKENS))[0])
+    pool.free([cached])
+    assert pool.allocate() != cached  # the free block first: the cache is kept while it can be
+    assert pool.allocate() == cached
+
+
+def test_a_prefix_registered_twice_keeps_the_first_block() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 3)
+    key = _keys(_tokens(BLOCK_TOKENS))[0]
+    first, second = pool.allocate(), pool.allocate()
+    pool.register(first, key)
+    pool.register(second, key)  # computed at the same time by another prompt
+    pool.free([first, second])
+    assert pool.statistics().cached == 1
+    assert pool.lookup(_tokens(BLOCK_TOKENS) + [0], BLOCK_TOKENS)[0] == [first]
+
+
+def test_without_the_prefix_cache_nothing_is_kept_or_found() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 2, prefix_cache=False)
+    prompt = _tokens(BLOCK_TOKENS + 1)
+    block = pool.allocate()
+    pool.register(block, _keys(prompt)[0])
+    pool.free([block])
+    assert pool.statistics().cached == 0 and pool.available == 2
+    assert pool.lookup(prompt, len(prompt) - 1) == ([], [])
+    assert pool.statistics().query_tokens == 0
+
+
+def test_clear_cache_frees_cached_blocks_and_keeps_blocks_in_use() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 3)
+    keys = _keys(_tokens(2 * BLOCK_TOKENS))
+    kept, dropped = pool.allocate(), pool.allocate()
+    pool.register(kept, keys[0])
+    pool.register(dropped, keys[1])
+    pool.free([dropped])
+    pool.clear_cache()
+    assert pool.statistics().cached == 0 and pool.statistics().used == 1
+    assert pool.available == 2
+    pool.free([kept])  # no longer cached: straight back to the free list
+    assert pool.available == 3 and pool.statistics().cached == 0
+
+
+def test_keys_name_the_tokens_and_everything_before() -> None:
+    a = block_key(None, list(range(16)))
+    assert a == block_key(None, list(range(16)))
+    assert a != block_key(None, [*range(15), 99])
+    assert block_key(a, list(range(16))) != a
+    assert block_key(a, list(range(16))) != block_key(block_key(None, [1] * 16), list(range(16)))
+    assert len(a) == 16  # 128 bits
+
+
+def test_sizes() -> None:
+    assert [blocks_for(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+    with pytest.raises(ValueError):
+        BlockPool(RESERVED_BLOCKS)
