@@ -135,7 +135,7 @@ def test_a_prefix_registered_twice_keeps_the_first_block() -> None:
     pool.register(second, key)  # computed at the same time by another prompt
     pool.free([first, second])
     assert pool.statistics().cached == 1
-    assert pool.lookup(_tokens(BLOCK_TOKENS) + [0], BLOCK_TOKENS)[0] == [first]
+    assert pool.lookup([*_tokens(BLOCK_TOKENS), 0], BLOCK_TOKENS)[0] == [first]
 
 
 def test_without_the_prefix_cache_nothing_is_kept_or_found() -> None:

@@ -590,11 +590,11 @@ def test_without_the_prefix_cache_every_prompt_is_computed() -> None:
 def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
     engine, _ = _engine(prefill_chunk=64)
     system = _prompt(32, 9)
-    warm = engine.add(system + [5], _greedy(1), chat=False)
+    warm = engine.add([*system, 5], _greedy(1), chat=False)
     _run(engine)
     assert warm and engine.statistics().kv_blocks_cached == 2
-    a = engine.add(system + [6, 7], _greedy(6), chat=False)
-    b = engine.add(system + [8], _greedy(6), chat=False)
+    a = engine.add([*system, 6, 7], _greedy(6), chat=False)
+    b = engine.add([*system, 8], _greedy(6), chat=False)
     first = {e.seq_id: e.token_ids for e in engine.step()}  # both prefilled
     seq_a, seq_b = engine.scheduler.get(a), engine.scheduler.get(b)
     assert seq_a is not None and seq_b is not None
@@ -603,9 +603,9 @@ def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
     assert engine.statistics().kv_blocks_used == 4
     events = _run(engine)
     got_a = first[a] + [t for e in events[a] for t in e.token_ids]
-    assert got_a == _alone(system + [6, 7], _greedy(6))
+    assert got_a == _alone([*system, 6, 7], _greedy(6))
     got_b = first[b] + [t for e in events[b] for t in e.token_ids]
-    assert got_b == _alone(system + [8], _greedy(6))
+    assert got_b == _alone([*system, 8], _greedy(6))
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
@@ -672,7 +672,7 @@ def test_a_preempted_sequence_resumes_without_sampling_again() -> None:
 def test_a_request_that_cannot_fit_the_pool_alone_is_refused_up_front() -> None:
     engine, runner = _engine(context=64, blocks=2)
     engine.validate(_prompt(20), _greedy(12))  # 32 tokens: two blocks
-    with pytest.raises(ContextLengthError, match="KV cache .* holds 32 tokens"):
+    with pytest.raises(ContextLengthError, match=r"KV cache .* holds 32 tokens"):
         engine.add(_prompt(20), _greedy(13), chat=False)
     assert runner.calls == []
 
