@@ -181,6 +181,8 @@ def test_panels_cover_the_operator_questions_and_do_not_overlap() -> None:
         "neuron_model_generated_tokens_total",
         "neuron_model_queue_depth",
         "neuron_model_kv_slots_in_use",
+        "neuron_model_kv_blocks_used",
+        "neuron_model_prefix_cache_hits_tokens_total",
         "neuron_watchdog_wedges_total",
         "neuron_watchdog_aborts_total",
         "neuron_watchdog_recoveries_total",

@@ -27,6 +27,7 @@ import msgspec
 import trio
 
 from neuron_trio.config import ModelConfig
+from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
@@ -89,6 +90,19 @@ class ModelMemory(msgspec.Struct, frozen=True):
     devices: list[str]
 
 
+class KVCacheInfo(msgspec.Struct, frozen=True):
+    """A model's paged KV cache in `/v1/node`: blocks of `block_tokens` tokens."""
+
+    block_tokens: int
+    blocks_total: int  # the pool (kv_cache_mb), reserved blocks not counted
+    blocks_used: int  # held by running sequences
+    blocks_cached: int  # held only by the prefix cache (evicted least recently used)
+    prefix_cache: bool
+    prefix_cache_queries_tokens: int  # prompt tokens looked up (counter)
+    prefix_cache_hits_tokens: int  # ... found, so not computed again (counter)
+    preemptions: int  # sequences paused and recomputed when the pool ran out (counter)
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     """A model's entry in `/v1/node` (and the answer to a run-time load)."""
 
@@ -103,6 +117,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     context: int
     slots_in_use: int
     slots_total: int
+    kv_cache: KVCacheInfo
     running: int
     queued: int
     max_queue: int
@@ -287,6 +302,12 @@ class ModelActor:
             slots_total=self.spec.max_batch,
             steps=self._steps,
             failures=self._failures,
+            kv_blocks_used=stats.kv_blocks_used if stats else 0,
+            kv_blocks_total=stats.kv_blocks_total if stats else 0,
+            kv_blocks_cached=stats.kv_blocks_cached if stats else 0,
+            prefix_cache_queries_tokens=stats.prefix_cache_queries_tokens if stats else 0,
+            prefix_cache_hits_tokens=stats.prefix_cache_hits_tokens if stats else 0,
+            preemptions=stats.preemptions if stats else 0,
         )
 
     def inflight(self) -> list[InflightRequest]:
@@ -321,6 +342,16 @@ class ModelActor:
             context=self.spec.context,
             slots_in_use=stats.slots_in_use,
             slots_total=stats.slots_total,
+            kv_cache=KVCacheInfo(
+                block_tokens=BLOCK_TOKENS,
+                blocks_total=stats.kv_blocks_total,
+                blocks_used=stats.kv_blocks_used,
+                blocks_cached=stats.kv_blocks_cached,
+                prefix_cache=self.spec.prefix_cache,
+                prefix_cache_queries_tokens=stats.prefix_cache_queries_tokens,
+                prefix_cache_hits_tokens=stats.prefix_cache_hits_tokens,
+                preemptions=stats.preemptions,
+            ),
             running=stats.running,
             queued=stats.queued,
             max_queue=self.max_queue,

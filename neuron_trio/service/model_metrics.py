@@ -45,6 +45,13 @@ class ModelActorStatistics:
     slots_total: int
     steps: int
     failures: int  # steps or probes that failed or wedged (the watchdog counts wedges)
+    # the paged KV cache (engine.block_pool): blocks of 16 tokens, and the prefix cache
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # unreferenced, holding a cached prefix (evictable)
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    preemptions: int = 0
 
 
 class NodeMetrics:
@@ -140,6 +147,34 @@ class _ActorCollector(Collector):
         state = GaugeMetricFamily(
             "neuron_model_state", "1 for the model's current state", labels=["model", "state"]
         )
+        blocks_used = GaugeMetricFamily(
+            "neuron_model_kv_blocks_used",
+            "KV cache blocks (16 tokens) held by running sequences",
+            labels=["model"],
+        )
+        blocks_cached = GaugeMetricFamily(
+            "neuron_model_kv_blocks_cached",
+            "KV cache blocks held only by the prefix cache (evicted when needed)",
+            labels=["model"],
+        )
+        blocks_total = GaugeMetricFamily(
+            "neuron_model_kv_blocks", "KV cache blocks (16 tokens) in the pool", labels=["model"]
+        )
+        prefix_queries = CounterMetricFamily(
+            "neuron_model_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            labels=["model"],
+        )
+        prefix_hits = CounterMetricFamily(
+            "neuron_model_prefix_cache_hits_tokens",
+            "Prompt tokens found in the prefix cache (not computed again)",
+            labels=["model"],
+        )
+        preemptions = CounterMetricFamily(
+            "neuron_model_preemptions",
+            "Sequences paused and recomputed later because the KV cache ran out",
+            labels=["model"],
+        )
         steps = CounterMetricFamily("neuron_model_steps", "Engine steps run", labels=["model"])
         failures = CounterMetricFamily(
             "neuron_model_step_failures",
@@ -155,4 +190,12 @@ class _ActorCollector(Collector):
                 state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
             steps.add_metric([s.name], s.steps)
             failures.add_metric([s.name], s.failures)
+            blocks_used.add_metric([s.name], s.kv_blocks_used)
+            blocks_cached.add_metric([s.name], s.kv_blocks_cached)
+            blocks_total.add_metric([s.name], s.kv_blocks_total)
+            prefix_queries.add_metric([s.name], s.prefix_cache_queries_tokens)
+            prefix_hits.add_metric([s.name], s.prefix_cache_hits_tokens)
+            preemptions.add_metric([s.name], s.preemptions)
         yield from (queued, running, in_use, total, state, steps, failures)
+        yield from (blocks_used, blocks_cached, blocks_total, prefix_queries, prefix_hits)
+        yield preemptions

@@ -470,10 +470,15 @@ def test_node_info_document(tmp_path: Path) -> None:
         ]  # fmt: skip
         assert list(model) == [
             "name", "state", "source", "path", "dtype", "weights", "tp", "max_batch",
-            "context", "slots_in_use", "slots_total", "running", "queued", "max_queue",
-            "ranks", "devices", "memory", "loaded_at", "steps", "step_failures",
+            "context", "slots_in_use", "slots_total", "kv_cache", "running", "queued",
+            "max_queue", "ranks", "devices", "memory", "loaded_at", "steps", "step_failures",
             "last_error", "watchdog",
         ]  # fmt: skip
+        assert list(model["kv_cache"]) == [
+            "block_tokens", "blocks_total", "blocks_used", "blocks_cached", "prefix_cache",
+            "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "preemptions",
+        ]  # fmt: skip
+        assert model["kv_cache"]["block_tokens"] == 16 and model["kv_cache"]["prefix_cache"]
         assert model["memory"] == {
             "weights_bytes": 6 * GIB,
             "kv_cache_bytes": 2 * GIB,
