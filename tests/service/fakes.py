@@ -152,7 +152,20 @@ class FakeEngine:
 
     def statistics(self) -> EngineStatistics:
         n = len(self.seqs)
-        return EngineStatistics(self.max_batch, n, 0, n, self.steps, 0, 0)
+        used = sum(prompt_len + produced for _, produced, prompt_len in self.seqs.values())
+        return EngineStatistics(
+            self.max_batch,
+            n,
+            0,
+            n,
+            self.steps,
+            0,
+            0,
+            kv_blocks_total=self.kv_tokens // 16,
+            kv_blocks_used=-(-used // 16),
+            prefix_cache_queries_tokens=self.steps * 10,  # any counters, to see them pass
+            prefix_cache_hits_tokens=self.steps * 5,
+        )
 
     def step(self) -> list[SequenceEvent]:
         self.steps += 1

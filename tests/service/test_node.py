@@ -512,6 +512,12 @@ def test_metrics_registry_has_model_metrics(tmp_path: Path) -> None:
         text = generate_latest(node.metrics_registry).decode()
         assert 'neuron_model_requests_total{model="a",outcome="length"} 1.0' in text
         assert 'neuron_model_kv_slots{model="a"} 2.0' in text
+        assert 'neuron_model_kv_blocks{model="a"} 8.0' in text  # 2 x 64 tokens
+        assert 'neuron_model_kv_blocks_used{model="a"} 0.0' in text  # the request ended
+        steps = node.models["a"].statistics().steps
+        assert steps > 0
+        hits = f'neuron_model_prefix_cache_hits_tokens_total{{model="a"}} {steps * 5.0}'
+        assert hits in text
         assert 'neuron_model_state{model="a",state="serving"} 1.0' in text
 
     run_world(tmp_path, test)
