@@ -175,6 +175,17 @@ def _model_lines(model: dict[str, Any], metrics: dict[str, float], rate: Any) ->
         f"    slots {model.get('slots_in_use', '?')}/{model.get('slots_total', '?')}"
         f"   queue {model.get('queued', '?')}/{model.get('max_queue', '?')}   {tokens}",
     ]
+    kv = model.get("kv_cache")
+    if isinstance(kv, dict):  # a node older than the paged KV cache has none
+        queries = kv.get("prefix_cache_queries_tokens") or 0
+        hits = (
+            f"{100 * (kv.get('prefix_cache_hits_tokens') or 0) / queries:.0f}%" if queries else "-"
+        )
+        lines.append(
+            f"    kv blocks {kv.get('blocks_used', '?')}/{kv.get('blocks_total', '?')}"
+            f" (+{kv.get('blocks_cached', '?')} cached)   prefix hits {hits}"
+            f"   preemptions {kv.get('preemptions', '?')}"
+        )
     served = _sum(metrics, "neuron_model_requests_total", model=name)
     rejected = _sum(
         metrics, "neuron_model_requests_total", model=name, outcome="rejected_queue_full"

@@ -210,6 +210,16 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
                 "weights": "bfloat16",
                 "slots_in_use": 8,
                 "slots_total": 8,
+                "kv_cache": {
+                    "block_tokens": 16,
+                    "blocks_total": 2048,
+                    "blocks_used": 300,
+                    "blocks_cached": 12,
+                    "prefix_cache": True,
+                    "prefix_cache_queries_tokens": 4000,
+                    "prefix_cache_hits_tokens": 3000,
+                    "preemptions": 2,
+                },
                 "queued": 5,
                 "max_queue": 64,
                 "steps": 100,
@@ -243,6 +253,7 @@ def test_render_summarises_the_last_forensics_report_and_a_wedge() -> None:
     )
     assert "tp 2 on cuda:0,cuda:1, weights bfloat16" in text
     assert "slots 8/8   queue 5/64   812.5 tok/s (1 min)" in text
+    assert "kv blocks 300/2048 (+12 cached)   prefix hits 75%   preemptions 2" in text
     assert "requests 100 (429 7, failed in flight 3)" in text
     assert (
         "watchdog aborting: wedges 1" in text and "last wedge: step at 2026-01-01T00:59:00Z" in text
