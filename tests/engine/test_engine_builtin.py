@@ -73,3 +73,45 @@ def test_batch_of_eight_gives_the_same_greedy_tokens() -> None:
     events = _run(engine)
     for seq_id, i in ids.items():
         assert [t for e in events[seq_id] for t in e.token_ids] == alone[i], QUESTIONS[i]
+
+
+SYSTEM = (
+    "You are a careful assistant for a geography quiz. Answer in one short sentence, name "
+    "the place exactly, and never add a greeting or a follow-up question. "
+) * 3
+
+
+def _answers(engine: Engine, questions: list[str], max_tokens: int) -> list[list[int]]:
+    """Each question with the shared system prompt, one request after the other."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out = []
+    for question in questions:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        ids = engine.encode_prompt(engine.render_chat(messages), chat=True)
+        seq_id = engine.add(ids, params, chat=True)
+        out.append([t for e in _run(engine)[seq_id] for t in e.token_ids])
+    return out
+
+
+def test_prefix_cache_reuses_a_system_prompt_with_identical_float32_output() -> None:
+    def engine(prefix_cache: bool) -> Engine:
+        return Engine.from_gguf(
+            _model_path(),
+            dtype="float32",
+            device=torch.device("cpu"),
+            max_batch=2,
+            context=512,
+            prefix_cache=prefix_cache,
+        )
+
+    questions = QUESTIONS[:1] + ["What is the capital of Italy?", QUESTIONS[0]]
+    cached, plain = engine(True), engine(False)
+    with_cache = _answers(cached, questions, 12)
+    without = _answers(plain, questions, 12)
+    assert with_cache == without
+    stats = cached.statistics()
+    # the second and third requests found the system prompt's blocks (the third: its whole
+    # prompt but the last block, seen in the first request)
+    assert stats.prefix_cache_hits_tokens >= 2 * 5 * 16
+    assert stats.prompt_tokens_total < plain.statistics().prompt_tokens_total / 2
+    assert plain.statistics().prefix_cache_hits_tokens == 0
