@@ -104,7 +104,7 @@ def test_prefix_cache_reuses_a_system_prompt_with_identical_float32_output() -> 
             prefix_cache=prefix_cache,
         )
 
-    questions = QUESTIONS[:1] + ["What is the capital of Italy?", QUESTIONS[0]]
+    questions = [QUESTIONS[0], "What is the capital of Italy?", QUESTIONS[0]]
     cached, plain = engine(True), engine(False)
     with_cache = _answers(cached, questions, 12)
     without = _answers(plain, questions, 12)
