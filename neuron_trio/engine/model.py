@@ -225,11 +225,16 @@ class Block(nn.Module):
         new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
         if at.real is not None:  # padded rows: only the real tokens are written, never padding
             new_kv = new_kv[at.real]
-        cache[:, at.write] = new_kv.transpose(0, 1)  # cache: [2KV, pool tokens, D]
+        # cache: [2KV, pool tokens, D]; indices address its rows flattened, [2KV · pool, D]
+        if isinstance(at.write, slice):  # one row on consecutive blocks
+            cache[:, at.write] = new_kv.transpose(0, 1)
+        else:
+            rows = new_kv.transpose(0, 1).reshape(-1, d).to(cache.dtype)  # [2KV · R, D]
+            cache.view(-1, d).index_copy_(0, at.write, rows)
         if isinstance(at.read, slice):  # one row on consecutive blocks: a view
             kv_rows = cache[:, at.read].unsqueeze(0)  # [1, 2KV, L, D]
-        else:  # gathered token rows [B · L] (padding positions read the zeroed null block)
-            kv_rows = cache[:, at.read].view(2 * kv, at.b, at.length, d).transpose(0, 1)
+        else:  # one gather into [B, 2KV, L, D] (padding positions read the zeroed null block)
+            kv_rows = cache.view(-1, d).index_select(0, at.read).view(at.b, 2 * kv, at.length, d)
         if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
             kv_rows = kv_rows.to(act)
         keys, values = kv_rows[:, :kv], kv_rows[:, kv:]
@@ -305,12 +310,12 @@ class _Placement:
     def __init__(self) -> None:
         self.b = 1  # rows
         self.t = 1  # tokens per row (padded rows: the longest row's)
-        # The pool's token rows the real tokens are written to, in order: a slice (one row
-        # on consecutive blocks) or an index [R].
+        # Where the real tokens' K/V go: a slice of token rows (one row on consecutive
+        # blocks) or an index [2KV · R] into the layer's [2KV · pool, D] rows.
         self.write: slice | torch.Tensor = slice(0, 0)
         self.real: torch.Tensor | None = None  # padded rows: indices of the real tokens in N
-        # The token rows the rows' keys are read from: a slice of L rows (one row on
-        # consecutive blocks) or an index [B · L] (row-major) to gather.
+        # Where the rows' K/V are read: a slice of L token rows (one row on consecutive
+        # blocks) or an index [B · 2KV · L] into the layer's [2KV · pool, D] rows.
         self.read: slice | torch.Tensor = slice(0, 0)
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
@@ -432,7 +437,7 @@ class Transformer(nn.Module):
         self.init_rope(length)
         at = _Placement()
         at.b, at.t, at.length = b, t, length
-        self._place_blocks(at, tables[:, :n_blocks], starts, ends)
+        self._place_blocks(at, tables[:, :n_blocks], starts, ends, kv.layers[0].shape[1])
         if t > 1 and (b > 1 or lens[0] != t):  # prompt chunks packed into one batch
             positions = self._place_packed(at, start_pos, lens)
         elif b == 1:  # one prompt chunk, or one decode row
@@ -483,10 +488,17 @@ class Transformer(nn.Module):
         return logits
 
     def _place_blocks(
-        self, at: _Placement, tables: torch.Tensor, starts: list[int], ends: list[int]
+        self,
+        at: _Placement,
+        tables: torch.Tensor,
+        starts: list[int],
+        ends: list[int],
+        pool_tokens: int,
     ) -> None:
-        """Fill `at.write` and `at.read`: the pool's token rows of the rows' new tokens and
-        of their keys, from their block tables `[B, blocks_for(L)]` (host)."""
+        """Fill `at.write` and `at.read` from the rows' block tables `[B, blocks_for(L)]`
+        (host): slices of the pool's token rows, or indices into each layer's K/V flattened
+        to `[2KV · pool_tokens, D]` (an index_select there is ~6x faster than indexing the
+        token dimension, and gathers straight into the `[B, 2KV, L, D]` attention reads)."""
         dev, length = self.device, at.length
         first = int(tables[0, 0])
         if at.b == 1 and tables[0].tolist() == list(range(first, first + tables.shape[1])):
@@ -501,9 +513,11 @@ class Transformer(nn.Module):
         # stale or uninitialised memory: masked garbage could be NaN, and NaN - inf is NaN.
         beyond = cols[None, :] >= torch.tensor(ends)[:, None]
         rows = torch.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
-        at.read = rows.reshape(-1).to(dev)
+        heads = torch.arange(2 * self.config.n_kv_heads) * pool_tokens  # [2KV]
+        at.read = (heads[None, :, None] + rows[:, None, :]).reshape(-1).to(dev)  # [B·2KV·L]
         spans = zip(starts, ends, strict=True)
-        at.write = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)]).to(dev)
+        written = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
+        at.write = (heads[:, None] + written[None, :]).reshape(-1).to(dev)  # [2KV · R]
 
     def _place_packed(
         self, at: _Placement, start_pos: torch.Tensor, lens: list[int]
