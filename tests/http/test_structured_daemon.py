@@ -222,6 +222,10 @@ def test_n_three_with_a_seed(client: openai.OpenAI) -> None:
             max_tokens=12,
         )
 
+    # The first request fills the prefix cache: under "auto" a prompt computed from a cached
+    # prefix has slightly different numerics (a shorter chunk takes the int kernels), so a
+    # seeded draw repeats between two requests that both find the prompt cached.
+    ask()
     first, again = ask(), ask()
     texts = [c.message.content for c in first.choices]  # type: ignore[attr-defined]
     assert [c.index for c in first.choices] == [0, 1, 2]  # type: ignore[attr-defined]
