@@ -36,6 +36,7 @@ from neuron_trio.engine.model import (
     Int4Linear,
     Int8Linear,
     Linear,
+    Q4Linear,
     RefinedHead,
     Transformer,
     run_to_end,
@@ -208,6 +209,9 @@ def make_linear(
         return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
     dense = weight.to(device=device, dtype=torch.bfloat16)
     out_f, in_f = weight.shape
+    kernel = quant.native_q4() if device.type == "cpu" else None
+    if four_bit and kernel is not None and in_f % quant.INT4_GROUP == 0 and out_f % 8 == 0:
+        return Q4Linear(kernel, *quant.pack_q4(weight), dense)
     if four_bit and in_f % quant.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = quant.pack_int4(weight)
         return Int4Linear(packed, scales_zeros, out_f, in_f, quant.INT4_GROUP, dense)
@@ -286,8 +290,9 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
             total += _coarse_head_bytes(n, c.vocab_size) + 4 * n
         elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
-        elif info.qtype in _FOUR_BIT:  # int4 + bf16 scales/zeros + bf16 dense copy
-            total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
+        elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
+            scales = 8 if quant.native_q4() is not None else 4  # float32 pairs, or bf16 pairs
+            total += n // 2 + n // quant.INT4_GROUP * scales + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n
     return total

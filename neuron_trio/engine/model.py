@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neuron_trio.engine import quant
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
 
@@ -87,6 +89,58 @@ class Int4Linear(nn.Module):
         if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
             return F.linear(x.to(dense.dtype), dense).to(x.dtype)
         return _INT4_MM(x, buffers["packed"], self.group, buffers["scales_zeros"])
+
+
+class Q4Linear(nn.Module):
+    """Weight-only 4-bit groups of 32 through the native kernel (`_q4kernel.c`, see
+    quant.native_q4): int8 activations and integer dot products, as llama.cpp on the same CPU.
+    Input and output in the input's dtype (bfloat16 or float32); CPU only.
+
+    With `dense` (a bfloat16 copy of the weight), inputs of DENSE_MIN_ROWS rows or more take a
+    dense GEMM instead.
+    """
+
+    dense: torch.Tensor | None
+
+    def __init__(
+        self,
+        kernel: Any,
+        nibbles: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        dense: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
+        # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's tiles
+        nibbles, scale, minimum = quant.tile_q4(nibbles, scale, minimum)
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        self.register_buffer("dense", dense)
+        self._matmul = kernel.matmul
+        # The buffers never move (CPU only, never reassigned): their addresses once, not per call.
+        self._pointers = (nibbles.data_ptr(), scale.data_ptr(), minimum.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        dense = self._buffers["dense"]
+        n = x.shape[0]
+        if dense is not None and n >= DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.contiguous()
+        y = torch.empty(n, self.out_features, dtype=x.dtype)
+        flags = 3 if x.dtype == torch.bfloat16 else 0  # x and y in bfloat16
+        qs, scale, minimum = self._pointers
+        self._matmul(
+            x.data_ptr(), n, self.in_features, qs, scale, minimum, self.out_features,
+            y.data_ptr(), flags,
+        )  # fmt: skip
+        return y
 
 
 class Int8Linear(nn.Module):
