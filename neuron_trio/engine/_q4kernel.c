@@ -186,8 +186,60 @@ TARGET_AVX2 static inline __m256i dot_avx2(__m256i acc, __m256i w, __m256i x) {
 TILE_KERNEL(vnni, TARGET_VNNI, dot_vnni)
 TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2)
 
+/* ---- int8 weights (one scale per row), for the output head's coarse pass ----
+
+   The same tiles of 8 rows, 8 steps of 4 bytes per group (256 bytes). u8 x s8 dot
+   instructions take one unsigned operand: |w| times x with w's sign (ggml's trick), which
+   also keeps AVX2's pairwise int16 sums below saturation (2 x 127 x 127). */
+
+#define TILE8_KERNEL(NAME, TARGET, DOT)                                                        \
+    TARGET static inline __attribute__((always_inline)) void NAME##_tile8(                     \
+        const job_t *j, int t, int b0, const int nb) {                                         \
+        const int groups = j->in / GROUP;                                                      \
+        const int8_t *wt = (const int8_t *)j->qs + (size_t)t * groups * 256;                   \
+        __m256 acc[4];                                                                         \
+        for (int k = 0; k < nb; k++) acc[k] = _mm256_setzero_ps();                             \
+        for (int g = 0; g < groups; g++) {                                                     \
+            __m256i w[8], aw[8];                                                               \
+            for (int k = 0; k < 8; k++) {                                                      \
+                w[k] = _mm256_loadu_si256((const __m256i *)(wt + (size_t)g * 256 + k * 32));   \
+                aw[k] = _mm256_abs_epi8(w[k]);                                                 \
+            }                                                                                  \
+            for (int k = 0; k < nb; k++) {                                                     \
+                const size_t xg = (size_t)(b0 + k) * groups + g;                               \
+                const int32_t *x4 = (const int32_t *)(j->qx + xg * GROUP);                     \
+                __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();                \
+                for (int s = 0; s < 8; s += 2) {                                               \
+                    a = DOT(a, aw[s], _mm256_sign_epi8(_mm256_set1_epi32(x4[s]), w[s]));       \
+                    c = DOT(c, aw[s + 1],                                                      \
+                            _mm256_sign_epi8(_mm256_set1_epi32(x4[s + 1]), w[s + 1]));         \
+                }                                                                              \
+                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(a, c));                         \
+                acc[k] = _mm256_fmadd_ps(f, _mm256_set1_ps(j->dx[xg]), acc[k]);                \
+            }                                                                                  \
+        }                                                                                      \
+        const __m256 rs = _mm256_loadu_ps(j->scale + (size_t)t * 8);                           \
+        for (int k = 0; k < nb; k++) {                                                         \
+            float v[8];                                                                        \
+            _mm256_storeu_ps(v, _mm256_mul_ps(acc[k], rs));                                    \
+            store8(j, b0 + k, t * 8, v);                                                       \
+        }                                                                                      \
+    }                                                                                          \
+    TARGET static void NAME##_run8(const job_t *j) {                                           \
+        const int tiles = j->out / 8;                                                          \
+        _Pragma("omp parallel for schedule(static)") for (int t = 0; t < tiles; t++) {         \
+            int b = 0;                                                                         \
+            for (; b + 4 <= j->batch; b += 4) NAME##_tile8(j, t, b, 4);                        \
+            for (; b + 2 <= j->batch; b += 2) NAME##_tile8(j, t, b, 2);                        \
+            for (; b < j->batch; b++) NAME##_tile8(j, t, b, 1);                                \
+        }                                                                                      \
+    }
+
+TILE8_KERNEL(vnni, TARGET_VNNI, dot_vnni)
+TILE8_KERNEL(avx2, TARGET_AVX2, dot_avx2)
+
 typedef void (*run_fn)(const job_t *);
-static run_fn RUN = NULL;
+static run_fn RUN = NULL, RUN8 = NULL;
 static const char *ISA = "";
 
 static PyObject *q4_isa(PyObject *self, PyObject *unused) {
@@ -206,18 +258,22 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("fma")) {
         RUN = vnni_run;
+        RUN8 = vnni_run8;
         ISA = "avx512vnni";
         Py_RETURN_TRUE;
     }
     if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") &&
         __builtin_cpu_supports("fma")) {
         RUN = avx2_run;
+        RUN8 = avx2_run8;
         ISA = "avx2";
         Py_RETURN_TRUE;
     }
     Py_RETURN_FALSE;
 }
 
+/* matmul(x, batch, in, weights, scale, minimum, out, y, flags): 4-bit weights when
+   `minimum` is non-zero, else int8 weights with one scale per row. */
 static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 9) {
@@ -248,6 +304,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
                         "matmul: bad shape (in must be a multiple of 32, out of 8)");
         return NULL;
     }
+    run_fn run = j.minimum != NULL ? RUN : RUN8;
     const size_t groups = (size_t)j.batch * (j.in / GROUP);
     /* one allocation for int8 x, scales and sums (tiny: batch x in bytes) */
     char *scratch = malloc((size_t)j.batch * j.in + 2 * groups * sizeof(float));
@@ -259,7 +316,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     j.sx = sx;
     Py_BEGIN_ALLOW_THREADS
     quantize_rows(x, (int)(j.flags & FLAG_X_BF16), j.batch, j.in, qx, dx, sx);
-    RUN(&j);
+    run(&j);
     Py_END_ALLOW_THREADS
     free(scratch);
     Py_RETURN_NONE;

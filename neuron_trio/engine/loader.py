@@ -37,6 +37,7 @@ from neuron_trio.engine.model import (
     Int8Linear,
     Linear,
     Q4Linear,
+    Q8Linear,
     RefinedHead,
     Transformer,
     run_to_end,
@@ -180,10 +181,13 @@ def _load(
             # a coarse int pass + exact top candidates (tied: from the embedding table itself)
             table = model.tok_embeddings if c.tied_output else head.to(device)
             int4_ok = c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+            kernel = quant.native_q4() if device.type == "cpu" else None
             coarse: torch.nn.Module
             if AUTO_INT4_HEAD and int4_ok:
                 packed, scales_zeros = quant.pack_int4(head)
                 coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, quant.INT4_GROUP)
+            elif kernel is not None and c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 8 == 0:
+                coarse = Q8Linear(kernel, *quant.pack_q8(head))
             else:
                 coarse = Int8Linear(*quant.pack_int8(head))
             model.output = RefinedHead(coarse, table, HEAD_REFINE)

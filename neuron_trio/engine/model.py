@@ -143,6 +143,33 @@ class Q4Linear(nn.Module):
         return y
 
 
+class Q8Linear(nn.Module):
+    """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
+    output head's coarse pass under "auto" (RefinedHead). Output in float32 (the coarse
+    logits of the tail are then not rounded to bfloat16's steps)."""
+
+    def __init__(self, kernel: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", quant.tile_q8(weight))  # pack_q8's [out, in], tiled
+        self.register_buffer("scale", scale.float().contiguous())  # [out]
+        self._matmul = kernel.matmul
+        self._pointers = (self.weight.data_ptr(), self.scale.data_ptr())  # as in Q4Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        weight, scale = self._pointers
+        flags = 1 if x.dtype == torch.bfloat16 else 0  # bfloat16 in, float32 out
+        self._matmul(
+            x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
+            y.data_ptr(), flags,
+        )  # fmt: skip
+        return y
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 (one scale per output row) through torch's CPU kernel; bf16 in.
 

@@ -339,6 +339,23 @@ def tile_q4(
     return tiled.contiguous(), per_group(scale), per_group(minimum)
 
 
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (int8 `[out, in]`, float32 scales `[out]`), symmetric per row
+    (pack_int8's grid, with its scales kept in float32) for the native kernel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def tile_q8(weight: torch.Tensor) -> torch.Tensor:
+    """pack_q8's int8 `[out, in]` → the native kernel's tiles: per tile of Q4_TILE rows and
+    group of 32, 8 steps x 8 rows x 4 bytes."""
+    out_f, in_f = weight.shape
+    tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
+    tiled = weight.reshape(tiles, Q4_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    return tiled.contiguous()
+
+
 def native_q4() -> ModuleType | None:
     """The native 4-bit kernel (`_q4kernel.c`, built at install), or None where it was not
     built or this CPU has neither AVX2 nor AVX-512 VNNI; then "auto" uses torch's int4 kernel.

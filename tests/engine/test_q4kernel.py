@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from neuron_trio.engine import quant
-from neuron_trio.engine.model import Q4Linear
+from neuron_trio.engine.model import Q4Linear, Q8Linear
 
 KERNEL = quant.native_q4()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
@@ -124,3 +124,24 @@ def test_the_kernel_is_built_where_it_can_be() -> None:
     if os.environ.get("CI") != "true" or platform.machine() != "x86_64" or not shutil.which("cc"):
         pytest.skip("only checked in CI on x86-64 with a C compiler")
     assert KERNEL is not None, "engine/_q4kernel.c was not built: see pip's output"
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 15])
+@pytest.mark.parametrize(("out_f", "in_f"), [(8, 32), (24, 96), (256, 576)])
+def test_int8_weights_exact_on_int8_representable_inputs(
+    isa: str, batch: int, out_f: int, in_f: int
+) -> None:
+    """The int8 path (the head's coarse pass) on inputs int8 quantisation keeps exactly: equal
+    to the float32 product of the dequantised weight, in float32 whatever the input dtype."""
+    g = torch.Generator().manual_seed(out_f + batch)
+    weight, scale = quant.pack_q8(torch.randn(out_f, in_f, generator=g))
+    x = torch.randint(-127, 128, (batch, in_f), generator=g).float()
+    x.view(batch, -1, 32)[:, :, 0] = -127.0  # every group's scale is exactly 1
+    want = x.double() @ (weight.double() * scale.double()[:, None]).T
+    for dtype in (torch.float32, torch.bfloat16):  # these integers are exact in bfloat16
+        got = Q8Linear(KERNEL, weight, scale)(x.to(dtype))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(
+            got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())
+        )
