@@ -151,10 +151,11 @@ class Q8Linear(nn.Module):
     def __init__(self, kernel: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", quant.tile_q8(weight))  # pack_q8's [out, in], tiled
-        self.register_buffer("scale", scale.float().contiguous())  # [out]
+        tiled, scale = quant.tile_q8(weight), scale.float().contiguous()
+        self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
+        self.register_buffer("scale", scale)  # [out]
         self._matmul = kernel.matmul
-        self._pointers = (self.weight.data_ptr(), self.scale.data_ptr())  # as in Q4Linear
+        self._pointers = (tiled.data_ptr(), scale.data_ptr())  # as in Q4Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.bfloat16, torch.float32):
