@@ -227,6 +227,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch's and llama.cpp's (0: torch's)")
     ap.add_argument("--agreement-tokens", type=int, default=48)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (speed only)")
     ap.add_argument(
@@ -239,6 +240,8 @@ def main() -> None:
         "--schemes", action="store_true", help="only: step time of float32/bfloat16/auto at 1, 8"
     )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = model_path(args.model)
     if args.schemes:
         step_times(path, ["float32", "bfloat16", "auto"], [1, args.batch])

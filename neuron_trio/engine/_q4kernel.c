@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,6 +90,76 @@ TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in
             __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
             __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
             _mm256_storeu_si256((__m256i *)(qx + at), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+}
+
+/* ---- prologues: what the layer did to its input before the product, fused here so that a
+   decode step does not pay torch's per-op overhead for them (~2 us an op, ~16 ops a layer) --
+
+   PRO_RMSNORM: x is the float32 residual stream; x / rms(x) · weight (RMSNorm, eps).
+   PRO_SILU / PRO_GELU: x is [batch, 2 · in], gate then up; act(gate) · up (SwiGLU, GeGLU
+   with tanh). Each writes float32 rows `in` long. */
+
+#define PRO_NONE 0
+#define PRO_RMSNORM 1
+#define PRO_SILU 2
+#define PRO_GELU 3
+
+TARGET_AVX2 static inline __m256 exp256(__m256 x) {
+    /* e^x = 2^n · e^r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (float32 accurate) */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+TARGET_AVX2 static void prologue(const void *x, int bf16, int mode, const float *weight, float eps,
+                                 int batch, int in, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int b = 0; b < batch; b++) {
+        float *o = out + (size_t)b * in;
+        if (mode == PRO_RMSNORM) {
+            const size_t at = (size_t)b * in;
+            __m256 ss = _mm256_setzero_ps();
+            for (int i = 0; i < in; i += 8) {
+                __m256 v = load8(x, bf16, at + i);
+                ss = _mm256_fmadd_ps(v, v, ss);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)in + eps));
+            for (int i = 0; i < in; i += 8) {
+                __m256 v = _mm256_mul_ps(load8(x, bf16, at + i), inv);
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
+            }
+        } else {
+            const size_t gate = (size_t)b * 2 * in, up = gate + in;
+            for (int i = 0; i < in; i += 8) {
+                __m256 g = load8(x, bf16, gate + i), act;
+                if (mode == PRO_SILU) { /* g / (1 + e^-g) */
+                    __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+                    act = _mm256_div_ps(g, _mm256_add_ps(one, e));
+                } else { /* 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + e^2u) */
+                    __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+                    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                             _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+                    __m256 e = exp256(_mm256_add_ps(u, u));
+                    __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                                _mm256_add_ps(one, e)));
+                    act = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
+                                        _mm256_add_ps(one, t));
+                }
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(act, load8(x, bf16, up + i)));
+            }
         }
     }
 }
@@ -272,23 +343,26 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
     Py_RETURN_FALSE;
 }
 
-/* matmul(x, batch, in, weights, scale, minimum, out, y, flags): 4-bit weights when
-   `minimum` is non-zero, else int8 weights with one scale per row. */
+/* matmul(x, batch, in, weights, scale, minimum, out, y, flags, prologue, aux, eps): 4-bit
+   weights when `minimum` is non-zero, else int8 weights with one scale per row; `prologue`
+   (PRO_*) first transforms x (`aux`: RMSNorm's weight, float32). */
 static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "matmul takes 9 arguments");
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "matmul takes 12 arguments");
         return NULL;
     }
     if (RUN == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "this CPU has neither AVX2 nor AVX-512 VNNI");
         return NULL;
     }
-    long long v[9];
-    for (int i = 0; i < 9; i++) {
+    long long v[11];
+    for (int i = 0; i < 11; i++) {
         v[i] = PyLong_AsLongLong(args[i]);
         if (v[i] == -1 && PyErr_Occurred()) return NULL;
     }
+    const double eps = PyFloat_AsDouble(args[11]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
     job_t j;
     const void *x = (const void *)(intptr_t)v[0];
     j.batch = (int)v[1];
@@ -299,23 +373,36 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     j.out = (int)v[6];
     j.y = (void *)(intptr_t)v[7];
     j.flags = (int)v[8];
+    const int mode = (int)v[9];
+    const float *aux = (const float *)(intptr_t)v[10];
     if (j.batch < 1 || j.in < GROUP || j.in % GROUP || j.out < 8 || j.out % 8) {
         PyErr_SetString(PyExc_ValueError,
                         "matmul: bad shape (in must be a multiple of 32, out of 8)");
         return NULL;
     }
+    if (mode < PRO_NONE || mode > PRO_GELU || (mode == PRO_RMSNORM && aux == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "matmul: bad prologue");
+        return NULL;
+    }
     run_fn run = j.minimum != NULL ? RUN : RUN8;
     const size_t groups = (size_t)j.batch * (j.in / GROUP);
-    /* one allocation for int8 x, scales and sums (tiny: batch x in bytes) */
-    char *scratch = malloc((size_t)j.batch * j.in + 2 * groups * sizeof(float));
+    const size_t staged = mode == PRO_NONE ? 0 : (size_t)j.batch * j.in;
+    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x */
+    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + (size_t)j.batch * j.in);
     if (scratch == NULL) return PyErr_NoMemory();
-    float *dx = (float *)scratch, *sx = dx + groups;
+    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups;
     int8_t *qx = (int8_t *)(sx + groups);
     j.qx = qx;
     j.dx = dx;
     j.sx = sx;
     Py_BEGIN_ALLOW_THREADS
-    quantize_rows(x, (int)(j.flags & FLAG_X_BF16), j.batch, j.in, qx, dx, sx);
+    int bf16 = j.flags & FLAG_X_BF16;
+    if (mode != PRO_NONE) {
+        prologue(x, bf16, mode, aux, (float)eps, j.batch, j.in, xf);
+        x = xf;
+        bf16 = 0;
+    }
+    quantize_rows(x, bf16, j.batch, j.in, qx, dx, sx);
     run(&j);
     Py_END_ALLOW_THREADS
     free(scratch);
@@ -324,7 +411,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyMethodDef METHODS[] = {
     {"matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
-     "matmul(x, batch, in, qs, scale, minimum, out, y, flags): y = x . W^T (pointers as ints)"},
+     "matmul(x, batch, in, w, scale, minimum, out, y, flags, prologue, aux, eps): y = x . W^T"},
     {"use", q4_use, METH_O, "use(name) -> bool: force an instruction set this CPU has (tests)"},
     {"isa", q4_isa, METH_NOARGS, "the instruction set used: avx512vnni, avx2, or '' (none)"},
     {NULL, NULL, 0, NULL},

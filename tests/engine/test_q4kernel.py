@@ -109,7 +109,9 @@ def test_bad_shapes_are_refused() -> None:
     y = torch.empty(1, 8)
     x = torch.empty(1, 33)
     with pytest.raises(ValueError, match="multiple of 32"):
-        KERNEL.matmul(x.data_ptr(), 1, 33, 0, 0, 0, 8, y.data_ptr(), 0)
+        KERNEL.matmul(x.data_ptr(), 1, 33, 0, 0, 0, 8, y.data_ptr(), 0, 0, 0, 0.0)
+    with pytest.raises(ValueError, match="prologue"):  # RMSNorm without its weight
+        KERNEL.matmul(x.data_ptr(), 1, 32, 0, 0, 0, 8, y.data_ptr(), 0, 1, 0, 1e-5)
     with pytest.raises(TypeError):
         KERNEL.matmul(1, 2)
 
@@ -145,3 +147,33 @@ def test_int8_weights_exact_on_int8_representable_inputs(
         torch.testing.assert_close(
             got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())
         )
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fused_norm_and_activations_match_torch(isa: str, batch: int) -> None:
+    """`normed` (RMSNorm inside the kernel) and `gated` (SiLU or GELU-tanh times up) against
+    the same ops in torch followed by the float32 product: within int8 quantisation (2%)."""
+    g = torch.Generator().manual_seed(10 + batch)
+    nibbles, scale, minimum = quant.pack_q4(torch.randn(64, 96, generator=g))
+    layer = Q4Linear(KERNEL, nibbles, scale, minimum)
+    w = _dequantised(nibbles, scale, minimum)
+    x = 3.0 * torch.randn(batch, 96, generator=g) + 1.0
+    norm = torch.rand(96, generator=g) + 0.5
+    want = torch.nn.functional.rms_norm(x, (96,), norm, 1e-5) @ w.T
+    got = layer.normed(x, norm, 1e-5, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
+    gate_up = 4.0 * torch.randn(batch, 192, generator=g)  # gates far into both tails
+    for gelu in (False, True):
+        gate = gate_up[:, :96]
+        act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else F_silu(gate)
+        # the fused activation feeds the product exactly what torch's would (the product
+        # itself is checked above)
+        want = layer(act * gate_up[:, 96:])
+        got = layer.gated(gate_up, gelu)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
+def F_silu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
