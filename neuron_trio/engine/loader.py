@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -33,6 +34,7 @@ from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
 from neuron_trio.engine.model import (
+    Block,
     Int4Linear,
     Int8Linear,
     Linear,
@@ -168,6 +170,9 @@ def _load(
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
         )
         layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+    kernel = quant.native_q4() if scheme == "cpu-int" and device.type == "cpu" else None
+    for layer in model.layers:  # decode attention in the native kernel (see Block)
+        cast(Block, layer).attend_kernel = kernel
     model.norm = vector("output_norm.weight")
     embed = get("token_embd.weight", (c.vocab_size, c.dim))
     # The embedding table keeps float32 unless the whole model is a dense half type.

@@ -303,6 +303,9 @@ class Block(nn.Module):
         self.wo: nn.Module = _meta_linear(c.dim, c.n_heads * c.head_dim)
         self.w_gate_up: nn.Module = _meta_linear(2 * c.ffn_dim, c.dim)
         self.w_down: nn.Module = _meta_linear(c.dim, c.ffn_dim)
+        # The native kernel module when decode attention should run in it (the loader sets it
+        # under "auto" on CPU; float32, the reference, keeps SDPA).
+        self.attend_kernel: Any = None
 
     def steps(
         self,
@@ -354,7 +357,11 @@ class Block(nn.Module):
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
             q = qkv[:, :h].reshape(n, kv, h // kv, d)
-            o = self._attend(q, keys, values, mask, False).reshape(n, h * d)
+            kernel = self.attend_kernel
+            if kernel is not None and _native_attention_fits(q, keys, values, mask, self.softcap):
+                o = _native_attention(kernel, q, keys, values, mask, self.scale)
+            else:
+                o = self._attend(q, keys, values, mask, False).reshape(n, h * d)
         else:
             q = qkv[:, :h].view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
             if kv != h and self.softcap:
@@ -415,6 +422,61 @@ class Block(nn.Module):
             scores = scores + mask
         probs = scores.float().softmax(dim=-1).to(values.dtype)
         return torch.matmul(probs, values)
+
+
+def _native_attention_fits(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    softcap: float | None,
+) -> bool:
+    """Whether the native decode attention takes these operands (else SDPA): no soft cap, one
+    dtype (bfloat16 or float32) with D contiguous, and no mask or an additive per-row one."""
+    dtype = q.dtype
+    if softcap or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if keys.dtype != dtype or values.dtype != dtype or q.shape[-1] % 8 or q.shape[2] > 16:
+        return False
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return False
+    if mask is None:
+        return True
+    return (
+        mask.dtype in (torch.bfloat16, torch.float32)
+        and mask.dim() == 4
+        and mask.shape[1] == mask.shape[2] == 1
+        and mask.stride(-1) == 1
+    )
+
+
+def _native_attention(
+    kernel: Any,
+    q: torch.Tensor,  # [B, KV, G, D]: one query token per row, G query heads per KV head
+    keys: torch.Tensor,  # [B, KV, L, D]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # additive [B or 1, 1, 1, L]
+    scale: float | None,
+) -> torch.Tensor:
+    """Decode attention in the native kernel (float32 maths): `[B, KV · G · D]`."""
+    b, kv, groups, d = q.shape
+    length = keys.shape[2]
+    out = torch.empty(b, kv * groups * d, dtype=q.dtype)
+    flags = int(q.dtype == torch.bfloat16)
+    mask_ptr = mask_stride = 0
+    if mask is not None:
+        mask_ptr = mask.data_ptr()
+        mask_stride = mask.stride(0) if mask.shape[0] > 1 else 0
+        flags |= 2 * int(mask.dtype == torch.bfloat16)
+    qs, ks, vs = q.stride(), keys.stride(), values.stride()
+    kernel.attend(
+        q.data_ptr(), qs[0], qs[1], qs[2],
+        keys.data_ptr(), ks[0], ks[1], ks[2],
+        values.data_ptr(), vs[0], vs[1], vs[2],
+        mask_ptr, mask_stride, flags, b, kv, groups, length, d, out.data_ptr(),
+        scale or 1.0 / math.sqrt(d),
+    )  # fmt: skip
+    return out
 
 
 class _Placement:

@@ -177,3 +177,39 @@ def test_fused_norm_and_activations_match_torch(isa: str, batch: int) -> None:
 
 def F_silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "length"), [(1, 1), (1, 37), (3, 8), (8, 130)])
+def test_decode_attention_matches_sdpa(dtype: torch.dtype, batch: int, length: int) -> None:
+    """The native decode attention against SDPA in float32, on views of a cache-like tensor
+    (strided, as Block reads K/V), with an additive mask that hides each row's tail (-inf: no
+    weight at all, even for garbage keys) and without a mask."""
+    from neuron_trio.engine.model import _native_attention, _native_attention_fits
+
+    g = torch.Generator().manual_seed(batch * 1000 + length)
+    kv, groups, d, context = 3, 3, 64, 160
+    cache = torch.randn(batch + 2, 2 * kv, context, d, generator=g).to(dtype)
+    rows = cache[1 : batch + 1, :, :length]  # [B, 2KV, L, D], a strided view
+    keys, values = rows[:, :kv], rows[:, kv:]
+    qkv = torch.randn(batch, kv * groups + 2 * kv, d, generator=g).to(dtype)
+    q = qkv[:, : kv * groups].reshape(batch, kv, groups, d)  # a view, as Block makes it
+    ends = torch.randint(1, length + 1, (batch,), generator=g)
+    attend = torch.arange(length)[None, :] < ends[:, None]
+    mask = torch.zeros(batch, length, dtype=dtype).masked_fill_(~attend, float("-inf"))
+    mask = mask[:, None, None]  # [B, 1, 1, L]
+    for m in (None, mask):
+        if m is not None:  # garbage where the mask hides keys: it must get no weight at all
+            hidden = ~attend[:, None, :, None].expand(-1, 2 * kv, -1, d)
+            cache[1 : batch + 1, :, :length][hidden] = 1e4
+        assert _native_attention_fits(q, keys, values, m, None)
+        got = _native_attention(KERNEL, q, keys, values, m, None)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), keys.float(), values.float(), attn_mask=None if m is None else m.float()
+        ).reshape(batch, -1)
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert not _native_attention_fits(q, keys, values, mask.bool(), None)  # bool: SDPA's
+    assert not _native_attention_fits(q, keys, values, mask, 50.0)  # soft-capped: SDPA's
