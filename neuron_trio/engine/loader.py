@@ -9,16 +9,16 @@ for norms; the shard returns this rank's slice (norms, token_embd and output who
 dtype:
 - "float32": every weight dequantised to float32; the reference numerics.
 - "bfloat16", "float16": dense weights and activations in that type.
-- "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
-  (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
-  rest, and the output head's coarse pass, whose best candidates are then recomputed
-  exactly: see AUTO_INT4_HEAD) through torch's CPU kernels, bfloat16 activations and a
-  float32 residual stream. Each such layer also keeps a bfloat16 copy for prefill chunks of
-  16 rows or more, where a dense GEMM is several times faster than the int kernels.
-  Measured on 2 cores (bench/bench_decode.py --schemes), one decode step of the built-in
-  model: float32 25 / 55 ms, bfloat16 26 / 29 ms, auto 9.3 / 24 ms at batch 1 / 8; auto's
-  top-1 next token agrees with float32's greedy one at 99.2% of 384 positions
-  (teacher-forced along the served path: prefill, then decode steps).
+- "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weights stay
+  quantised, bfloat16 activations and a float32 residual stream. Where the native kernel
+  (`_q4kernel.c`, quant.native_q4) was built: 4-bit groups of 32 (weights stored in 4-bit
+  formats) and the output head's coarse pass (int8, one scale per row) run in it with int8
+  activations, RMSNorm and SwiGLU fused in, and so does decode attention; elsewhere torch's
+  int4 (groups of 32) and int8 (one scale per row) kernels. The head's best candidates are
+  recomputed exactly (see AUTO_INT4_HEAD). Weights in other formats take int8. Each such
+  layer also keeps a bfloat16 copy for prefill chunks of 16 rows or more, where a dense GEMM
+  is several times faster than the int kernels. bench/bench_decode.py measures it (against
+  llama.cpp too) and prints auto's top-1 agreement with float32.
 """
 
 from __future__ import annotations
