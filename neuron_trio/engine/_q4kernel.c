@@ -8,14 +8,16 @@
    in float. The group's minimum term uses the exact float sum of x over the group.
 
    Weights: w = scale · q + minimum with q in 0..15, per row and group of 32 (quant.pack_q4),
-   laid out in tiles of 8 rows by quant.tile_q4 (see the kernel below).
+   scale and minimum in float16 (as Q4_1 keeps them: a Q4_1 weight comes back exactly), laid
+   out in tiles of 8 rows by quant.tile_q4 (see the kernel below).
 
    Threads: OpenMP over output rows. Built with -fopenmp and imported after torch, so the
    libgomp.so.1 torch already loaded is the one used: one thread pool, no oversubscription.
    The GIL is released while it computes.
 
-   The module exposes `matmul(x, batch, in, qs, scale, minimum, out, y, flags)` (pointers as
-   ints, from Python's `q4native`), and `isa()`: "avx512vnni", "avx2" or "" (unusable CPU). */
+   The module exposes `matmul` and `attend` (pointers and strides as ints, from model.py's
+   Q4Linear, Q8Linear and _native_attention), `isa()`: "avx512vnni", "avx2" or "" (a CPU it
+   cannot use), and `use(name)` for tests. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,32 +66,55 @@ TARGET_AVX2 static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in, int8_t *qx,
-                                      float *dx, float *sx) {
-    const int groups = in / GROUP;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+TARGET_AVX2 static inline __m256i pack32(__m256 v0, __m256 v1, __m256 v2, __m256 v3,
+                                         __m256 inv) {
+    /* round to nearest (MXCSR default), then 4 x 8 int32 to 32 int8 in order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_permutevar8x32_epi32(p, order);
+}
+
+TARGET_AVX2 static inline float amax32(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v2));
+    return hmax8(_mm256_max_ps(m, _mm256_andnot_ps(sign, v3)));
+}
+
+/* Each group of 32: int8 qx with scale dx, the exact float sum sx, and with `qlo` the int8
+   residual x - dx · qx with its own scale dlo (two int8 passes: ~15 bits, where one int8
+   pass cost 4-bit decode a few points of top-1 agreement with float32). */
+TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in, int8_t *qx,
+                                      float *dx, float *sx, int8_t *qlo, float *dlo) {
+    const int groups = in / GROUP;
     for (int b = 0; b < batch; b++) {
         for (int g = 0; g < groups; g++) {
-            size_t at = (size_t)b * in + (size_t)g * GROUP;
+            const size_t at = (size_t)b * in + (size_t)g * GROUP, gi = (size_t)b * groups + g;
             __m256 v0 = load8(x, bf16, at), v1 = load8(x, bf16, at + 8);
             __m256 v2 = load8(x, bf16, at + 16), v3 = load8(x, bf16, at + 24);
-            __m256 amax = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v2));
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v3));
-            float m = hmax8(amax);
-            float d = m / 127.0f;
-            __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-            sx[(size_t)b * groups + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1),
-                                                             _mm256_add_ps(v2, v3)));
-            dx[(size_t)b * groups + g] = d;
-            /* round to nearest (MXCSR default), then pack 4 x 8 int32 to 32 int8 in order */
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
-            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
-            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
-            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-            _mm256_storeu_si256((__m256i *)(qx + at), _mm256_permutevar8x32_epi32(p, order));
+            const float m = amax32(v0, v1, v2, v3);
+            const float d = m / 127.0f;
+            sx[gi] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+            dx[gi] = d;
+            const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+            const __m256i q = pack32(v0, v1, v2, v3, inv);
+            _mm256_storeu_si256((__m256i *)(qx + at), q);
+            if (qlo == NULL) continue;
+            /* the residual: x minus what q keeps of it */
+            const __m256 dv = _mm256_set1_ps(d);
+            __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+            v0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), dv, v0);
+            v1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), dv, v1);
+            v2 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), dv, v2);
+            v3 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), dv, v3);
+            const float r = amax32(v0, v1, v2, v3);
+            dlo[gi] = r / 127.0f;
+            const __m256 rinv = _mm256_set1_ps(r > 0.0f ? 127.0f / r : 0.0f);
+            _mm256_storeu_si256((__m256i *)(qlo + at), pack32(v0, v1, v2, v3, rinv));
         }
     }
 }
@@ -175,9 +200,9 @@ TARGET_AVX2 static void prologue(const void *x, int bf16, int mode, const float 
 
 typedef struct {
     const uint8_t *qs;
-    const float *scale, *minimum;
-    const int8_t *qx;
-    const float *dx, *sx;
+    const void *scale, *minimum; /* 4-bit: float16 per row and group; int8: float32 per row */
+    const int8_t *qx, *qlo; /* qlo: the residual pass (4-bit path), or NULL */
+    const float *dx, *sx, *dlo;
     int batch, in, out, flags;
     void *y;
 } job_t;
@@ -197,8 +222,8 @@ static inline void store8(const job_t *j, int b, int r0, const float *v) {
         const job_t *j, int t, int b0, const int nb) {                                         \
         const int groups = j->in / GROUP;                                                      \
         const uint8_t *wt = j->qs + (size_t)t * groups * 128;                                  \
-        const float *st = j->scale + (size_t)t * groups * 8;                                   \
-        const float *mt = j->minimum + (size_t)t * groups * 8;                                 \
+        const uint16_t *st = (const uint16_t *)j->scale + (size_t)t * groups * 8;              \
+        const uint16_t *mt = (const uint16_t *)j->minimum + (size_t)t * groups * 8;            \
         const __m256i low = _mm256_set1_epi8(0x0F);                                            \
         __m256 acc[4];                                                                         \
         for (int k = 0; k < nb; k++) acc[k] = _mm256_setzero_ps();                             \
@@ -209,8 +234,8 @@ static inline void store8(const job_t *j, int b, int r0, const float *v) {
                 w[k] = _mm256_and_si256(v, low);                                               \
                 w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                     \
             }                                                                                  \
-            const __m256 sc = _mm256_loadu_ps(st + (size_t)g * 8);                            \
-            const __m256 mn = _mm256_loadu_ps(mt + (size_t)g * 8);                             \
+            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))); \
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8))); \
             for (int k = 0; k < nb; k++) {                                                     \
                 const size_t xg = (size_t)(b0 + k) * groups + g;                               \
                 const int32_t *x4 = (const int32_t *)(j->qx + xg * GROUP);                     \
@@ -226,6 +251,21 @@ static inline void store8(const job_t *j, int b, int r0, const float *v) {
                 __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(a, c));                         \
                 acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, _mm256_set1_ps(j->dx[xg])), acc[k]); \
                 acc[k] = _mm256_fmadd_ps(mn, _mm256_set1_ps(j->sx[xg]), acc[k]);               \
+                if (j->qlo != NULL) { /* the residual pass, same weights */                    \
+                    const int32_t *r4 = (const int32_t *)(j->qlo + xg * GROUP);                \
+                    a = _mm256_setzero_si256();                                                \
+                    c = _mm256_setzero_si256();                                                \
+                    a = DOT(a, w[0], _mm256_set1_epi32(r4[0]));                                \
+                    c = DOT(c, w[4], _mm256_set1_epi32(r4[4]));                                \
+                    a = DOT(a, w[1], _mm256_set1_epi32(r4[1]));                                \
+                    c = DOT(c, w[5], _mm256_set1_epi32(r4[5]));                                \
+                    a = DOT(a, w[2], _mm256_set1_epi32(r4[2]));                                \
+                    c = DOT(c, w[6], _mm256_set1_epi32(r4[6]));                                \
+                    a = DOT(a, w[3], _mm256_set1_epi32(r4[3]));                                \
+                    c = DOT(c, w[7], _mm256_set1_epi32(r4[7]));                                \
+                    f = _mm256_cvtepi32_ps(_mm256_add_epi32(a, c));                            \
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, _mm256_set1_ps(j->dlo[xg])), acc[k]); \
+                }                                                                              \
             }                                                                                  \
         }                                                                                      \
         for (int k = 0; k < nb; k++) {                                                         \
@@ -289,7 +329,7 @@ TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2)
                 acc[k] = _mm256_fmadd_ps(f, _mm256_set1_ps(j->dx[xg]), acc[k]);                \
             }                                                                                  \
         }                                                                                      \
-        const __m256 rs = _mm256_loadu_ps(j->scale + (size_t)t * 8);                           \
+        const __m256 rs = _mm256_loadu_ps((const float *)j->scale + (size_t)t * 8);            \
         for (int k = 0; k < nb; k++) {                                                         \
             float v[8];                                                                        \
             _mm256_storeu_ps(v, _mm256_mul_ps(acc[k], rs));                                    \
@@ -530,8 +570,8 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     j.batch = (int)v[1];
     j.in = (int)v[2];
     j.qs = (const uint8_t *)(intptr_t)v[3];
-    j.scale = (const float *)(intptr_t)v[4];
-    j.minimum = (const float *)(intptr_t)v[5];
+    j.scale = (const void *)(intptr_t)v[4];
+    j.minimum = (const void *)(intptr_t)v[5];
     j.out = (int)v[6];
     j.y = (void *)(intptr_t)v[7];
     j.flags = (int)v[8];
@@ -549,14 +589,17 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     run_fn run = j.minimum != NULL ? RUN : RUN8;
     const size_t groups = (size_t)j.batch * (j.in / GROUP);
     const size_t staged = mode == PRO_NONE ? 0 : (size_t)j.batch * j.in;
-    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x */
-    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + (size_t)j.batch * j.in);
+    const int two = j.minimum != NULL; /* 4-bit: two int8 passes (see quantize_rows) */
+    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice) */
+    char *scratch = malloc((staged + 3 * groups) * sizeof(float) + 2 * (size_t)j.batch * j.in);
     if (scratch == NULL) return PyErr_NoMemory();
-    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups;
-    int8_t *qx = (int8_t *)(sx + groups);
+    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups, *dlo = sx + groups;
+    int8_t *qx = (int8_t *)(dlo + groups), *qlo = qx + (size_t)j.batch * j.in;
     j.qx = qx;
     j.dx = dx;
     j.sx = sx;
+    j.qlo = two ? qlo : NULL;
+    j.dlo = dlo;
     Py_BEGIN_ALLOW_THREADS
     int bf16 = j.flags & FLAG_X_BF16;
     if (mode != PRO_NONE) {
@@ -564,7 +607,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         x = xf;
         bf16 = 0;
     }
-    quantize_rows(x, bf16, j.batch, j.in, qx, dx, sx);
+    quantize_rows(x, bf16, j.batch, j.in, qx, dx, sx, two ? qlo : NULL, dlo);
     run(&j);
     Py_END_ALLOW_THREADS
     free(scratch);

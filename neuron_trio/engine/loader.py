@@ -219,7 +219,9 @@ def make_linear(
     dense = weight.to(device=device, dtype=torch.bfloat16)
     out_f, in_f = weight.shape
     kernel = quant.native_q4() if device.type == "cpu" else None
-    if four_bit and kernel is not None and in_f % quant.INT4_GROUP == 0 and out_f % 8 == 0:
+    fits = in_f % quant.INT4_GROUP == 0 and out_f % quant.Q4_TILE == 0
+    # (its float16 scales: weights beyond float16's range take torch's kernel)
+    if four_bit and kernel is not None and fits and float(weight.abs().max()) < 6e4:
         return Q4Linear(kernel, *quant.pack_q4(weight), dense)
     if four_bit and in_f % quant.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = quant.pack_int4(weight)
@@ -300,7 +302,7 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
         elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
-            scales = 8 if quant.native_q4() is not None else 4  # float32 pairs, or bf16 pairs
+            scales = 4  # float16 scale and minimum (native), or bfloat16 scale and zero (torch)
             total += n // 2 + n // quant.INT4_GROUP * scales + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n

@@ -303,21 +303,23 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_q4(
     weight: torch.Tensor, group: int = INT4_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 `[out, in]` → (nibbles uint8 `[out, in/2]`, scale, minimum float32 `[out, in/group]`)
-    for the native kernel (`_q4kernel.c`): w ≈ scale · q + minimum, q in 0..15 (min/max per
-    group, so Q4_1 blocks come back exactly). In each group's 16 bytes, the low nibbles hold
-    elements 0..15 and the high nibbles 16..31 (ggml's order).
+    """float32 `[out, in]` → (nibbles uint8 `[out, in/2]`, scale, minimum float16
+    `[out, in/group]`) for the native kernel (`_q4kernel.c`): w ≈ scale · q + minimum, q in
+    0..15 (min/max per group, rounded to float16 as Q4_1 stores them, so Q4_1 blocks come
+    back exactly). In each group's 16 bytes, the low nibbles hold elements 0..15 and the high
+    nibbles 16..31 (ggml's order).
     """
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group, group)
-    lo = w.amin(dim=-1, keepdim=True)
+    lo = w.amin(dim=-1, keepdim=True).half().float()
     hi = w.amax(dim=-1, keepdim=True)
-    scale = (hi - lo) / 15.0
+    scale = ((hi - lo) / 15.0).half().float()
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((w - lo) * inv).clamp(0, 15).to(torch.uint8)  # [out, groups, group]
     half = group // 2
     nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2)
-    return nibbles.contiguous(), scale.reshape(out_f, -1), lo.reshape(out_f, -1).contiguous()
+    scale16, lo16 = scale.reshape(out_f, -1).half(), lo.reshape(out_f, -1).half()
+    return nibbles.contiguous(), scale16, lo16
 
 
 Q4_TILE = 8  # output rows the native kernel computes together

@@ -42,6 +42,7 @@ def _dequantised(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     out_f, groups = scale.shape
     per_group = nibbles.reshape(out_f, groups, 16)
     q = torch.cat((per_group & 0x0F, per_group >> 4), dim=-1).float()  # elements 0..15, 16..31
+    scale, minimum = scale.float(), minimum.float()
     return (q * scale[..., None] + minimum[..., None]).reshape(out_f, groups * 32)
 
 
