@@ -214,3 +214,17 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, batch: int, length: i
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     assert not _native_attention_fits(q, keys, values, mask.bool(), None)  # bool: SDPA's
     assert not _native_attention_fits(q, keys, values, mask, 50.0)  # soft-capped: SDPA's
+
+
+@needs_kernel
+def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
+    """4-bit weights take Q4Linear; weights beyond float16's range (its scales) or with rows
+    not a multiple of its tile take torch's int4 kernel."""
+    from neuron_trio.engine.loader import make_linear
+    from neuron_trio.engine.model import Int4Linear
+
+    cpu = torch.device("cpu")
+    w = torch.randn(32, 64)
+    assert type(make_linear(w, "cpu-int", cpu, four_bit=True)) is Q4Linear
+    assert type(make_linear(w * 1e5, "cpu-int", cpu, four_bit=True)) is Int4Linear
+    assert type(make_linear(torch.randn(20, 64), "cpu-int", cpu, four_bit=True)) is not Q4Linear
