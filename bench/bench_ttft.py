@@ -1,7 +1,7 @@
 """Time to first token of a chat whose long system prompt was seen before, against a cold one.
 
     python bench/bench_ttft.py [--prefix-cache unset|true|false|both] [--rounds 5]
-                               [--system-words 1150] [--dtype auto]
+                               [--system-words 1450] [--dtype auto]
 
 The real daemon (`neuron serve`, built-in model, devices = "cpu"), over HTTP/2, one request
 at a time, greedy, streamed. A system prompt of about 1,500 tokens (`usage.prompt_tokens` is
@@ -72,7 +72,12 @@ def chat(client: httpx.Client, system: str, question: str) -> tuple[float, int]:
                 continue
             chunk = json.loads(line[6:])
             choices = chunk.get("choices")
-            if first is None and choices and choices[0]["delta"].get("content") is not None:
+            # the first chunk carries only the role (content ""): wait for text or the end
+            if (
+                first is None
+                and choices
+                and (choices[0]["delta"].get("content") or choices[0].get("finish_reason"))
+            ):
                 first = time.perf_counter() - start
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
@@ -109,7 +114,7 @@ def main() -> None:
         "--prefix-cache", choices=["unset", "true", "false", "both"], default="unset"
     )
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--system-words", type=int, default=1150, help="~1,500 tokens")
+    parser.add_argument("--system-words", type=int, default=1450, help="~1,500 tokens")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=4096)

@@ -72,6 +72,12 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def get_json(port: int, path: str) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
@@ -88,6 +94,7 @@ class Daemon:
     process: subprocess.Popen[bytes]
     port: int
     ready_s: float  # from just before exec to the first /health 200
+    ready_cpu_s: float  # CPU time the daemon had used by then (less noisy on a busy machine)
     log_path: Path
 
     @property
@@ -126,14 +133,18 @@ def running_daemon(
     *,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 300.0,
+    state_dir: Path | None = None,
 ) -> Iterator[Daemon]:
     """`neuron serve` on a free 127.0.0.1 port with the built-in model (and `model`'s keys),
-    ready (`/health` 200) when this yields; SIGTERM (then SIGKILL) on the way out."""
+    ready (`/health` 200) when this yields; SIGTERM (then SIGKILL) on the way out.
+
+    `state_dir`: the node's state (and model cache) directory, kept between runs; default a
+    fresh one, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="neuron-bench-") as tmp:
         root = Path(tmp)
         port = free_port()
         config = root / "neuron.toml"
-        write_config(config, root / "state", port, model or {})
+        write_config(config, state_dir or root / "state", port, model or {})
         log_path = root / "neuron.log"
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
         child_env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -147,7 +158,8 @@ def running_daemon(
             )  # fmt: skip
         try:
             _wait_ready(process, port, log_path, timeout_s)
-            yield Daemon(process, port, time.perf_counter() - started, log_path)
+            ready_s = time.perf_counter() - started
+            yield Daemon(process, port, ready_s, cpu_seconds(process.pid), log_path)
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -70,6 +70,7 @@ from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
 
+MODEL_CACHE_DIR = "model-cache"  # under state_dir: loaded models, for the next start
 TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
 
 ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
@@ -134,11 +135,16 @@ def _ephemeral_identity() -> _Identity:
 
 
 def _default_factory(
-    spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
+    spec: ModelConfig,
+    path: Path,
+    devices: list[torch.device],
+    *,
+    failpoints: fp.Failpoints,
+    cache_dir: Path | None = None,
 ) -> ModelExecutor:
     from neuron_trio.parallel.executor import build_executor
 
-    return build_executor(spec, path, devices, failpoints=failpoints)
+    return build_executor(spec, path, devices, failpoints=failpoints, cache_dir=cache_dir)
 
 
 def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
@@ -238,7 +244,10 @@ class Node:
         self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
         self._gpus = gpus
         self._notifier = notifier
-        self._factory = executor_factory or _default_factory
+        # Loaded models are kept under state_dir/model-cache: a restart maps them back.
+        self._factory = executor_factory or partial(
+            _default_factory, cache_dir=config.state_path / MODEL_CACHE_DIR
+        )
         self._estimator = estimator or _default_estimator
         self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
