@@ -130,10 +130,16 @@ def prune(cache_dir: Path, keep: int = MAX_ENTRIES) -> None:
 
 
 def load_transformer_cached(
-    gguf: GGUFFile, *, dtype: str, device: torch.device, cache_dir: Path
+    gguf: GGUFFile,
+    *,
+    dtype: str,
+    device: torch.device,
+    cache_dir: Path,
+    background: bool = True,
 ) -> Transformer:
     """`load_transformer(gguf, dtype=dtype, device=device)`, from the cache when it holds this
-    model; otherwise loaded from the file, then stored on a background thread."""
+    model; otherwise loaded from the file, then stored (on a background thread unless not
+    `background`: the load's caller need not wait for the write)."""
     if device.type != "cpu":
         return load_transformer(gguf, dtype=dtype, device=device)
     entry = cache_dir / (cache_key(gguf.path, dtype, device) + SUFFIX)
@@ -151,5 +157,8 @@ def load_transformer_cached(
         except Exception as exc:  # a full disk costs the next start time, nothing else
             log.warning("model cache: cannot write %s (%s: %s)", entry, type(exc).__name__, exc)
 
-    threading.Thread(target=write, name="neuron-model-cache", daemon=True).start()
+    if background:
+        threading.Thread(target=write, name="neuron-model-cache", daemon=True).start()
+    else:
+        write()
     return model

@@ -54,7 +54,7 @@ class _Request:
 
 def _requests(max_batch: int) -> list[list[_Request]]:
     """The warm-up's requests in waves; a wave's requests run together (one padded prefill,
-    batched decode steps) when the slots allow."""
+    batched decode steps) when the slots allow, else one after the other."""
     greedy = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0)
     sampled = SamplingParams(
         max_tokens=WARM_UP_TOKENS,
@@ -73,13 +73,13 @@ def _requests(max_batch: int) -> list[list[_Request]]:
     constrained = SamplingParams(
         max_tokens=WARM_UP_TOKENS, temperature=0.0, constraint=_JSON_OBJECT
     )
-    mixed = [
-        _Request("json_object", _SYSTEM_CHAT, constrained),
-        _Request("sampled", _CHAT, sampled),
-        _Request("short completion", None, greedy, text="Hi"),
-    ]
-    alone = [_Request("greedy chat", _CHAT, greedy)]
-    return [mixed, alone]
+    json_chat = _Request("json_object", _SYSTEM_CHAT, constrained)
+    sampled_chat = _Request("sampled", _CHAT, sampled)
+    greedy_chat = _Request("greedy chat", _CHAT, greedy)
+    short = _Request("short completion", None, greedy, text="Hi")
+    # Each kind alone (a batch of one kind takes its own path: the greedy argmax fast path, a
+    # masked batch, a sampled one), then all together (padded prefill rows, a mixed batch).
+    return [[json_chat], [sampled_chat], [greedy_chat], [json_chat, sampled_chat, short]]
 
 
 def warm_up(engine: Engine) -> WarmUpReport:
