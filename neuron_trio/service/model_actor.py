@@ -195,8 +195,8 @@ class ModelActor:
     """One loaded model: its executor, a bounded queue, and the loop that drives steps.
 
     Start with `await nursery.start(actor.run)`: it loads (on a worker thread), warms up with
-    one probe step (bounded by the watchdog: a hang there is exit 70), and reports started
-    once serving; a failed load raises ModelLoadError from `nursery.start`. `unload()` stops
+    one probe step, then the warm-up requests (`executor.warm_up`), both bounded by the
+    watchdog (a hang there is exit 70), and reports started once serving; a failed load raises ModelLoadError from `nursery.start`. `unload()` stops
     admitting, waits for in-flight requests, closes the executor, and returns once `run` has
     finished.
 

@@ -134,6 +134,12 @@ def _ephemeral_identity() -> _Identity:
     return _Identity(boot_id=uuid.uuid4().hex, started_at=utc_iso(time.time()), starts=1)
 
 
+def model_cache_dir(config: NeuronConfig) -> Path | None:
+    """Where loaded models are kept for the next start (engine.model_cache), or None when
+    `node.model_cache` is off."""
+    return config.state_path / MODEL_CACHE_DIR if config.node.model_cache else None
+
+
 def _default_factory(
     spec: ModelConfig,
     path: Path,
@@ -244,9 +250,8 @@ class Node:
         self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
         self._gpus = gpus
         self._notifier = notifier
-        # Loaded models are kept under state_dir/model-cache: a restart maps them back.
         self._factory = executor_factory or partial(
-            _default_factory, cache_dir=config.state_path / MODEL_CACHE_DIR
+            _default_factory, cache_dir=model_cache_dir(config)
         )
         self._estimator = estimator or _default_estimator
         self._host_memory = host_memory or host_memory_available
