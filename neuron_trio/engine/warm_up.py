@@ -77,9 +77,11 @@ def _requests(max_batch: int) -> list[list[_Request]]:
     sampled_chat = _Request("sampled", _CHAT, sampled)
     greedy_chat = _Request("greedy chat", _CHAT, greedy)
     short = _Request("short completion", None, greedy, text="Hi")
-    # Each kind alone (a batch of one kind takes its own path: the greedy argmax fast path, a
-    # masked batch, a sampled one), then all together (padded prefill rows, a mixed batch).
-    return [[json_chat], [sampled_chat], [greedy_chat], [json_chat, sampled_chat, short]]
+    # A batch takes the sampler's greedy argmax fast path only when every row is greedy and
+    # unmasked, a masked path when any row has a grammar, the per-row path otherwise: so the
+    # constrained and the sampled requests run alone (single-row prefill and decode), and the
+    # greedy ones together (prefill rows of different lengths, padded; a batched decode).
+    return [[json_chat], [sampled_chat], [greedy_chat, short]]
 
 
 def warm_up(engine: Engine) -> WarmUpReport:

@@ -122,15 +122,8 @@ def test_warm_up_leaves_the_engine_idle_with_every_slot_free(tiny_q4: Path, max_
     engine = _engine(tiny_q4, max_batch=max_batch)
     report = warm_up(engine)
     assert not engine.has_work and engine.free_slots == max_batch
-    assert report.requests == [
-        "json_object",
-        "sampled",
-        "greedy chat",
-        "json_object",
-        "sampled",
-        "short completion",
-    ]
-    assert report.steps >= 8 and report.tokens >= 12  # every request got its 2 tokens
+    assert report.requests == ["json_object", "sampled", "greedy chat", "short completion"]
+    assert report.steps >= 6 and report.tokens >= 8  # every request got its 2 tokens
     # and the engine serves as before
     _chat(engine, "hello", GREEDY)
     assert engine.free_slots == max_batch
