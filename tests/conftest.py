@@ -18,7 +18,7 @@ def shared_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _one_model_cache(shared_model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every in-process Node keeps its models in one session-wide cache, not in its own state
     dir: one entry per model for the whole run (a few hundred MB, not that per test), and
-    every load after the first maps it."""
+    every load after the first reads it."""
     from neuron_trio.service import node
 
     monkeypatch.setattr(

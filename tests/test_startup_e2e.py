@@ -1,5 +1,5 @@
 """A real `neuron serve`, started twice on one state dir: the first start warms the model up
-before `/health` answers 200 and writes the model cache; the second maps the cache, and
+before `/health` answers 200 and writes the model cache; the second reads the cache, and
 answers the same chat with the same text."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _start_chat_stop(config: Path, log: Path, port: int) -> str:
     return text
 
 
-def test_a_restart_maps_the_model_cache_and_every_start_warms_up_before_ready(
+def test_a_restart_reads_the_model_cache_and_every_start_warms_up_before_ready(
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
@@ -90,11 +90,11 @@ def test_a_restart_maps_the_model_cache_and_every_start_warms_up_before_ready(
         serving = next(i for i, line in enumerate(lines) if "serving (start-up took" in line)
         assert warmed < serving  # the warm-up ran before the node reported ready
         if n == 0:
-            assert not any("mapped" in line for line in lines)
+            assert not any("model cache: read" in line for line in lines)
             deadline = time.monotonic() + 30  # the background write (a tiny model: instant)
             while not list((state / "model-cache").glob("*.pt")):
                 assert time.monotonic() < deadline, "no model cache written"
                 time.sleep(0.05)
         else:
-            assert any("model cache:" in line and "mapped" in line for line in lines)
+            assert any("model cache: read" in line for line in lines)
     assert texts[0] == texts[1] and texts[0]

@@ -2,9 +2,11 @@
 
 Loading the built-in model on 2 CPU cores under `dtype = "auto"` spends seconds turning each
 GGUF block into float32 and packing it for the int4/int8 kernels (loader.py); reading the
-packed model back is a memory map (tens of milliseconds). So after a load, the model as
+packed model back is one sequential read (under a second). So after a load, the model as
 `load_transformer` built it is written to `<cache_dir>/<key>.pt` (on a background thread,
-atomically: a temporary file, then a rename), and the next load with the same key maps it.
+atomically: a temporary file, then a rename), and the next load with the same key reads it.
+It is read, not memory-mapped: the first forwards over a mapped file paid its page faults
+(measured on 2 busy cores: the warm-up took 2-3x the CPU time of one over read weights).
 
 The key covers everything the packed tensors depend on: the model file (resolved path, size,
 modification time), the dtype and device type, this cache's format, neuron's and torch's
@@ -87,15 +89,15 @@ def _allowed_globals(entry: Path) -> list[Any] | None:
 
 
 def load_cached(entry: Path) -> Transformer | None:
-    """The model stored in `entry` (memory-mapped), or None if there is none or it is unusable
-    (then it is removed)."""
+    """The model stored in `entry`, or None if there is none or it is unusable (then it is
+    removed)."""
     if not entry.is_file():
         return None
     try:
         allowed = _allowed_globals(entry)
         if allowed is not None:
             with torch.serialization.safe_globals(allowed):
-                model = torch.load(entry, weights_only=True, mmap=True, map_location="cpu")
+                model = torch.load(entry, weights_only=True, map_location="cpu")
             if isinstance(model, Transformer):
                 os.utime(entry)  # least recently used goes first
                 return model
@@ -146,7 +148,7 @@ def load_transformer_cached(
     started = time.monotonic()
     model = load_cached(entry)
     if model is not None:
-        log.info("model cache: %s mapped in %.2f s", entry, time.monotonic() - started)
+        log.info("model cache: read %s in %.2f s", entry, time.monotonic() - started)
         return model
     model = load_transformer(gguf, dtype=dtype, device=device)
 

@@ -187,7 +187,7 @@ def build_executor(
     """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
 
     With `cache_dir`, a whole model on the CPU (tp = 1) is kept there in its loaded form and
-    mapped back by the next load of the same file (engine.model_cache): a restart skips the
+    read back by the next load of the same file (engine.model_cache): a restart skips the
     dequantising and packing.
 
     Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker

@@ -1,4 +1,4 @@
-"""The model cache: a second load maps the first one's packed weights, with the same outputs;
+"""The model cache: a second load reads the first one's packed weights, with the same outputs;
 anything that changes them changes the key; a bad or foreign file is never used."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _forbid_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_cache, "load_transformer", refuse)
 
 
-def test_a_second_load_maps_the_cache_and_computes_the_same(
+def test_a_second_load_reads_the_cache_and_computes_the_same(
     tiny_q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "cache"
@@ -114,7 +114,7 @@ def test_an_engine_from_the_cache_generates_the_same_text(tiny_q4: Path, tmp_pat
     cache = tmp_path / "cache"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     texts = []
-    for _ in range(2):  # the first loads and writes, the second maps
+    for _ in range(2):  # the first loads and writes, the second reads
         engine = Engine.from_gguf(tiny_q4, dtype="auto", device=CPU, context=64, cache_dir=cache)
         engine.add([1, 5, 9, 13], params, chat=False)
         out = []
