@@ -160,7 +160,9 @@ def load_transformer_cached(
             log.warning("model cache: cannot write %s (%s: %s)", entry, type(exc).__name__, exc)
 
     if background:
-        threading.Thread(target=write, name="neuron-model-cache", daemon=True).start()
+        # Not a daemon thread: the interpreter waits for it at exit (a second or two), since
+        # one killed inside torch.save aborts the process (std::terminate) instead of exit 0.
+        threading.Thread(target=write, name="neuron-model-cache").start()
     else:
         write()
     return model
