@@ -1,7 +1,7 @@
 """Tokens/s through the real daemon over HTTP/2 at 1/4/8/16 concurrent streams, as a ratio to
 one stream (and, with `--engine`, to the engine alone in this process).
 
-    python bench/bench_http.py [--streams 1,4,8,16] [--tokens 64] [--rounds 2] [--dtype auto]
+    python bench/bench_http.py [--streams 1,4,8,16] [--tokens 64] [--rounds 3] [--dtype auto]
                                [--max-batch 8] [--context 4096] [--engine]
 
 The daemon is a real `neuron serve` (built-in model, devices = "cpu") started for the run
@@ -9,9 +9,9 @@ The daemon is a real `neuron serve` (built-in model, devices = "cpu") started fo
 `/v1/chat/completions` (greedy, `max_tokens` each, different prompts) on ONE cleartext HTTP/2
 connection, as a router sends them; rate = completion tokens (from `usage`) / wall time, first
 request sent to last token, prefill included. Every stream count is run once first as a
-warm-up, then `--rounds` times (best kept). Printed: each rate, and its ratio to one stream
-(the goal: 8 streams at 4x one or better). With more streams than `max_batch`, the rest wait
-in the daemon's queue.
+warm-up, then `--rounds` rounds of every count (best kept). Printed: each rate, and its ratio
+to one stream (the goal: 8 streams at 4x one or better). With more streams than `max_batch`,
+the rest wait in the daemon's queue.
 
 `--engine` also drives `Engine.from_gguf(builtin model)` directly in this process (the daemon
 idle meanwhile), same prompts and tokens: the HTTP/engine ratio shows what the service and
@@ -128,31 +128,34 @@ async def measure(args: argparse.Namespace, counts: list[int]) -> None:
             await http_rate(daemon.url, n, 4)
             if engine is not None and n <= args.max_batch:
                 await trio.to_thread.run_sync(engine_rate, engine, n, 4)
-        rates: dict[int, float] = {}
-        for n in counts:
-            best = 0.0
-            best_engine = 0.0
-            for _ in range(args.rounds):
+        # Rounds outside, stream counts inside: a machine whose load drifts disturbs every
+        # count alike, not the last ones more.
+        rates: dict[int, float] = dict.fromkeys(counts, 0.0)
+        engine_rates: dict[int, float] = dict.fromkeys(counts, 0.0)
+        for r in range(args.rounds):
+            for n in counts:
                 report = await http_rate(daemon.url, n, args.tokens)
                 rate = report["tokens"] / report["seconds"]
-                best = max(best, rate)
+                rates[n] = max(rates[n], rate)
                 ttft = report["ttft_s"]
                 line = (
-                    f"  {n:2d} stream(s): HTTP/2 {rate:.1f} tok/s ({report['tokens']} tokens), "
-                    f"first tokens after {ttft[0] * 1000:.0f}..{ttft[-1] * 1000:.0f} ms"
+                    f"  round {r + 1}, {n:2d} stream(s): HTTP/2 {rate:.1f} tok/s "
+                    f"({report['tokens']} tokens), first tokens after "
+                    f"{ttft[0] * 1000:.0f}..{ttft[-1] * 1000:.0f} ms"
                 )
                 if engine is not None and n <= args.max_batch:
                     e = await trio.to_thread.run_sync(engine_rate, engine, n, args.tokens)
-                    best_engine = max(best_engine, e)
+                    engine_rates[n] = max(engine_rates[n], e)
                     line += f"; engine alone {e:.1f} tok/s"
                 print(line)
-            rates[n] = best
-            base = rates.get(counts[0], best)
+        base = rates[counts[0]]
+        for n in counts:
             summary = (
-                f"{n:2d} stream(s): {best:.1f} tok/s, {best / base:.2f}x {counts[0]} stream(s)"
+                f"{n:2d} stream(s): {rates[n]:.1f} tok/s, {rates[n] / base:.2f}x "
+                f"{counts[0]} stream(s)"
             )
-            if best_engine:
-                summary += f"; HTTP/engine {best / best_engine:.2f}"
+            if engine_rates[n]:
+                summary += f"; HTTP/engine {rates[n] / engine_rates[n]:.2f}"
             print(summary)
     if 1 in rates and 8 in rates:
         ratio = rates[8] / rates[1]
@@ -165,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--streams", default="1,4,8,16", help="comma-separated stream counts")
     parser.add_argument("--tokens", type=int, default=64, help="max tokens per stream")
-    parser.add_argument("--rounds", type=int, default=2, help="measurements per count (best kept)")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per count (best kept)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=4096)
