@@ -13,7 +13,8 @@ modification time), the dtype and device type, this cache's format, neuron's and
 versions, and the bytes of every module of the engine package (a changed loader, quantiser or
 model invalidates every entry). At most MAX_ENTRIES files are kept (least recently used
 removed first). Only whole models on the CPU are cached (tp = 1; CUDA loads are dominated by
-the copy to the device, and TP shards are cut from one shared dequantisation).
+the copy to the device, and TP shards are cut from one shared dequantisation). A write that
+would leave less than MIN_FREE_BYTES free on the disk is skipped.
 
 Reading a cache file never runs code from it: it is unpickled with torch's `weights_only`
 loader, allowing only the engine's own classes and torch's module containers; a file that
@@ -27,6 +28,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 MAX_ENTRIES = 4
+MIN_FREE_BYTES = 4 << 30  # a write that would leave less free on the disk is skipped
 SUFFIX = ".pt"
 _ENGINE_DIR = Path(__file__).resolve().parent
 # Globals a cache file may name: the engine's own classes, and torch's module containers.
@@ -108,9 +111,36 @@ def load_cached(entry: Path) -> Transformer | None:
     return None
 
 
-def store(entry: Path, model: Transformer) -> None:
-    """Write `model` to `entry` atomically, then keep only the MAX_ENTRIES newest entries."""
+def model_bytes(model: Transformer) -> int:
+    """Bytes of the model's tensors (a storage shared by several counted once)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(model)
+    }
+    return sum(storages.values())
+
+
+def _tensors(model: Transformer) -> list[torch.Tensor]:
+    return [t for t in model.state_dict(keep_vars=True).values() if t.device.type != "meta"]
+
+
+def store(entry: Path, model: Transformer) -> bool:
+    """Write `model` to `entry` atomically, then keep only the MAX_ENTRIES newest entries.
+
+    Skipped (False) when the disk would keep less than MIN_FREE_BYTES free after the write:
+    the cache saves start-up time, never at the cost of a full disk.
+    """
     entry.parent.mkdir(parents=True, exist_ok=True)
+    size = model_bytes(model)
+    free = shutil.disk_usage(entry.parent).free
+    if free - size < MIN_FREE_BYTES:
+        log.warning(
+            "model cache: not writing %s: %.1f GiB would leave %.1f GiB free (less than %.0f)",
+            entry.name,
+            size / 2**30,
+            (free - size) / 2**30,
+            MIN_FREE_BYTES / 2**30,
+        )
+        return False
     temporary = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         torch.save(model, temporary)
@@ -118,6 +148,7 @@ def store(entry: Path, model: Transformer) -> None:
     finally:
         temporary.unlink(missing_ok=True)
     prune(entry.parent)
+    return True
 
 
 def prune(cache_dir: Path, keep: int = MAX_ENTRIES) -> None:
@@ -154,8 +185,8 @@ def load_transformer_cached(
 
     def write() -> None:
         try:
-            store(entry, model)
-            log.info("model cache: wrote %s for the next start", entry)
+            if store(entry, model):
+                log.info("model cache: wrote %s for the next start", entry)
         except Exception as exc:  # a full disk costs the next start time, nothing else
             log.warning("model cache: cannot write %s (%s: %s)", entry, type(exc).__name__, exc)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import threading
 from pathlib import Path
 
@@ -126,3 +127,20 @@ def test_an_engine_from_the_cache_generates_the_same_text(tiny_q4: Path, tmp_pat
                 thread.join()
     assert texts[0] == texts[1] and len(texts[0]) == 8
     assert len(list(cache.glob("*.pt"))) == 1
+
+
+def test_no_entry_is_written_that_would_fill_the_disk(
+    tiny_q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    with GGUFFile(tiny_q4) as gguf:
+        model = model_cache.load_transformer_cached(
+            gguf, dtype="auto", device=CPU, cache_dir=tmp_path / "unused", background=False
+        )
+    size = model_cache.model_bytes(model)
+    assert size > 0
+    monkeypatch.setattr(model_cache, "MIN_FREE_BYTES", shutil.disk_usage(tmp_path).free - size // 2)
+    assert not model_cache.store(cache / "x.pt", model)
+    assert list(cache.glob("*")) == []
+    monkeypatch.setattr(model_cache, "MIN_FREE_BYTES", 0)
+    assert model_cache.store(cache / "x.pt", model)
