@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.types import Constraint, SamplingParams
+from neuron_trio.errors import RequestError
 
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
 # A plain chat: the shape of the usual first request (one row, the dense prefill path).
@@ -98,15 +99,27 @@ def warm_up(engine: Engine) -> WarmUpReport:
         for request in wave:
             if engine.free_slots < request.params.n:
                 _drain(engine, report)  # max_batch is small: one request at a time
-            if request.messages is not None:
-                prompt = engine.encode_prompt(engine.render_chat(request.messages), chat=True)
-            else:
-                prompt = engine.encode_prompt(request.text, chat=False)
-            engine.add(prompt, request.params, chat=request.messages is not None)
+            prompt, chat = _prompt(engine, request)
+            engine.add(prompt, request.params, chat=chat)
             report.requests.append(request.what)
         _drain(engine, report)
     report.steps = engine.statistics().steps - steps_before
     return report
+
+
+def _prompt(engine: Engine, request: _Request) -> tuple[list[int], bool]:
+    """The request's token ids and chat flag. A model without a (working) chat template takes
+    the chats' text as a completion; a prompt longer than the context leaves room for the
+    tokens (its start is dropped: any tokens warm up as well as others)."""
+    text, chat = request.text, False
+    if request.messages is not None:
+        try:
+            text, chat = engine.render_chat(request.messages), True
+        except RequestError:  # no chat template: a base model serves completions only
+            text = " ".join(m["content"] for m in request.messages)
+    ids = engine.encode_prompt(text, chat=chat)
+    room = max(1, engine.context - WARM_UP_TOKENS)
+    return ids[-room:], chat
 
 
 def _drain(engine: Engine, report: WarmUpReport) -> None:

@@ -196,9 +196,9 @@ class ModelActor:
 
     Start with `await nursery.start(actor.run)`: it loads (on a worker thread), warms up with
     one probe step, then the warm-up requests (`executor.warm_up`), both bounded by the
-    watchdog (a hang there is exit 70), and reports started once serving; a failed load raises ModelLoadError from `nursery.start`. `unload()` stops
-    admitting, waits for in-flight requests, closes the executor, and returns once `run` has
-    finished.
+    watchdog (a hang there is exit 70), and reports started once serving; a failed load
+    raises ModelLoadError from `nursery.start`. `unload()` stops admitting, waits for
+    in-flight requests, closes the executor, and returns once `run` has finished.
 
     Every step and probe goes through the watchdog (`run_step`); a step past its deadline
     fails the in-flight and queued requests with UnavailableError (503), and the loop awaits

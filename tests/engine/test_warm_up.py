@@ -134,3 +134,16 @@ def test_warm_up_refuses_a_busy_engine(tiny_q4: Path) -> None:
     engine.add([1, 5, 6], GREEDY, chat=False)
     with pytest.raises(RuntimeError, match="idle"):
         warm_up(engine)
+
+
+def test_a_model_without_a_chat_template_warms_up_on_completions(tmp_path: Path) -> None:
+    base = write_tiny_llama(tmp_path / "base.gguf", qtype="Q4_1", chat_template=None)
+    engine = _engine(base)
+    report = warm_up(engine)
+    assert len(report.requests) == 4 and not engine.has_work
+
+
+def test_a_context_shorter_than_the_warm_up_prompts_still_warms_up(tiny_q4: Path) -> None:
+    engine = Engine.from_gguf(tiny_q4, dtype="auto", device="cpu", max_batch=2, context=16)
+    report = warm_up(engine)
+    assert report.tokens >= 8 and engine.free_slots == 2
