@@ -8,7 +8,9 @@
 
 Decode tokens/s is measured as (n - 1) / (time for n tokens - time for 1 token), which
 leaves out prompt processing, for our greedy decode at batch 1 (dtype `--dtype`, default
-auto) and transformers' `generate` in float32. It prints the ratio (target >= 3x), the load
+auto), transformers' `generate` in float32, and llama.cpp (llama-cpp-python from the venv
+`--llamacpp-venv`, default ~/.cache/llamacpp-peer, run in a subprocess on the same file,
+prompt tokens and thread count; the column is skipped when that venv is absent). It prints the ratio (target >= 3x), the load
 times, our batch-`--batch` decode rate, and the agreement of `--dtype` with float32: the share
 of positions where the top-1 next token is the same, teacher-forced along float32's greedy
 continuations (`top1_agreement`). Speed is a ratio measured in one run on one machine.
@@ -17,7 +19,9 @@ continuations (`top1_agreement`). Speed is a ratio measured in one run on one ma
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from neuron_trio.engine import quant
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.loader import SingleRunner, load_transformer
@@ -107,19 +112,81 @@ def time_ours(runner: SingleRunner, prompt: Sequence[int], n: int, repeats: int 
     return decode_rate(t_n, t_1, n)
 
 
-def time_ours_batch(runner: SingleRunner, prompt: Sequence[int], n: int, batch: int) -> float:
-    """Aggregate tokens/s of `batch` rows decoding together (prompts prefilled first)."""
+def time_ours_batch(
+    runner: SingleRunner, prompt: Sequence[int], n: int, batch: int, repeats: int = 2
+) -> float:
+    """Aggregate tokens/s of `batch` rows decoding together (prompts prefilled first), best of
+    `repeats`."""
     for s in range(batch):
         runner.forward(torch.tensor([list(prompt)]), torch.tensor([0]), torch.tensor([s]))
     slots = torch.arange(batch)
-    tok = torch.zeros(batch, 1, dtype=torch.int64)
     pos = torch.full((batch,), len(prompt))
-    runner.forward(tok, pos, slots)
+    best = 0.0
+    for _ in range(repeats):
+        tok = torch.zeros(batch, 1, dtype=torch.int64)
+        runner.forward(tok, pos, slots)
+        t = time.perf_counter()
+        for i in range(1, n):
+            logits = runner.forward(tok, pos + i, slots)
+            tok = logits.argmax(-1, keepdim=True)
+        best = max(best, batch * (n - 1) / (time.perf_counter() - t))
+    return best
+
+
+# llama.cpp's side, run by the peer venv's python (llama-cpp-python is never our dependency):
+# the same GGUF, prompt tokens and threads; greedy argmax on the last logits after each eval,
+# timed like `time_ours` (warm-up, then best of two for n tokens and for 1).
+LLAMACPP_SCRIPT = """
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+args = json.load(sys.stdin)
+llm = Llama(model_path=args["path"], n_threads=args["threads"], n_threads_batch=args["threads"],
+            n_ctx=512, n_batch=512, verbose=False)
+n_vocab = llm.n_vocab()
+def run(k):
     t = time.perf_counter()
-    for i in range(1, n):
-        logits = runner.forward(tok, pos + i, slots)
-        tok = logits.argmax(-1, keepdim=True)
-    return batch * (n - 1) / (time.perf_counter() - t)
+    llm.reset()
+    llm.eval(args["prompt"])
+    out = []
+    while True:
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+        out.append(int(logits.argmax()))
+        if len(out) == k:
+            return time.perf_counter() - t
+        llm.eval([out[-1]])
+run(4)
+n = args["n"]
+t_n = min(run(n) for _ in range(2))
+t_1 = min(run(1) for _ in range(2))
+print(json.dumps({"rate": (n - 1) / max(t_n - t_1, 1e-9)}))
+"""
+
+DEFAULT_PEER = Path.home() / ".cache" / "llamacpp-peer"
+
+
+def time_llamacpp(venv: Path, path: Path, prompt: Sequence[int], n: int) -> float | None:
+    """llama.cpp's batch-1 decode tokens/s (llama-cpp-python in `venv`), or None (said why)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(
+            f"decode llama.cpp: skipped, no llama-cpp-python venv at {venv} "
+            "(build one with ../shared/tools/build-llamacpp-peer, or pass --llamacpp-venv)"
+        )
+        return None
+    request = {"path": str(path), "prompt": list(prompt), "n": n}
+    request["threads"] = torch.get_num_threads()
+    done = subprocess.run(
+        [str(python), "-c", LLAMACPP_SCRIPT],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(f"decode llama.cpp: failed ({done.stderr.strip().splitlines()[-1:]})")
+        return None
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["rate"])
 
 
 def step_times(path: Path, schemes: Sequence[str], batches: Sequence[int]) -> None:
@@ -160,18 +227,31 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch's and llama.cpp's (0: torch's)")
     ap.add_argument("--agreement-tokens", type=int, default=48)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (speed only)")
+    ap.add_argument(
+        "--llamacpp-venv",
+        type=Path,
+        default=Path(os.environ.get("LLAMACPP_PEER", DEFAULT_PEER)),
+        help="venv with llama-cpp-python, for the llama.cpp column (skipped when absent)",
+    )
     ap.add_argument(
         "--schemes", action="store_true", help="only: step time of float32/bfloat16/auto at 1, 8"
     )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = model_path(args.model)
     if args.schemes:
         step_times(path, ["float32", "bfloat16", "auto"], [1, args.batch])
         return
     n = args.tokens
-    print(f"model {path.name}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    kernel = quant.native_q4()
+    print(
+        f"model {path.name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"native 4-bit kernel: {kernel.isa() if kernel else 'none (torch int4)'}"
+    )
 
     t = time.perf_counter()
     model = load_transformer(path, dtype=args.dtype, device="cpu")
@@ -202,7 +282,14 @@ def main() -> None:
     ours = time_ours(runner, prompts[0], n)
     print(f"decode ours ({args.dtype}, batch 1): {ours:.1f} tok/s")
     batch_rate = time_ours_batch(runner, prompts[0], n, args.batch)
-    print(f"decode ours ({args.dtype}, batch {args.batch}): {batch_rate:.1f} tok/s aggregate")
+    print(
+        f"decode ours ({args.dtype}, batch {args.batch}): {batch_rate:.1f} tok/s aggregate "
+        f"({batch_rate / ours:.2f}x batch 1; goal >= 4x at batch 8)"
+    )
+    peer = time_llamacpp(args.llamacpp_venv, path, prompts[0], n)
+    if peer is not None:
+        print(f"decode llama.cpp (batch 1, {torch.get_num_threads()} threads): {peer:.1f} tok/s")
+        print(f"ratio ours/llama.cpp at batch 1: {ours / peer:.2f}x (goal >= 1x)")
 
     if hf is not None:
         ids = torch.tensor([prompts[0]])

@@ -9,22 +9,23 @@ for norms; the shard returns this rank's slice (norms, token_embd and output who
 dtype:
 - "float32": every weight dequantised to float32; the reference numerics.
 - "bfloat16", "float16": dense weights and activations in that type.
-- "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weight-only int4
-  (groups of 32, for weights stored in 4-bit formats) and int8 (one scale per row, for the
-  rest, and the output head's coarse pass, whose best candidates are then recomputed
-  exactly: see AUTO_INT4_HEAD) through torch's CPU kernels, bfloat16 activations and a
-  float32 residual stream. Each such layer also keeps a bfloat16 copy for prefill chunks of
-  16 rows or more, where a dense GEMM is several times faster than the int kernels.
-  Measured on 2 cores (bench/bench_decode.py --schemes), one decode step of the built-in
-  model: float32 25 / 55 ms, bfloat16 26 / 29 ms, auto 9.3 / 24 ms at batch 1 / 8; auto's
-  top-1 next token agrees with float32's greedy one at 99.2% of 384 positions
-  (teacher-forced along the served path: prefill, then decode steps).
+- "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weights stay
+  quantised, bfloat16 activations and a float32 residual stream. Where the native kernel
+  (`_q4kernel.c`, quant.native_q4) was built: 4-bit groups of 32 (weights stored in 4-bit
+  formats) and the output head's coarse pass (int8, one scale per row) run in it with int8
+  activations, RMSNorm and SwiGLU fused in, and so does decode attention; elsewhere torch's
+  int4 (groups of 32) and int8 (one scale per row) kernels. The head's best candidates are
+  recomputed exactly (see AUTO_INT4_HEAD). Weights in other formats take int8. Each such
+  layer also keeps a bfloat16 copy for prefill chunks of 16 rows or more, where a dense GEMM
+  is several times faster than the int kernels. bench/bench_decode.py measures it (against
+  llama.cpp too) and prints auto's top-1 agreement with float32.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -33,9 +34,12 @@ from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
 from neuron_trio.engine.model import (
+    Block,
     Int4Linear,
     Int8Linear,
     Linear,
+    Q4Linear,
+    Q8Linear,
     RefinedHead,
     Transformer,
     run_to_end,
@@ -166,6 +170,9 @@ def _load(
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
         )
         layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+    kernel = quant.native_q4() if scheme == "cpu-int" and device.type == "cpu" else None
+    for layer in model.layers:  # decode attention in the native kernel (see Block)
+        cast(Block, layer).attend_kernel = kernel
     model.norm = vector("output_norm.weight")
     embed = get("token_embd.weight", (c.vocab_size, c.dim))
     # The embedding table keeps float32 unless the whole model is a dense half type.
@@ -179,10 +186,13 @@ def _load(
             # a coarse int pass + exact top candidates (tied: from the embedding table itself)
             table = model.tok_embeddings if c.tied_output else head.to(device)
             int4_ok = c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+            kernel = quant.native_q4() if device.type == "cpu" else None
             coarse: torch.nn.Module
             if AUTO_INT4_HEAD and int4_ok:
                 packed, scales_zeros = quant.pack_int4(head)
                 coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, quant.INT4_GROUP)
+            elif kernel is not None and c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 8 == 0:
+                coarse = Q8Linear(kernel, *quant.pack_q8(head))
             else:
                 coarse = Int8Linear(*quant.pack_int8(head))
             model.output = RefinedHead(coarse, table, HEAD_REFINE)
@@ -208,6 +218,11 @@ def make_linear(
         return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
     dense = weight.to(device=device, dtype=torch.bfloat16)
     out_f, in_f = weight.shape
+    kernel = quant.native_q4() if device.type == "cpu" else None
+    fits = in_f % quant.INT4_GROUP == 0 and out_f % quant.Q4_TILE == 0
+    # (its float16 scales: weights beyond float16's range take torch's kernel)
+    if four_bit and kernel is not None and fits and float(weight.abs().max()) < 6e4:
+        return Q4Linear(kernel, *quant.pack_q4(weight), dense)
     if four_bit and in_f % quant.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = quant.pack_int4(weight)
         return Int4Linear(packed, scales_zeros, out_f, in_f, quant.INT4_GROUP, dense)
@@ -322,8 +337,9 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
             total += _coarse_head_bytes(n, c.vocab_size) + 4 * n
         elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
-        elif info.qtype in _FOUR_BIT:  # int4 + bf16 scales/zeros + bf16 dense copy
-            total += n // 2 + n // quant.INT4_GROUP * 4 + 2 * n
+        elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
+            scales = 4  # float16 scale and minimum (native), or bfloat16 scale and zero (torch)
+            total += n // 2 + n // quant.INT4_GROUP * scales + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n
     return total

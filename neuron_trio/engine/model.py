@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neuron_trio.engine import quant
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK, blocks_for
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.llama_config import LlamaConfig
@@ -88,6 +90,114 @@ class Int4Linear(nn.Module):
         if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
             return F.linear(x.to(dense.dtype), dense).to(x.dtype)
         return _INT4_MM(x, buffers["packed"], self.group, buffers["scales_zeros"])
+
+
+# The native kernel's prologues (see _q4kernel.c): what it does to x before the product.
+_PRO_NONE, _PRO_RMSNORM, _PRO_SILU, _PRO_GELU = 0, 1, 2, 3
+
+
+class Q4Linear(nn.Module):
+    """Weight-only 4-bit groups of 32 through the native kernel (`_q4kernel.c`, see
+    quant.native_q4): int8 activations and integer dot products, as llama.cpp on the same CPU.
+    Input and output in the input's dtype (bfloat16 or float32); CPU only.
+
+    `normed` and `gated` also run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
+    saves a decode step ~16 torch ops a layer. With `dense` (a bfloat16 copy of the weight),
+    inputs of DENSE_MIN_ROWS rows or more take a dense GEMM instead (after the same ops in
+    torch).
+    """
+
+    dense: torch.Tensor | None
+
+    def __init__(
+        self,
+        kernel: Any,
+        nibbles: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        dense: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
+        # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's tiles
+        nibbles, scale, minimum = quant.tile_q4(nibbles, scale, minimum)
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        self.register_buffer("dense", dense)
+        self._matmul = kernel.matmul
+        # The buffers never move (CPU only, never reassigned): their addresses once, not per call.
+        self._pointers = (nibbles.data_ptr(), scale.data_ptr(), minimum.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        dense = self._buffers["dense"]
+        if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        return self._product(x, x.dtype)
+
+    def normed(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
+    ) -> torch.Tensor:
+        """RMSNorm(x) · weight, then the product, as `out`: x `[N, in]` and weight float32."""
+        if x.shape[0] >= DENSE_MIN_ROWS or x.dtype != torch.float32 or weight.dtype != x.dtype:
+            return self.forward(F.rms_norm(x, (self.in_features,), weight, eps).to(out))
+        return self._product(x, out, _PRO_RMSNORM, weight.data_ptr(), eps)
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
+        if gate_up.shape[0] >= DENSE_MIN_ROWS:
+            gate, up = gate_up[:, : self.in_features], gate_up[:, self.in_features :]
+            gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+            return self.forward(gate * up)
+        return self._product(gate_up, gate_up.dtype, _PRO_GELU if gelu else _PRO_SILU)
+
+    def _product(
+        self, x: torch.Tensor, out: torch.dtype, prologue: int = 0, aux: int = 0, eps: float = 0.0
+    ) -> torch.Tensor:
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.contiguous()
+        n = x.shape[0]
+        y = torch.empty(n, self.out_features, dtype=out)
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32)
+        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16)
+        qs, scale, minimum = self._pointers
+        self._matmul(
+            x.data_ptr(), n, self.in_features, qs, scale, minimum, self.out_features,
+            y.data_ptr(), flags, prologue, aux, eps,
+        )  # fmt: skip
+        return y
+
+
+class Q8Linear(nn.Module):
+    """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
+    output head's coarse pass under "auto" (RefinedHead). Output in float32 (the coarse
+    logits of the tail are then not rounded to bfloat16's steps)."""
+
+    def __init__(self, kernel: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        tiled, scale = quant.tile_q8(weight), scale.float().contiguous()
+        self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
+        self.register_buffer("scale", scale)  # [out]
+        self._matmul = kernel.matmul
+        self._pointers = (tiled.data_ptr(), scale.data_ptr())  # as in Q4Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        weight, scale = self._pointers
+        flags = 1 if x.dtype == torch.bfloat16 else 0  # bfloat16 in, float32 out
+        self._matmul(
+            x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
+            y.data_ptr(), flags, _PRO_NONE, 0, 0.0,
+        )  # fmt: skip
+        return y
 
 
 class Int8Linear(nn.Module):
@@ -194,6 +304,9 @@ class Block(nn.Module):
         self.wo: nn.Module = _meta_linear(c.dim, c.n_heads * c.head_dim)
         self.w_gate_up: nn.Module = _meta_linear(2 * c.ffn_dim, c.dim)
         self.w_down: nn.Module = _meta_linear(c.dim, c.ffn_dim)
+        # The native kernel module when decode attention should run in it (the loader sets it
+        # under "auto" on CPU; float32, the reference, keeps SDPA).
+        self.attend_kernel: Any = None
 
     def steps(
         self,
@@ -209,8 +322,12 @@ class Block(nn.Module):
         # Modules and buffers straight from their dicts: nn.Module.__getattr__ costs ~0.5 us a
         # lookup, 6 per layer and step.
         mods, bufs, shape = self._modules, self._buffers, (self.dim,)
-        hn = F.rms_norm(x, shape, bufs["attn_norm"], self.eps).to(act)
-        qkv = mods["wqkv"].forward(hn)  # type: ignore[union-attr]
+        wqkv = mods["wqkv"]
+        if type(wqkv) is Q4Linear:  # the norm inside the native kernel
+            qkv = wqkv.normed(x, bufs["attn_norm"], self.eps, act)  # type: ignore[arg-type]
+        else:
+            hn = F.rms_norm(x, shape, bufs["attn_norm"], self.eps).to(act)
+            qkv = wqkv.forward(hn)  # type: ignore[union-attr]
         bias = bufs["qkv_bias"]
         if bias is not None:
             qkv = qkv + bias
@@ -246,7 +363,11 @@ class Block(nn.Module):
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
             q = qkv[:, :h].reshape(n, kv, h // kv, d)
-            o = self._attend(q, keys, values, mask, False).reshape(n, h * d)
+            kernel = self.attend_kernel
+            if kernel is not None and _native_attention_fits(q, keys, values, mask, self.softcap):
+                o = _native_attention(kernel, q, keys, values, mask, self.scale)
+            else:
+                o = self._attend(q, keys, values, mask, False).reshape(n, h * d)
         else:
             q = qkv[:, :h].view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
             if kv != h and self.softcap:
@@ -261,12 +382,19 @@ class Block(nn.Module):
         if post is not None:  # on the whole sum: after the all-reduce
             o = F.rms_norm(o.to(x.dtype), shape, post, self.eps)
         x = x + o
-        hn = F.rms_norm(x, shape, bufs["ffn_norm"], self.eps).to(act)
-        gate_up = mods["w_gate_up"].forward(hn)  # type: ignore[union-attr]  # [N, 2 · ffn]
-        ffn = gate_up.shape[-1] // 2
-        gate = gate_up[:, :ffn]
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        y = mods["w_down"].forward(gate * gate_up[:, ffn:])  # type: ignore[union-attr]
+        w_gate_up, w_down = mods["w_gate_up"], mods["w_down"]
+        if type(w_gate_up) is Q4Linear:
+            gate_up = w_gate_up.normed(x, bufs["ffn_norm"], self.eps, act)  # type: ignore[arg-type]
+        else:
+            hn = F.rms_norm(x, shape, bufs["ffn_norm"], self.eps).to(act)
+            gate_up = w_gate_up.forward(hn)  # type: ignore[union-attr]  # [N, 2 · ffn]
+        if type(w_down) is Q4Linear:  # the activation inside the native kernel
+            y = w_down.gated(gate_up, self.gelu)
+        else:
+            ffn = gate_up.shape[-1] // 2
+            gate = gate_up[:, :ffn]
+            gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            y = w_down.forward(gate * gate_up[:, ffn:])  # type: ignore[union-attr]
         if partial:
             y = yield y
         post = bufs["post_ffn_norm"]
@@ -300,6 +428,61 @@ class Block(nn.Module):
             scores = scores + mask
         probs = scores.float().softmax(dim=-1).to(values.dtype)
         return torch.matmul(probs, values)
+
+
+def _native_attention_fits(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    softcap: float | None,
+) -> bool:
+    """Whether the native decode attention takes these operands (else SDPA): no soft cap, one
+    dtype (bfloat16 or float32) with D contiguous, and no mask or an additive per-row one."""
+    dtype = q.dtype
+    if softcap or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if keys.dtype != dtype or values.dtype != dtype or q.shape[-1] % 8 or q.shape[2] > 16:
+        return False
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return False
+    if mask is None:
+        return True
+    return (
+        mask.dtype in (torch.bfloat16, torch.float32)
+        and mask.dim() == 4
+        and mask.shape[1] == mask.shape[2] == 1
+        and mask.stride(-1) == 1
+    )
+
+
+def _native_attention(
+    kernel: Any,
+    q: torch.Tensor,  # [B, KV, G, D]: one query token per row, G query heads per KV head
+    keys: torch.Tensor,  # [B, KV, L, D]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # additive [B or 1, 1, 1, L]
+    scale: float | None,
+) -> torch.Tensor:
+    """Decode attention in the native kernel (float32 maths): `[B, KV · G · D]`."""
+    b, kv, groups, d = q.shape
+    length = keys.shape[2]
+    out = torch.empty(b, kv * groups * d, dtype=q.dtype)
+    flags = int(q.dtype == torch.bfloat16)
+    mask_ptr = mask_stride = 0
+    if mask is not None:
+        mask_ptr = mask.data_ptr()
+        mask_stride = mask.stride(0) if mask.shape[0] > 1 else 0
+        flags |= 2 * int(mask.dtype == torch.bfloat16)
+    qs, ks, vs = q.stride(), keys.stride(), values.stride()
+    kernel.attend(
+        q.data_ptr(), qs[0], qs[1], qs[2],
+        keys.data_ptr(), ks[0], ks[1], ks[2],
+        values.data_ptr(), vs[0], vs[1], vs[2],
+        mask_ptr, mask_stride, flags, b, kv, groups, length, d, out.data_ptr(),
+        scale or 1.0 / math.sqrt(d),
+    )  # fmt: skip
+    return out
 
 
 class _Placement:

@@ -13,8 +13,10 @@ reproduces Q4_0/Q4_1 blocks up to rounding of their scales; int8 is symmetric pe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from enum import IntEnum
+from types import ModuleType
 
 import torch
 
@@ -296,6 +298,78 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale.to(torch.bfloat16)
+
+
+def pack_q4(
+    weight: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (nibbles uint8 `[out, in/2]`, scale, minimum float16
+    `[out, in/group]`) for the native kernel (`_q4kernel.c`): w ≈ scale · q + minimum, q in
+    0..15 (min/max per group, rounded to float16 as Q4_1 stores them, so Q4_1 blocks come
+    back exactly). In each group's 16 bytes, the low nibbles hold elements 0..15 and the high
+    nibbles 16..31 (ggml's order).
+    """
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    lo = w.amin(dim=-1, keepdim=True).half().float()
+    hi = w.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round((w - lo) * inv).clamp(0, 15).to(torch.uint8)  # [out, groups, group]
+    half = group // 2
+    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2)
+    scale16, lo16 = scale.reshape(out_f, -1).half(), lo.reshape(out_f, -1).half()
+    return nibbles.contiguous(), scale16, lo16
+
+
+Q4_TILE = 8  # output rows the native kernel computes together
+
+
+def tile_q4(
+    nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_q4`'s output → the native kernel's layout, tiles of Q4_TILE rows (`out` must be a
+    multiple): per tile and group, 4 steps x 8 rows x 4 bytes of nibbles (step k's weights in
+    the low nibbles, step k + 4's in the high ones), then 8 scales and 8 minimums."""
+    out_f, groups = scale.shape
+    tiles, rows = out_f // Q4_TILE, Q4_TILE
+    tiled = nibbles.reshape(tiles, rows, groups, 4, 4).permute(0, 2, 3, 1, 4)
+
+    def per_group(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(tiles, rows, groups).transpose(1, 2).contiguous()
+
+    return tiled.contiguous(), per_group(scale), per_group(minimum)
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (int8 `[out, in]`, float32 scales `[out]`), symmetric per row
+    (pack_int8's grid, with its scales kept in float32) for the native kernel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def tile_q8(weight: torch.Tensor) -> torch.Tensor:
+    """pack_q8's int8 `[out, in]` → the native kernel's tiles: per tile of Q4_TILE rows and
+    group of 32, 8 steps x 8 rows x 4 bytes."""
+    out_f, in_f = weight.shape
+    tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
+    tiled = weight.reshape(tiles, Q4_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    return tiled.contiguous()
+
+
+def native_q4() -> ModuleType | None:
+    """The native 4-bit kernel (`_q4kernel.c`, built at install), or None where it was not
+    built or this CPU has neither AVX2 nor AVX-512 VNNI; then "auto" uses torch's int4 kernel.
+    `NEURON_NATIVE_KERNEL=0` turns it off (to compare, or to rule it out).
+    """
+    if os.environ.get("NEURON_NATIVE_KERNEL", "1") == "0":
+        return None
+    try:
+        from neuron_trio.engine import _q4kernel  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _q4kernel if _q4kernel.isa() else None
 
 
 def int4_available() -> bool:

@@ -60,6 +60,8 @@ class ModelExecutor(Protocol):
 
     - `step()` / `probe()`: one engine step / one tiny forward on the scratch row; they block
       their thread (for ever if a collective wedges, until `abort_comm()` unblocks them).
+    - `warm_up()`: a few tiny requests run to the end before serving (`engine.warm_up`), so
+      that the first real request pays no one-time cost; blocks like a few steps.
     - `abort_comm()`: abort every rank's communicator; may itself block for ever.
     - `recreate_comm()`, `close()`: NCCL init and destroy; may block too.
     With tp = 1 there is no communicator: `abort_comm` and `recreate_comm` do nothing.
@@ -78,6 +80,7 @@ class ModelExecutor(Protocol):
 
     def step(self) -> list[SequenceEvent]: ...
     def probe(self) -> None: ...
+    def warm_up(self) -> object: ...  # tiny requests before serving (engine.warm_up)
     def abort_comm(self) -> None: ...
     def recreate_comm(self) -> None: ...
     def close(self) -> None: ...

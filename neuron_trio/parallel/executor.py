@@ -33,6 +33,7 @@ from neuron_trio.engine.model import Transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.tokenizer import Tokenizer
 from neuron_trio.engine.types import SequenceEvent
+from neuron_trio.engine.warm_up import WarmUpReport, warm_up
 from neuron_trio.errors import CommError, ConfigError
 from neuron_trio.parallel.api import ModelExecutor, RankInfo
 from neuron_trio.parallel.comm import Communicator
@@ -83,6 +84,11 @@ class Executor:
     def probe(self) -> None:
         """One tiny forward on the scratch KV row; touches no sequence."""
         self.engine.probe()
+
+    def warm_up(self) -> WarmUpReport:
+        """A few tiny requests through the engine (`engine.warm_up`), before serving, so that
+        the first request pays no one-time cost. Blocks like a few steps."""
+        return warm_up(self.engine)
 
     def abort_comm(self) -> None:
         """Abort the communicator (unblocks a wedged step with CommAbortedError).
@@ -176,8 +182,13 @@ def build_executor(
     devices: list[torch.device],
     *,
     failpoints: fp.Failpoints | None = None,
+    cache_dir: Path | None = None,
 ) -> Executor:
     """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
+
+    With `cache_dir`, a whole model on the CPU (tp = 1) is kept there in its loaded form and
+    read back by the next load of the same file (engine.model_cache): a restart skips the
+    dequantising and packing.
 
     Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
     thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
@@ -196,6 +207,7 @@ def build_executor(
             context=spec.context,
             kv_cache_mb=spec.kv_cache_mb,
             prefix_cache=spec.prefix_cache,
+            cache_dir=cache_dir,
         )
         single = engine.runner
         assert isinstance(single, SingleRunner)

@@ -210,10 +210,10 @@ class ModelActor:
     """One loaded model: its executor, a bounded queue, and the loop that drives steps.
 
     Start with `await nursery.start(actor.run)`: it loads (on a worker thread), warms up with
-    one probe step (bounded by the watchdog: a hang there is exit 70), and reports started
-    once serving; a failed load raises ModelLoadError from `nursery.start`. `unload()` stops
-    admitting, waits for in-flight requests, closes the executor, and returns once `run` has
-    finished.
+    one probe step, then the warm-up requests (`executor.warm_up`), both bounded by the
+    watchdog (a hang there is exit 70), and reports started once serving; a failed load
+    raises ModelLoadError from `nursery.start`. `unload()` stops admitting, waits for
+    in-flight requests, closes the executor, and returns once `run` has finished.
 
     Every step and probe goes through the watchdog (`run_step`); a step past its deadline
     fails the in-flight and queued requests with UnavailableError (503), and the loop awaits
@@ -559,18 +559,27 @@ class ModelActor:
             raise
 
     async def _warm_up(self, executor: ModelExecutor) -> None:
-        """The model's first forward, bounded: a hang here ends in exit 70 (the deadman).
+        """The model's first forward (a probe), then its warm-up requests (`engine.warm_up`:
+        the first real request then pays no one-time cost), each bounded: a hang here ends in
+        exit 70 (the deadman); an error fails the load.
 
         The bound is generous (first forwards pay one-time costs: CUDA context, kernel
         selection, NCCL connection set-up, or a busy CPU), never less than WARM_UP_MIN_S.
         """
+        started = time.monotonic()
         if self.watchdog is not None:
             bound = self.watchdog.step_timeout_s + self.watchdog.abort_deadline_s
-            await self.watchdog.run_or_die(
-                executor.probe, what="warm-up", timeout_s=max(WARM_UP_MIN_S, bound)
+            timeout_s = max(WARM_UP_MIN_S, bound)
+            await self.watchdog.run_or_die(executor.probe, what="warm-up", timeout_s=timeout_s)
+            report = await self.watchdog.run_or_die(
+                executor.warm_up, what="warm-up", timeout_s=timeout_s
             )
         else:
             await self._plain_thread(executor.probe, "warm-up")
+            report = await self._plain_thread(executor.warm_up, "warm-up")
+        log.info(
+            "model %s: warmed up in %.2f s (%s)", self.name, time.monotonic() - started, report
+        )
 
     async def _close(self, executor: ModelExecutor) -> None:
         await trio.to_thread.run_sync(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from neuron_trio.engine import loader
+from neuron_trio.engine import loader, quant
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
 from neuron_trio.engine.loader import (
@@ -21,7 +21,7 @@ from neuron_trio.engine.loader import (
     estimate_weight_bytes,
     load_transformer,
 )
-from neuron_trio.engine.model import Int4Linear, Int8Linear, RefinedHead
+from neuron_trio.engine.model import Int4Linear, Int8Linear, Q8Linear, RefinedHead
 from neuron_trio.engine.runner import Runner
 from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
@@ -423,7 +423,8 @@ def test_auto_head_refines_its_best_candidates_exactly(
     head = model.output
     if not isinstance(head, RefinedHead):
         pytest.skip("no int kernels on this build (auto is float32)")
-    assert isinstance(head.coarse, Int4Linear if int4_head else Int8Linear)
+    int8 = Q8Linear if quant.native_q4() is not None else Int8Linear  # native kernel, if built
+    assert isinstance(head.coarse, Int4Linear if int4_head else int8)
     head.refine = 8
     x = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = head(x)  # [3, V]

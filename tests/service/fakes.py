@@ -196,6 +196,8 @@ class FakeExecutor:
         self.ranks = [RankInfo(device="cpu", heads=9, kv_heads=3)]
         self.closed = False
         self.probes = 0
+        self.warm_ups = 0
+        self.fail_next_warm_up: Exception | None = None
         self.fail_next_step: Exception | None = None
         self.fail_next_probe: Exception | None = None
 
@@ -210,9 +212,13 @@ class FakeExecutor:
         if self.fail_next_probe is not None:
             exc, self.fail_next_probe = self.fail_next_probe, None
             raise exc
-        if self.fail_next_probe is not None:
-            exc, self.fail_next_probe = self.fail_next_probe, None
+
+    def warm_up(self) -> str:
+        self.warm_ups += 1
+        if self.fail_next_warm_up is not None:
+            exc, self.fail_next_warm_up = self.fail_next_warm_up, None
             raise exc
+        return "fake warm-up"
 
     def abort_comm(self) -> None:
         pass

@@ -460,6 +460,35 @@ def test_a_failing_load_is_a_model_load_error() -> None:
     trio.run(main)
 
 
+def test_the_warm_up_runs_before_the_actor_reports_started() -> None:
+    executor = FakeExecutor()
+
+    async def main() -> None:
+        actor = ModelActor(spec(), lambda: executor, max_queue=1)
+        async with trio.open_nursery() as nursery:
+            started = await nursery.start(actor.run)
+            # ready means warmed up: the probe, then the warm-up requests, each once
+            assert started is actor and actor.state == "serving"
+            assert (executor.probes, executor.warm_ups) == (1, 1)
+            await actor.unload()
+
+    trio.run(main)
+
+
+def test_a_failing_warm_up_fails_the_load() -> None:
+    executor = FakeExecutor()
+    executor.fail_next_warm_up = RuntimeError("sampler broke")
+
+    async def main() -> None:
+        actor = ModelActor(spec(), lambda: executor, max_queue=1)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ModelLoadError, match="sampler broke"):
+                await nursery.start(actor.run)
+        assert actor.state == "unloaded" and executor.closed
+
+    trio.run(main)
+
+
 def test_event_stream_merges_past_its_capacity() -> None:
     async def main() -> None:
         stream = EventStream(capacity=2)

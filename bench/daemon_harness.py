@@ -1,0 +1,170 @@
+"""A real `neuron serve` for the benches: a config written to a temporary directory, the child
+started, `/health` polled until 200; its RSS read from /proc; stopped with SIGTERM.
+
+Used by bench_startup.py, bench_http.py and bench_ttft.py (run them as scripts: this file sits
+beside them on sys.path). The client side is the standard library (http.client) here and httpx
+in the HTTP/2 benches; nothing from neuron_trio is imported in the parent, so the child's
+start-up is measured from a cold interpreter.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODEL = "smollm2-135m"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
+
+
+def write_config(path: Path, state: Path, port: int, model: Mapping[str, Any]) -> None:
+    """A config with one default model: the built-in one, with `model`'s keys on top.
+
+    A key the daemon does not know (e.g. `prefix_cache` before it lands) makes it exit 78, which
+    `Daemon.start` reports with the daemon's own message.
+    """
+    entry = {"name": MODEL, "source": f"builtin:{MODEL}", "devices": "cpu", **model}
+    lines = [
+        "[server]",
+        f'listen = ["127.0.0.1:{port}"]',
+        "drain_timeout_s = 5",
+        "[node]",
+        f"state_dir = {_toml_value(str(state))}",
+        f"model_dirs = [{_toml_value(str(state))}]",
+        "[[default_models]]",
+        *(f"{k} = {_toml_value(v)}" for k, v in entry.items()),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def get_json(port: int, path: str) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+        return response.status, json.loads(body) if body else None
+    finally:
+        conn.close()
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen[bytes]
+    port: int
+    ready_s: float  # from just before exec to the first /health 200
+    ready_cpu_s: float  # CPU time the daemon had used by then (less noisy on a busy machine)
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _wait_ready(
+    process: subprocess.Popen[bytes], port: int, log_path: Path, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"neuron exited {process.returncode} during start-up:\n{tail}")
+        try:
+            status, _ = get_json(port, "/health")
+            if status == 200:
+                return
+        except (OSError, http.client.HTTPException, ValueError):
+            pass  # not listening yet
+        time.sleep(0.01)
+    raise RuntimeError(f"neuron was not ready within {timeout_s:g}s")
+
+
+@contextmanager
+def running_daemon(
+    model: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 300.0,
+    state_dir: Path | None = None,
+) -> Iterator[Daemon]:
+    """`neuron serve` on a free 127.0.0.1 port with the built-in model (and `model`'s keys),
+    ready (`/health` 200) when this yields; SIGTERM (then SIGKILL) on the way out.
+
+    `state_dir`: the node's state (and model cache) directory, kept between runs; default a
+    fresh one, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="neuron-bench-") as tmp:
+        root = Path(tmp)
+        port = free_port()
+        config = root / "neuron.toml"
+        write_config(config, state_dir or root / "state", port, model or {})
+        log_path = root / "neuron.log"
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
+        child_env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        child_env.update(env or {})
+        command = [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)]
+        with open(log_path, "wb") as log:
+            started = time.perf_counter()
+            process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=child_env, cwd=REPO,
+            )  # fmt: skip
+        try:
+            _wait_ready(process, port, log_path, timeout_s)
+            ready_s = time.perf_counter() - started
+            yield Daemon(process, port, ready_s, cpu_seconds(process.pid), log_path)
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()

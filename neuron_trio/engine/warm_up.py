@@ -1,0 +1,127 @@
+"""A model's warm-up: a few tiny requests through the engine before it serves, so that the
+first real request pays no one-time cost the tenth does not.
+
+What a first request would otherwise pay: the chat template's first render and the
+tokenizer's first encode; the first forward of each kind (a prefill chunk of 16 rows or more
+takes the dense GEMM path and its oneDNN kernels, a shorter one and the decode rows the int
+kernels; padded rows of different lengths; n choices forking K/V rows); the sampler's greedy
+fast path and its full path (penalties, top-k/top-p, a seeded draw, logprobs); structured
+output's grammar compiler (built on first use, with the tool-call format detection) and a
+JSON mask filled and applied; the detokeniser. `warm_up` runs each once, through the engine's
+public calls only (render_chat, encode_prompt, add, step), so it follows the engine as it
+changes: whatever a step does for a request, it does here first.
+
+Every sequence ends by `max_tokens` (2) and gives its slot back; the engine is left with no
+work. The steps and tokens are counted in `Engine.statistics()` like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.types import Constraint, SamplingParams
+from neuron_trio.errors import RequestError
+
+WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
+# A plain chat: the shape of the usual first request (one row, the dense prefill path).
+_CHAT = [{"role": "user", "content": "Say hello."}]
+_SYSTEM_CHAT = [
+    {"role": "system", "content": "You answer in JSON."},
+    {"role": "user", "content": "Give me an object."},
+]
+_JSON_OBJECT = Constraint(kind="json", schema='{"type":"object"}')  # OpenAI's json_object
+
+
+@dataclass
+class WarmUpReport:
+    """What the warm-up ran: its requests (by what they exercise), steps and tokens."""
+
+    requests: list[str] = field(default_factory=list)
+    steps: int = 0
+    tokens: int = 0
+
+    def __str__(self) -> str:
+        return f"{', '.join(self.requests)}: {self.steps} steps, {self.tokens} tokens"
+
+
+@dataclass(frozen=True)
+class _Request:
+    what: str
+    messages: list[dict[str, str]] | None  # None: a completion of `text`
+    params: SamplingParams
+    text: str = ""
+
+
+def _requests(max_batch: int) -> list[list[_Request]]:
+    """The warm-up's requests in waves; a wave's requests run together (one padded prefill,
+    batched decode steps) when the slots allow, else one after the other."""
+    greedy = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0)
+    sampled = SamplingParams(
+        max_tokens=WARM_UP_TOKENS,
+        temperature=0.8,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        seed=0,
+        logprobs=True,
+        top_logprobs=2,
+        n=2 if max_batch >= 4 else 1,
+    )
+    constrained = SamplingParams(
+        max_tokens=WARM_UP_TOKENS, temperature=0.0, constraint=_JSON_OBJECT
+    )
+    json_chat = _Request("json_object", _SYSTEM_CHAT, constrained)
+    sampled_chat = _Request("sampled", _CHAT, sampled)
+    greedy_chat = _Request("greedy chat", _CHAT, greedy)
+    short = _Request("short completion", None, greedy, text="Hi")
+    # A batch takes the sampler's greedy argmax fast path only when every row is greedy and
+    # unmasked, a masked path when any row has a grammar, the per-row path otherwise: so the
+    # constrained and the sampled requests run alone (single-row prefill and decode), and the
+    # greedy ones together (prefill rows of different lengths, padded; a batched decode).
+    return [[json_chat], [sampled_chat], [greedy_chat, short]]
+
+
+def warm_up(engine: Engine) -> WarmUpReport:
+    """Run the warm-up requests to completion (blocking: a worker thread, before serving).
+
+    Raises whatever a step raises (the model cannot serve: its load fails). The engine must be
+    idle; it is idle again when this returns.
+    """
+    if engine.has_work:
+        raise RuntimeError("warm_up needs an idle engine")
+    report = WarmUpReport()
+    steps_before = engine.statistics().steps
+    for wave in _requests(engine.max_batch):
+        for request in wave:
+            if engine.free_slots < request.params.n:
+                _drain(engine, report)  # max_batch is small: one request at a time
+            prompt, chat = _prompt(engine, request)
+            engine.add(prompt, request.params, chat=chat)
+            report.requests.append(request.what)
+        _drain(engine, report)
+    report.steps = engine.statistics().steps - steps_before
+    return report
+
+
+def _prompt(engine: Engine, request: _Request) -> tuple[list[int], bool]:
+    """The request's token ids and chat flag. A model without a (working) chat template takes
+    the chats' text as a completion; a prompt longer than the context leaves room for the
+    tokens (its start is dropped: any tokens warm up as well as others)."""
+    text, chat = request.text, False
+    if request.messages is not None:
+        try:
+            text, chat = engine.render_chat(request.messages), True
+        except RequestError:  # no chat template: a base model serves completions only
+            text = " ".join(m["content"] for m in request.messages)
+    ids = engine.encode_prompt(text, chat=chat)
+    room = max(1, engine.context - WARM_UP_TOKENS)
+    return ids[-room:], chat
+
+
+def _drain(engine: Engine, report: WarmUpReport) -> None:
+    while engine.has_work:
+        report.tokens += sum(len(event.token_ids) for event in engine.step())

@@ -1,0 +1,230 @@
+"""The native 4-bit kernel (`engine/_q4kernel.c`) against a dequantised float32 matmul.
+
+Both instruction sets this CPU has are checked (a VNNI CPU also runs the AVX2 path), every
+batch size the kernel splits differently (1, 2, 3, 4, 5, 8, 16 rows), bfloat16 and float32
+in/out, and shapes whose rows and groups are not powers of two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from neuron_trio.engine import quant
+from neuron_trio.engine.model import Q4Linear, Q8Linear
+
+KERNEL = quant.native_q4()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
+
+
+def _isas() -> list[str]:
+    if KERNEL is None:
+        return []
+    have = KERNEL.isa()
+    return [name for name in ("avx512vnni", "avx2") if name == have or name == "avx2"]
+
+
+@pytest.fixture(params=_isas())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    assert KERNEL is not None
+    default = KERNEL.isa()
+    assert KERNEL.use(request.param)
+    yield request.param
+    KERNEL.use(default)
+
+
+def _dequantised(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """pack_q4's layout back to float32, written independently of the kernel."""
+    out_f, groups = scale.shape
+    per_group = nibbles.reshape(out_f, groups, 16)
+    q = torch.cat((per_group & 0x0F, per_group >> 4), dim=-1).float()  # elements 0..15, 16..31
+    scale, minimum = scale.float(), minimum.float()
+    return (q * scale[..., None] + minimum[..., None]).reshape(out_f, groups * 32)
+
+
+def test_packing_keeps_q4_1_blocks_exactly() -> None:
+    """A Q4_1 weight (the built-in model's format) comes back from pack_q4 unchanged."""
+    w = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+    t = gguf.GGMLQuantizationType.Q4_1
+    deq = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t).copy())
+    back = _dequantised(*quant.pack_q4(deq))
+    torch.testing.assert_close(back, deq, rtol=0, atol=1e-6 * float(deq.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 15])
+@pytest.mark.parametrize(("out_f", "in_f"), [(8, 32), (24, 96), (960, 576), (576, 1536)])
+def test_exact_on_int8_representable_inputs(isa: str, batch: int, out_f: int, in_f: int) -> None:
+    """Inputs whose groups each hold ±127 and integers: int8 quantisation loses nothing, so
+    the kernel must equal the float32 product up to float rounding (a wrong nibble, scale,
+    tile or row would be off by whole units)."""
+    g = torch.Generator().manual_seed(out_f * 7 + batch)
+    nibbles, scale, minimum = quant.pack_q4(torch.randn(out_f, in_f, generator=g))
+    x = torch.randint(-127, 128, (batch, in_f), generator=g).float()
+    x.view(batch, -1, 32)[:, :, 0] = 127.0  # every group's scale is exactly 1
+    want = x.double() @ _dequantised(nibbles, scale, minimum).double().T
+    got = Q4Linear(KERNEL, nibbles, scale, minimum)(x).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 4, 7, 16])
+def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batch: int) -> None:
+    """Gaussian inputs: int8 activations keep the product within 2% of its largest value, in
+    the input's dtype; 16 rows without a dense copy still take the kernel."""
+    g = torch.Generator().manual_seed(batch)
+    nibbles, scale, minimum = quant.pack_q4(torch.randn(96, 192, generator=g))
+    x = torch.randn(batch, 192, generator=g)
+    want = x @ _dequantised(nibbles, scale, minimum).T
+    got = Q4Linear(KERNEL, nibbles, scale, minimum)(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (batch, 96)
+    assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+@needs_kernel
+def test_rows_of_three_dimensions_and_the_dense_path() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 64, generator=g)
+    nibbles, scale, minimum = quant.pack_q4(w)
+    dense = _dequantised(nibbles, scale, minimum)
+    layer = Q4Linear(KERNEL, nibbles, scale, minimum, dense=dense.to(torch.bfloat16))
+    x = torch.randn(2, 3, 64, generator=g)
+    got = layer(x)  # 6 rows: the kernel
+    assert got.shape == (2, 3, 16)
+    want = x @ dense.T
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+    many = torch.randn(32, 64, generator=g)  # DENSE_MIN_ROWS or more: the bfloat16 copy
+    torch.testing.assert_close(
+        layer(many), (many.bfloat16() @ dense.bfloat16().T).float(), rtol=0.02, atol=0.05
+    )
+
+
+@needs_kernel
+def test_bad_shapes_are_refused() -> None:
+    assert KERNEL is not None
+    y = torch.empty(1, 8)
+    x = torch.empty(1, 33)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KERNEL.matmul(x.data_ptr(), 1, 33, 0, 0, 0, 8, y.data_ptr(), 0, 0, 0, 0.0)
+    with pytest.raises(ValueError, match="prologue"):  # RMSNorm without its weight
+        KERNEL.matmul(x.data_ptr(), 1, 32, 0, 0, 0, 8, y.data_ptr(), 0, 1, 0, 1e-5)
+    with pytest.raises(TypeError):
+        KERNEL.matmul(1, 2)
+
+
+def test_the_kernel_is_built_where_it_can_be() -> None:
+    """In CI on x86-64 with a C compiler, `pip install` must have built the kernel (it is
+    optional, so a broken build would otherwise only show as skipped tests)."""
+    import os
+    import platform
+    import shutil
+
+    if os.environ.get("CI") != "true" or platform.machine() != "x86_64" or not shutil.which("cc"):
+        pytest.skip("only checked in CI on x86-64 with a C compiler")
+    assert KERNEL is not None, "engine/_q4kernel.c was not built: see pip's output"
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 15])
+@pytest.mark.parametrize(("out_f", "in_f"), [(8, 32), (24, 96), (256, 576)])
+def test_int8_weights_exact_on_int8_representable_inputs(
+    isa: str, batch: int, out_f: int, in_f: int
+) -> None:
+    """The int8 path (the head's coarse pass) on inputs int8 quantisation keeps exactly: equal
+    to the float32 product of the dequantised weight, in float32 whatever the input dtype."""
+    g = torch.Generator().manual_seed(out_f + batch)
+    weight, scale = quant.pack_q8(torch.randn(out_f, in_f, generator=g))
+    x = torch.randint(-127, 128, (batch, in_f), generator=g).float()
+    x.view(batch, -1, 32)[:, :, 0] = -127.0  # every group's scale is exactly 1
+    want = x.double() @ (weight.double() * scale.double()[:, None]).T
+    for dtype in (torch.float32, torch.bfloat16):  # these integers are exact in bfloat16
+        got = Q8Linear(KERNEL, weight, scale)(x.to(dtype))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(
+            got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())
+        )
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fused_norm_and_activations_match_torch(isa: str, batch: int) -> None:
+    """`normed` (RMSNorm inside the kernel) and `gated` (SiLU or GELU-tanh times up) against
+    the same ops in torch followed by the float32 product: within int8 quantisation (2%)."""
+    g = torch.Generator().manual_seed(10 + batch)
+    nibbles, scale, minimum = quant.pack_q4(torch.randn(64, 96, generator=g))
+    layer = Q4Linear(KERNEL, nibbles, scale, minimum)
+    w = _dequantised(nibbles, scale, minimum)
+    x = 3.0 * torch.randn(batch, 96, generator=g) + 1.0
+    norm = torch.rand(96, generator=g) + 0.5
+    want = torch.nn.functional.rms_norm(x, (96,), norm, 1e-5) @ w.T
+    got = layer.normed(x, norm, 1e-5, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
+    gate_up = 4.0 * torch.randn(batch, 192, generator=g)  # gates far into both tails
+    for gelu in (False, True):
+        gate = gate_up[:, :96]
+        act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else F_silu(gate)
+        # the fused activation feeds the product exactly what torch's would (the product
+        # itself is checked above)
+        want = layer(act * gate_up[:, 96:])
+        got = layer.gated(gate_up, gelu)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
+def F_silu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "length"), [(1, 1), (1, 37), (3, 8), (8, 130)])
+def test_decode_attention_matches_sdpa(dtype: torch.dtype, batch: int, length: int) -> None:
+    """The native decode attention against SDPA in float32, on views of a cache-like tensor
+    (strided, as Block reads K/V), with an additive mask that hides each row's tail (-inf: no
+    weight at all, even for garbage keys) and without a mask."""
+    from neuron_trio.engine.model import _native_attention, _native_attention_fits
+
+    g = torch.Generator().manual_seed(batch * 1000 + length)
+    kv, groups, d, context = 3, 3, 64, 160
+    cache = torch.randn(batch + 2, 2 * kv, context, d, generator=g).to(dtype)
+    rows = cache[1 : batch + 1, :, :length]  # [B, 2KV, L, D], a strided view
+    keys, values = rows[:, :kv], rows[:, kv:]
+    qkv = torch.randn(batch, kv * groups + 2 * kv, d, generator=g).to(dtype)
+    q = qkv[:, : kv * groups].reshape(batch, kv, groups, d)  # a view, as Block makes it
+    ends = torch.randint(1, length + 1, (batch,), generator=g)
+    attend = torch.arange(length)[None, :] < ends[:, None]
+    mask = torch.zeros(batch, length, dtype=dtype).masked_fill_(~attend, float("-inf"))
+    mask = mask[:, None, None]  # [B, 1, 1, L]
+    for m in (None, mask):
+        if m is not None:  # garbage where the mask hides keys: it must get no weight at all
+            hidden = ~attend[:, None, :, None].expand(-1, 2 * kv, -1, d)
+            cache[1 : batch + 1, :, :length][hidden] = 1e4
+        assert _native_attention_fits(q, keys, values, m, None)
+        got = _native_attention(KERNEL, q, keys, values, m, None)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), keys.float(), values.float(), attn_mask=None if m is None else m.float()
+        ).reshape(batch, -1)
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert not _native_attention_fits(q, keys, values, mask.bool(), None)  # bool: SDPA's
+    assert not _native_attention_fits(q, keys, values, mask, 50.0)  # soft-capped: SDPA's
+
+
+@needs_kernel
+def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
+    """4-bit weights take Q4Linear; weights beyond float16's range (its scales) or with rows
+    not a multiple of its tile take torch's int4 kernel."""
+    from neuron_trio.engine.loader import make_linear
+    from neuron_trio.engine.model import Int4Linear
+
+    cpu = torch.device("cpu")
+    w = torch.randn(32, 64)
+    assert type(make_linear(w, "cpu-int", cpu, four_bit=True)) is Q4Linear
+    assert type(make_linear(w * 1e5, "cpu-int", cpu, four_bit=True)) is Int4Linear
+    assert type(make_linear(torch.randn(20, 64), "cpu-int", cpu, four_bit=True)) is not Q4Linear

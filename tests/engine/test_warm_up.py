@@ -1,0 +1,149 @@
+"""The warm-up: after it, a first request runs no kind of work the warm-up did not run first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.model import DENSE_MIN_ROWS
+from neuron_trio.engine.types import Constraint, SamplingParams
+from neuron_trio.engine.warm_up import warm_up
+from tests.engine.tiny_gguf import write_tiny_llama
+
+Kind = tuple[str, ...]
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Q4_1 under "auto": int4 kernels for short rows, a dense copy for prefill chunks of
+    # DENSE_MIN_ROWS rows or more, as the built-in model.
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "q4.gguf", qtype="Q4_1", seed=5)
+
+
+def _engine(path: Path, max_batch: int = 8) -> Engine:
+    return Engine.from_gguf(path, dtype="auto", device="cpu", max_batch=max_batch, context=256)
+
+
+class WorkSpy:
+    """Records the kind of every forward and sampling call, and which lazily built parts of
+    the engine exist (the grammar compiler, its mask thread, the tool-call format)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.kinds: set[Kind] = set()
+        runner, sampler = engine.runner, engine.sampler
+        forward, sample = runner.forward, sampler.sample
+
+        def spy_forward(ids: torch.Tensor, pos: Any, slots: Any, **kw: Any) -> Any:
+            b, t = ids.shape
+            self.kinds.add(
+                (
+                    "forward",
+                    "decode" if t == 1 else "prefill",
+                    "dense" if b * t >= DENSE_MIN_ROWS else "int",
+                    "padded" if kw.get("lengths") is not None else "even",
+                    "batch" if b > 1 else "single",
+                )
+            )
+            return forward(ids, pos, slots, **kw)
+
+        def spy_sample(logits: torch.Tensor, states: Any, *rest: Any) -> Any:
+            greedy = all(s.params.temperature == 0 for s in states)
+            self.kinds.add(("sample", "greedy" if greedy else "random", "masked" if rest else ""))
+            return sample(logits, states, *rest)
+
+        runner.forward = spy_forward  # type: ignore[method-assign]
+        sampler.sample = spy_sample  # type: ignore[method-assign]
+
+    def lazy_parts(self) -> list[object]:
+        e = self.engine
+        return [e._grammar, e._masks, e._tool_format]
+
+    def new_work(self, run: Callable[[], None]) -> tuple[set[Kind], list[bool]]:
+        """The kinds `run` used that had not run before, and which lazy parts it built."""
+        before, parts = set(self.kinds), self.lazy_parts()
+        run()
+        built = [a is None and b is not None for a, b in zip(parts, self.lazy_parts(), strict=True)]
+        return self.kinds - before, built
+
+
+def _chat(engine: Engine, content: str, params: SamplingParams) -> None:
+    prompt = engine.encode_prompt(
+        engine.render_chat([{"role": "user", "content": content}]), chat=True
+    )
+    engine.add(prompt, params, chat=True)
+    while engine.has_work:
+        engine.step()
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+SAMPLED = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.9, seed=1, logprobs=True)
+JSON = SamplingParams(
+    max_tokens=6, temperature=0.0, constraint=Constraint(kind="json", schema='{"type":"object"}')
+)
+FIRST_REQUESTS = [
+    ("a greedy chat", GREEDY),
+    ("a sampled chat with logprobs", SAMPLED),
+    ("a json_object chat", JSON),
+]
+
+
+@pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
+def test_a_first_request_after_warm_up_runs_nothing_new(
+    tiny_q4: Path, what: str, params: SamplingParams
+) -> None:
+    engine = _engine(tiny_q4)
+    spy = WorkSpy(engine)
+    warm_up(engine)
+    new, built = spy.new_work(lambda: _chat(engine, "the cat sat on the mat today", params))
+    assert new == set(), f"{what}: the first request ran {new}, which the warm-up did not"
+    assert not any(built), f"{what}: the first request built lazy parts {built}"
+
+
+@pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
+def test_without_warm_up_the_first_request_does_run_new_work(
+    tiny_q4: Path, what: str, params: SamplingParams
+) -> None:
+    """The spy sees what the previous test checks is absent (so that test can fail)."""
+    engine = _engine(tiny_q4)
+    spy = WorkSpy(engine)
+    new, built = spy.new_work(lambda: _chat(engine, "the cat sat on the mat today", params))
+    assert ("forward", "prefill", "dense", "even", "single") in new, what
+    assert any(built) == (params.constraint is not None)
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 8])
+def test_warm_up_leaves_the_engine_idle_with_every_slot_free(tiny_q4: Path, max_batch: int) -> None:
+    engine = _engine(tiny_q4, max_batch=max_batch)
+    report = warm_up(engine)
+    assert not engine.has_work and engine.free_slots == max_batch
+    assert report.requests == ["json_object", "sampled", "greedy chat", "short completion"]
+    assert report.steps >= 6 and report.tokens >= 8  # every request got its 2 tokens
+    # and the engine serves as before
+    _chat(engine, "hello", GREEDY)
+    assert engine.free_slots == max_batch
+
+
+def test_warm_up_refuses_a_busy_engine(tiny_q4: Path) -> None:
+    engine = _engine(tiny_q4)
+    engine.add([1, 5, 6], GREEDY, chat=False)
+    with pytest.raises(RuntimeError, match="idle"):
+        warm_up(engine)
+
+
+def test_a_model_without_a_chat_template_warms_up_on_completions(tmp_path: Path) -> None:
+    base = write_tiny_llama(tmp_path / "base.gguf", qtype="Q4_1", chat_template=None)
+    engine = _engine(base)
+    report = warm_up(engine)
+    assert len(report.requests) == 4 and not engine.has_work
+
+
+def test_a_context_shorter_than_the_warm_up_prompts_still_warms_up(tiny_q4: Path) -> None:
+    engine = Engine.from_gguf(tiny_q4, dtype="auto", device="cpu", max_batch=2, context=16)
+    report = warm_up(engine)
+    assert report.tokens >= 8 and engine.free_slots == 2

@@ -1,0 +1,100 @@
+"""A real `neuron serve`, started twice on one state dir: the first start warms the model up
+before `/health` answers 200 and writes the model cache; the second reads the cache, and
+answers the same chat with the same text."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.engine.tiny_gguf import write_tiny_llama
+from tests.neuron_process import free_port, spawn_neuron
+
+pytestmark = pytest.mark.slow
+
+READY_S = 120.0
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "the cat sat"}],
+    "max_tokens": 8,
+    "temperature": 0,
+}
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"not ready in {READY_S}s:\n{log.read_text()[-3000:]}")
+
+
+def _start_chat_stop(config: Path, log: Path, port: int) -> str:
+    proc = spawn_neuron(config, log, env={"NEURON_NODE_MODEL_CACHE": "true"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, base, log)
+        response = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=60)
+        assert response.status_code == 200, response.text
+        text: str = response.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0, log.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return text
+
+
+def test_a_restart_reads_the_model_cache_and_every_start_warms_up_before_ready(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    (state / "models").mkdir(parents=True)
+    write_tiny_llama(state / "models" / "tiny.gguf", qtype="Q4_1", seed=2)
+    port = free_port()
+    config = tmp_path / "neuron.toml"
+    config.write_text(
+        f"""
+        [server]
+        listen = ["127.0.0.1:{port}"]
+        drain_timeout_s = 5
+        [node]
+        state_dir = "{state}"
+        [[default_models]]
+        name = "tiny"
+        source = "{state / "models" / "tiny.gguf"}"
+        devices = "cpu"
+        dtype = "auto"
+        max_batch = 4
+        context = 128
+        """
+    )
+    texts = []
+    for n in range(2):
+        log = tmp_path / f"neuron-{n}.log"
+        texts.append(_start_chat_stop(config, log, port))
+        lines = log.read_text().splitlines()
+        warmed = next(i for i, line in enumerate(lines) if "warmed up" in line)
+        serving = next(i for i, line in enumerate(lines) if "serving (start-up took" in line)
+        assert warmed < serving  # the warm-up ran before the node reported ready
+        if n == 0:
+            assert not any("model cache: read" in line for line in lines)
+            deadline = time.monotonic() + 30  # the background write (a tiny model: instant)
+            while not list((state / "model-cache").glob("*.pt")):
+                assert time.monotonic() < deadline, "no model cache written"
+                time.sleep(0.05)
+        else:
+            assert any("model cache: read" in line for line in lines)
+    assert texts[0] == texts[1] and texts[0]
