@@ -31,10 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._slots import SlotRunner
 from neuron_trio.engine import quant
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.gguf_file import GGUFFile
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import load_transformer
 from neuron_trio.engine.model import Transformer
 
 PROMPTS = [
@@ -49,7 +50,7 @@ PROMPTS = [
 ]
 
 
-def greedy(runner: SingleRunner, prompt: Sequence[int], n: int, slot: int = 0) -> list[int]:
+def greedy(runner: SlotRunner, prompt: Sequence[int], n: int, slot: int = 0) -> list[int]:
     """Greedy continuation of `prompt` by `n` tokens on `slot` (prefill, then decode steps)."""
     ids = torch.tensor([list(prompt)])
     logits = runner.forward(ids, torch.tensor([0]), torch.tensor([slot]))
@@ -78,8 +79,8 @@ def top1_agreement(
     Returns (share, positions compared).
     """
     context = max(len(p) for p in prompts) + n_tokens + 1
-    ref_runner = SingleRunner(reference, slots=1, context=context)
-    cand_runner = SingleRunner(candidate, slots=1, context=context)
+    ref_runner = SlotRunner(reference, slots=1, context=context)
+    cand_runner = SlotRunner(candidate, slots=1, context=context)
     same = total = 0
     for prompt in prompts:
         cont = greedy(ref_runner, prompt, n_tokens)
@@ -100,7 +101,7 @@ def decode_rate(fn_n: float, fn_1: float, n: int) -> float:
     return (n - 1) / max(fn_n - fn_1, 1e-9)
 
 
-def time_ours(runner: SingleRunner, prompt: Sequence[int], n: int, repeats: int = 2) -> float:
+def time_ours(runner: SlotRunner, prompt: Sequence[int], n: int, repeats: int = 2) -> float:
     def run(k: int) -> float:
         t = time.perf_counter()
         greedy(runner, prompt, k)
@@ -113,7 +114,7 @@ def time_ours(runner: SingleRunner, prompt: Sequence[int], n: int, repeats: int 
 
 
 def time_ours_batch(
-    runner: SingleRunner, prompt: Sequence[int], n: int, batch: int, repeats: int = 2
+    runner: SlotRunner, prompt: Sequence[int], n: int, batch: int, repeats: int = 2
 ) -> float:
     """Aggregate tokens/s of `batch` rows decoding together (prompts prefilled first), best of
     `repeats`."""
@@ -193,7 +194,7 @@ def step_times(path: Path, schemes: Sequence[str], batches: Sequence[int]) -> No
     """Print the time of one decode step per dtype scheme and batch size (what "auto" picks)."""
     for dtype in schemes:
         model = load_transformer(path, dtype=dtype, device="cpu")
-        runner = SingleRunner(model, slots=max(batches) + 1, context=256)
+        runner = SlotRunner(model, slots=max(batches) + 1, context=256)
         prefix = [(11 * j) % model.config.vocab_size for j in range(32)]
         for b in batches:
             for s in range(b):
@@ -278,7 +279,7 @@ def main() -> None:
             vocab = gf.config.vocab_size
         prompts = [[(7 * i + 13 * j) % vocab for j in range(12)] for i in range(len(PROMPTS))]
 
-    runner = SingleRunner(model, slots=args.batch + 1, context=512)
+    runner = SlotRunner(model, slots=args.batch + 1, context=512)
     ours = time_ours(runner, prompts[0], n)
     print(f"decode ours ({args.dtype}, batch 1): {ours:.1f} tok/s")
     batch_rate = time_ours_batch(runner, prompts[0], n, args.batch)

@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_trio.engine.loader import SingleRunner, load_transformer
+from neuron_trio.engine.loader import load_transformer
+from tests.engine.slot_runner import SlotRunner
 from tests.engine.test_families import TEXTS, greedy, hf_model, prompt_ids, tokenizer_of
 from tests.engine.tiny_families import FAMILIES, write_tiny_family
 from tests.parallel.test_family_tp import run_both
@@ -39,7 +40,7 @@ def main() -> None:
         for family in FAMILIES:
             path = write_tiny_family(d / f"{family}.gguf", family)
             model = load_transformer(path, dtype="float32", device="cpu")
-            runner = SingleRunner(model, slots=1, context=96)
+            runner = SlotRunner(model, slots=1, context=96)
             hf = hf_model(d, family)
             ids = prompt_ids(model.config.vocab_size, 20, seed=1)
             got = runner.forward(
