@@ -41,7 +41,6 @@ from neuron_trio.engine.grammar import (
     fill_masks,
 )
 from neuron_trio.engine.loader import SingleRunner, load_transformer
-from neuron_trio.engine.model_cache import load_transformer_cached
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
@@ -116,23 +115,16 @@ class Engine:
         max_batch: int = 8,
         context: int = 4096,
         prefill_chunk: int = 256,
-        cache_dir: Path | None = None,
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
         The one way to build an unsharded engine: the daemon's `build_executor` calls it for
         tp = 1. `context` (tokens per slot) is capped at the context the model was trained
         for. The file is parsed once (weights and tokenizer) and closed before this returns.
-        With `cache_dir`, the loaded weights are kept there for the next load (model_cache).
         """
         with GGUFFile(path) as gguf:
             context = min(context, gguf.config.context_length)
-            if cache_dir is None:
-                model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
-            else:
-                model = load_transformer_cached(
-                    gguf, dtype=dtype, device=torch.device(device), cache_dir=cache_dir
-                )
+            model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
             tokenizer = Tokenizer.from_gguf(gguf)
         runner = SingleRunner(model, slots=max_batch + 1, context=context)
         return cls(
