@@ -11,9 +11,8 @@ HTTP/2 (streamed, greedy, 16 tokens), the first sent the moment /health said 200
 ready time per start and the best, and the first request's time to first token, total and
 the daemon's CPU time for it against the median of the others (goal: ratio ~1.0, nothing
 lazily built on the first one; CPU time is the figure a busy machine disturbs least).
-The starts share one state directory, as restarts of one node do: the first start loads the
-model from its GGUF file (and writes the model cache), the later ones map the cache
-(`--fresh`: a new state directory, so a cold load, every time). `--set` adds a key to the
+The starts share one state directory, as restarts of one node do (`--fresh`: a new state
+directory every time). `--set` adds a key to the
 model's config entry (`--set prefix_cache=false`).
 """
 
@@ -72,9 +71,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument(
-        "--fresh", action="store_true", help="a new state dir (no model cache) for every start"
-    )
+    parser.add_argument("--fresh", action="store_true", help="a new state dir for every start")
     args = parser.parse_args()
     model: dict[str, Any] = {
         "dtype": args.dtype,
@@ -120,7 +117,7 @@ def start_once(n: int, model: dict[str, Any], state_dir: Path, requests: int) ->
         f"2..{requests} (median) {statistics.median(cpu[1:]) * 1000:.0f} ms"
     )
     for line in log_lines:
-        if any(k in line for k in ("ready in", "start-up took", "warmed up", "model cache")):
+        if any(k in line for k in ("ready in", "start-up took", "warmed up")):
             print("   ", line.split(" ", 2)[-1])
     return daemon.ready_s
 

@@ -138,7 +138,7 @@ def running_daemon(
     """`neuron serve` on a free 127.0.0.1 port with the built-in model (and `model`'s keys),
     ready (`/health` 200) when this yields; SIGTERM (then SIGKILL) on the way out.
 
-    `state_dir`: the node's state (and model cache) directory, kept between runs; default a
+    `state_dir`: the node's state directory, kept between runs; default a
     fresh one, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="neuron-bench-") as tmp:
         root = Path(tmp)

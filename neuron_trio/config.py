@@ -67,9 +67,6 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hf_allow_repos: list[str] = msgspec.field(default_factory=list)
     # The largest file a runtime load may download, checked before the download starts.
     hf_max_download_bytes: PositiveInt = 32 << 30
-    # Keep each model loaded on the CPU, packed, under state_dir/model-cache (at most 4, about
-    # the model's size in memory each) so that a restart reads it instead of repacking it.
-    model_cache: bool = True
 
 
 class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -24,16 +24,10 @@ def spawn_neuron(
     """`neuron serve --config CONFIG`, stdout and stderr to `log_path`.
 
     The environment is this one without any NEURON_* override (the test's config is the whole
-    configuration), offline for the hub, without the model cache, plus `env`.
+    configuration), offline for the hub, plus `env`.
     """
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    # No model cache (a few hundred MB per state dir) unless a test asks for one.
-    child_env.update(
-        HF_HUB_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(REPO),
-        NEURON_NODE_MODEL_CACHE="false",
-    )
+    child_env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     child_env.update(env or {})
     with open(log_path, "wb") as log:
         return subprocess.Popen(

@@ -50,7 +50,6 @@ from neuron_trio.engine.grammar import (
     fill_masks,
 )
 from neuron_trio.engine.loader import SingleRunner, kv_pool_blocks, load_transformer
-from neuron_trio.engine.model_cache import load_transformer_cached
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
@@ -124,7 +123,6 @@ class Engine:
         prefill_chunk: int = 256,
         kv_cache_mb: int = 0,
         prefix_cache: bool = True,
-        cache_dir: Path | None = None,
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
@@ -132,8 +130,7 @@ class Engine:
         tp = 1. `context` (tokens per sequence) is capped at the context the model was
         trained for. The KV pool holds `kv_cache_mb` MiB, or with 0, `max_batch` × `context`
         tokens (`loader.kv_pool_blocks`). The file is parsed once (weights and tokenizer)
-        and closed before this returns. With `cache_dir`, the loaded weights are kept there
-        for the next load (model_cache).
+        and closed before this returns.
         """
         with GGUFFile(path) as gguf:
             context = min(context, gguf.config.context_length)
@@ -145,12 +142,7 @@ class Engine:
                 max_batch=max_batch,
                 context=context,
             )
-            if cache_dir is None:
-                model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
-            else:
-                model = load_transformer_cached(
-                    gguf, dtype=dtype, device=torch.device(device), cache_dir=cache_dir
-                )
+            model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
             tokenizer = Tokenizer.from_gguf(gguf)
         runner = SingleRunner(model, blocks=blocks, context=context)
         return cls(

@@ -182,13 +182,8 @@ def build_executor(
     devices: list[torch.device],
     *,
     failpoints: fp.Failpoints | None = None,
-    cache_dir: Path | None = None,
 ) -> Executor:
     """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
-
-    With `cache_dir`, a whole model on the CPU (tp = 1) is kept there in its loaded form and
-    read back by the next load of the same file (engine.model_cache): a restart skips the
-    dequantising and packing.
 
     Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
     thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
@@ -207,7 +202,6 @@ def build_executor(
             context=spec.context,
             kv_cache_mb=spec.kv_cache_mb,
             prefix_cache=spec.prefix_cache,
-            cache_dir=cache_dir,
         )
         single = engine.runner
         assert isinstance(single, SingleRunner)

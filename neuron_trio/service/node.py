@@ -70,7 +70,6 @@ from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
 
-MODEL_CACHE_DIR = "model-cache"  # under state_dir: loaded models, for the next start
 TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
 
 ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
@@ -134,23 +133,12 @@ def _ephemeral_identity() -> _Identity:
     return _Identity(boot_id=uuid.uuid4().hex, started_at=utc_iso(time.time()), starts=1)
 
 
-def model_cache_dir(config: NeuronConfig) -> Path | None:
-    """Where loaded models are kept for the next start (engine.model_cache), or None when
-    `node.model_cache` is off."""
-    return config.state_path / MODEL_CACHE_DIR if config.node.model_cache else None
-
-
 def _default_factory(
-    spec: ModelConfig,
-    path: Path,
-    devices: list[torch.device],
-    *,
-    failpoints: fp.Failpoints,
-    cache_dir: Path | None = None,
+    spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
 ) -> ModelExecutor:
     from neuron_trio.parallel.executor import build_executor
 
-    return build_executor(spec, path, devices, failpoints=failpoints, cache_dir=cache_dir)
+    return build_executor(spec, path, devices, failpoints=failpoints)
 
 
 def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
@@ -250,9 +238,7 @@ class Node:
         self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
         self._gpus = gpus
         self._notifier = notifier
-        self._factory = executor_factory or partial(
-            _default_factory, cache_dir=model_cache_dir(config)
-        )
+        self._factory = executor_factory or _default_factory
         self._estimator = estimator or _default_estimator
         self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
