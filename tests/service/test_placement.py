@@ -90,10 +90,10 @@ def test_estimate_builtin_model() -> None:
 
     path = builtin_model_path()
     f32 = estimate_model_bytes(spec(dtype="float32", max_batch=8, context=4096), path)
-    # 134.5 M parameters in float32; KV: 2 × 30 layers × 3 heads × 64 × 4096 × 4 bytes for
-    # each of 8 + 1 rows (the scratch row probes use).
+    # 134.5 M parameters in float32; KV: 2 × 30 layers × 3 heads × 64 × 4 bytes per token, in
+    # blocks of 16: 8 sequences × 4096 / 16 blocks, plus the 2 reserved (null and probe).
     assert f32.weights_bytes == 134_515_008 * 4
-    assert f32.kv_cache_bytes == 2 * 30 * 3 * 64 * 4096 * 9 * 4
+    assert f32.kv_cache_bytes == 2 * 30 * 3 * 64 * 4 * 16 * (8 * 4096 // 16 + 2)
     # "auto" on a GPU is bfloat16: half of float32 but for the float32 norms (61 × 576),
     # however small the Q4_1 file is.
     auto_gpu = estimate_model_bytes(spec(dtype="auto", max_batch=8, context=4096), path)
