@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._slots import SlotRunner
 from neuron_trio.engine import quant
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.loader import load_transformer
 from neuron_trio.engine.model import Transformer
+from tests.engine.slot_runner import SlotRunner
 
 PROMPTS = [
     "What is the capital of France?",
