@@ -355,10 +355,13 @@ TILE8_KERNEL(avx2, TARGET_AVX2, dot_avx2)
    (L of a few hundred, D = 64): mostly its own set-up. Per row and KV head: the scores of
    its G query heads against each key (each key read once), a softmax (a key whose additive
    mask is -inf gets exactly 0), then the value rows weighted. Keys, values and queries are
-   strided views (bfloat16 or float32, D contiguous); the output is [B, KV, G, D] contiguous. */
+   strided views (bfloat16 or float32, D contiguous); the output is [B, KV, G, D] contiguous.
+   With `rows` ([B, L] int64), key/value position l of row b is the pool's token row
+   rows[b, l] (the paged cache's blocks, read in place instead of gathered first). */
 
 typedef struct {
     const char *q, *k, *v, *mask;
+    const long long *rows; /* [B, L] token rows of K/V, or NULL: position l is row l */
     long long qs[3], ks[3], vs[3], mask_stride; /* element strides: row, head, (group | pos) */
     int batch, kv, groups, length, dim, bf16, mask_bf16;
     float scale;
@@ -381,8 +384,11 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
             _mm256_storeu_ps(qf + g * D + d, load8s(a->q, a->bf16, at));
         }
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
+    const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
+    const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
     for (int l = 0; l < L; l++) {
-        const long long kat = b * a->ks[0] + h * a->ks[1] + l * a->ks[2];
+        const long long kat = kbase + (rows ? rows[l] : l) * a->ks[2];
         __m256 acc[16];
         for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
@@ -428,7 +434,7 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
     }
     for (int i = 0; i < G * D; i++) sums[i] = 0.0f;
     for (int l = 0; l < L; l++) {
-        const long long vat = b * a->vs[0] + h * a->vs[1] + l * a->vs[2];
+        const long long vat = vbase + (rows ? rows[l] : l) * a->vs[2];
         for (int d = 0; d < D; d += 8) {
             __m256 vv = load8s(a->v, a->bf16, vat + d);
             for (int g = 0; g < G; g++) {
@@ -454,15 +460,16 @@ TARGET_AVX2 static void attend_all(const attn_t *a) {
 }
 
 /* attend(q, q_strides x3, k, k_strides x3, v, v_strides x3, mask, mask_stride, flags,
-          batch, kv, groups, length, dim, out, scale); flags: 1 bfloat16 q/k/v/out,
+          batch, kv, groups, length, dim, out, scale, rows); flags: 1 bfloat16 q/k/v/out,
           2 bfloat16 mask (else float32; pointer 0: no mask). Pointers and strides (in
-          elements: row, head, then group for q, position for k and v) as ints. */
+          elements: row, head, then group for q, position for k and v) as ints. rows: 0, or
+          an int64 [batch, length] of K/V token rows (then k's and v's row stride is unused). */
 static const char *ISA; /* defined below: "" on a CPU without AVX2 */
 
 static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 22) {
-        PyErr_SetString(PyExc_TypeError, "attend takes 22 arguments");
+    if (nargs != 23) {
+        PyErr_SetString(PyExc_TypeError, "attend takes 23 arguments");
         return NULL;
     }
     if (ISA[0] == 0) {
@@ -476,11 +483,14 @@ static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const double scale = PyFloat_AsDouble(args[21]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    const long long rows = PyLong_AsLongLong(args[22]);
+    if (rows == -1 && PyErr_Occurred()) return NULL;
     attn_t a;
     a.q = (const char *)(intptr_t)v[0];
     a.k = (const char *)(intptr_t)v[4];
     a.v = (const char *)(intptr_t)v[8];
     a.mask = (const char *)(intptr_t)v[12];
+    a.rows = (const long long *)(intptr_t)rows;
     for (int i = 0; i < 3; i++) {
         a.qs[i] = v[1 + i];
         a.ks[i] = v[5 + i];
@@ -620,7 +630,7 @@ static PyMethodDef METHODS[] = {
     {"use", q4_use, METH_O, "use(name) -> bool: force an instruction set this CPU has (tests)"},
     {"attend", (PyCFunction)(void (*)(void))q4_attend, METH_FASTCALL,
      "attend(q, 3 strides, k, 3 strides, v, 3 strides, mask, mask stride, flags, batch, kv, "
-     "groups, length, dim, out, scale): decode attention"},
+     "groups, length, dim, out, scale, rows): decode attention"},
     {"isa", q4_isa, METH_NOARGS, "the instruction set used: avx512vnni, avx2, or '' (none)"},
     {NULL, NULL, 0, NULL},
 };

@@ -348,13 +348,6 @@ class Block(nn.Module):
         else:
             rows = new_kv.transpose(0, 1).reshape(-1, d).to(cache.dtype)  # [2KV · R, D]
             cache.view(-1, d).index_copy_(0, at.write, rows)
-        if isinstance(at.read, slice):  # one row on consecutive blocks: a view
-            kv_rows = cache[:, at.read].unsqueeze(0)  # [1, 2KV, L, D]
-        else:  # one gather into [B, 2KV, L, D] (padding positions read the zeroed null block)
-            kv_rows = cache.view(-1, d).index_select(0, at.read).view(at.b, 2 * kv, at.length, d)
-        if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
-            kv_rows = kv_rows.to(act)
-        keys, values = kv_rows[:, :kv], kv_rows[:, kv:]
         mask, causal = at.mask, at.causal
         if self.sliding and at.window_mask is not None:  # keys past the window are masked
             mask, causal = at.window_mask, False
@@ -363,12 +356,9 @@ class Block(nn.Module):
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
             q = qkv[:, :h].reshape(n, kv, h // kv, d)
-            kernel = self.attend_kernel
-            if kernel is not None and _native_attention_fits(q, keys, values, mask, self.softcap):
-                o = _native_attention(kernel, q, keys, values, mask, self.scale)
-            else:
-                o = self._attend(q, keys, values, mask, False).reshape(n, h * d)
+            o = self._attend_decode(q, cache, at, act, mask)
         else:
+            keys, values = self._read_kv(cache, at, act)
             q = qkv[:, :h].view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
             if kv != h and self.softcap:
                 keys = keys.repeat_interleave(h // kv, dim=1)
@@ -401,6 +391,43 @@ class Block(nn.Module):
         if post is not None:
             y = F.rms_norm(y.to(x.dtype), shape, post, self.eps)
         return x + y
+
+    def _attend_decode(
+        self,
+        q: torch.Tensor,  # [B, KV, H/KV, D]
+        cache: torch.Tensor,
+        at: _Placement,
+        act: torch.dtype,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Decode attention, `[B, H · D]`: in the native kernel where it fits, else SDPA."""
+        kernel, kv = self.attend_kernel, self.n_kv_heads
+        if kernel is not None and at.token_rows is not None and cache.dtype == act:
+            # Rows on scattered blocks: the kernel reads K/V in place through their token
+            # rows (gathering them first cost more than the attention itself at B = 8).
+            pool = cache.unsqueeze(0)  # [1, 2KV, pool tokens, D]
+            keys, values = pool[:, :kv], pool[:, kv:]
+            if _native_attention_fits(q, keys, values, mask, self.softcap):
+                rows = at.token_rows
+                return _native_attention(kernel, q, keys, values, mask, self.scale, rows=rows)
+        keys, values = self._read_kv(cache, at, act)
+        if kernel is not None and _native_attention_fits(q, keys, values, mask, self.softcap):
+            return _native_attention(kernel, q, keys, values, mask, self.scale)
+        return self._attend(q, keys, values, mask, False).reshape(q.shape[0], -1)
+
+    def _read_kv(
+        self, cache: torch.Tensor, at: _Placement, act: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values, each `[B, KV, L, D]` in `act`: a view of one row on
+        consecutive blocks, else one gather (padding positions read the zeroed null block)."""
+        kv, d = self.n_kv_heads, self.head_dim
+        if isinstance(at.read, slice):
+            kv_rows = cache[:, at.read].unsqueeze(0)  # [1, 2KV, L, D]
+        else:
+            kv_rows = cache.view(-1, d).index_select(0, at.read).view(at.b, 2 * kv, at.length, d)
+        if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
+            kv_rows = kv_rows.to(act)
+        return kv_rows[:, :kv], kv_rows[:, kv:]
 
     def _attend(
         self,
@@ -463,10 +490,13 @@ def _native_attention(
     values: torch.Tensor,
     mask: torch.Tensor | None,  # additive [B or 1, 1, 1, L]
     scale: float | None,
+    *,
+    rows: torch.Tensor | None = None,  # int64 [B, L]: K/V position l of row b is token row
+    # rows[b, l] of keys / values, then [1, KV, pool tokens, D] (the paged pool, in place)
 ) -> torch.Tensor:
     """Decode attention in the native kernel (float32 maths): `[B, KV · G · D]`."""
     b, kv, groups, d = q.shape
-    length = keys.shape[2]
+    length = keys.shape[2] if rows is None else rows.shape[1]
     out = torch.empty(b, kv * groups * d, dtype=q.dtype)
     flags = int(q.dtype == torch.bfloat16)
     mask_ptr = mask_stride = 0
@@ -480,7 +510,7 @@ def _native_attention(
         keys.data_ptr(), ks[0], ks[1], ks[2],
         values.data_ptr(), vs[0], vs[1], vs[2],
         mask_ptr, mask_stride, flags, b, kv, groups, length, d, out.data_ptr(),
-        scale or 1.0 / math.sqrt(d),
+        scale or 1.0 / math.sqrt(d), 0 if rows is None else rows.data_ptr(),
     )  # fmt: skip
     return out
 
@@ -488,7 +518,9 @@ def _native_attention(
 class _Placement:
     """Where one forward's rows write and read the KV pool; computed once, used by every layer."""
 
-    __slots__ = ("b", "causal", "length", "mask", "read", "real", "t", "window_mask", "write")
+    __slots__ = (
+        "b", "causal", "length", "mask", "read", "real", "t", "token_rows", "window_mask", "write",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.b = 1  # rows
@@ -500,6 +532,9 @@ class _Placement:
         # Where the rows' K/V are read: a slice of L token rows (one row on consecutive
         # blocks) or an index [B · 2KV · L] into the layer's [2KV · pool, D] rows.
         self.read: slice | torch.Tensor = slice(0, 0)
+        # With `read` an index on the CPU: the token row of each row's positions, int64 [B, L]
+        # (the native decode attention reads K/V through it, in place).
+        self.token_rows: torch.Tensor | None = None
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
         self.causal = False
@@ -698,6 +733,8 @@ class Transformer(nn.Module):
         rows = torch.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
         heads = torch.arange(2 * self.config.n_kv_heads) * pool_tokens  # [2KV]
         at.read = (heads[None, :, None] + rows[:, None, :]).reshape(-1).to(dev)  # [B·2KV·L]
+        if dev.type == "cpu":
+            at.token_rows = rows.contiguous()
         spans = zip(starts, ends, strict=True)
         written = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
         at.write = (heads[:, None] + written[None, :]).reshape(-1).to(dev)  # [2KV · R]

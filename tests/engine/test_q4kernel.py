@@ -228,3 +228,37 @@ def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
     assert type(make_linear(w, "cpu-int", cpu, four_bit=True)) is Q4Linear
     assert type(make_linear(w * 1e5, "cpu-int", cpu, four_bit=True)) is Int4Linear
     assert type(make_linear(torch.randn(20, 64), "cpu-int", cpu, four_bit=True)) is not Q4Linear
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "length"), [(1, 5), (3, 40), (8, 130)])
+def test_decode_attention_through_token_rows_matches_a_gather(
+    dtype: torch.dtype, batch: int, length: int
+) -> None:
+    """With `rows`, the kernel reads K/V in place from a paged pool `[2KV, pool, D]` at each
+    row's token rows (scattered, as blocks are): the same as SDPA on the gathered rows."""
+    from neuron_trio.engine.model import _native_attention
+
+    g = torch.Generator().manual_seed(batch * 7 + length)
+    kv, groups, d, pool_tokens = 3, 3, 64, 2048
+    pool = torch.randn(2 * kv, pool_tokens, d, generator=g).to(dtype)
+    rows = torch.stack([torch.randperm(pool_tokens, generator=g)[:length] for _ in range(batch)])
+    qkv = torch.randn(batch, kv * groups + 2 * kv, d, generator=g).to(dtype)
+    q = qkv[:, : kv * groups].reshape(batch, kv, groups, d)
+    ends = torch.randint(1, length + 1, (batch,), generator=g)
+    attend = torch.arange(length)[None, :] < ends[:, None]
+    mask = torch.zeros(batch, length, dtype=dtype).masked_fill_(~attend, float("-inf"))
+    mask = mask[:, None, None]  # [B, 1, 1, L]
+    gathered = pool[:, rows].permute(1, 0, 2, 3)  # [B, 2KV, L, D]
+    view = pool.unsqueeze(0)
+    got = _native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=rows)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), gathered[:, :kv].float(), gathered[:, kv:].float(), attn_mask=mask.float()
+    ).reshape(batch, -1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # the rows do matter: other token rows (other keys) give other outputs
+    shifted = (rows + 1) % pool_tokens
+    other = _native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=shifted)
+    assert not torch.allclose(other.float(), want, rtol=tol, atol=tol)
