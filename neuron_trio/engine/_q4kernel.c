@@ -297,6 +297,113 @@ TARGET_AVX2 static inline __m256i dot_avx2(__m256i acc, __m256i w, __m256i x) {
 TILE_KERNEL(vnni, TARGET_VNNI, dot_vnni)
 TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2)
 
+/* ---- AVX-512 VNNI: two tiles (16 rows) per 512-bit vector, up to 8 input rows at once ----
+
+   The same arithmetic as the tiles above, lane for lane and in the same order (so the two
+   paths agree bit for bit); a 512-bit vector holds tile t's 8 rows in its low half and tile
+   t + 1's in its high half, so each broadcast activation and each instruction serves twice
+   the rows, and 8 input rows share each unpacked group of weights. */
+
+TARGET_VNNI static inline __m512i join256(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
+                              _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+
+TARGET_VNNI static inline __m512 join_ph(const uint16_t *lo, const uint16_t *hi) {
+    __m256i h = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+        _mm_loadu_si128((const __m128i *)hi), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+TARGET_VNNI static inline void store16(const job_t *j, int b, int r0, __m512 v) {
+    float f[16];
+    _mm512_storeu_ps(f, v);
+    store8(j, b, r0, f);
+    store8(j, b, r0 + 8, f + 8);
+}
+
+#define DOT16(acc, w, x) _mm512_dpbusd_epi32((acc), (w), _mm512_set1_epi32(x))
+
+TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const job_t *j, int t,
+                                                                          int b0, const int nb) {
+    const int groups = j->in / GROUP;
+    const size_t span = (size_t)groups * 128;
+    const uint8_t *w0 = j->qs + (size_t)t * span, *w1 = w0 + span;
+    const uint16_t *s0 = (const uint16_t *)j->scale + (size_t)t * groups * 8, *s1 = s0 + groups * 8;
+    const uint16_t *m0 = (const uint16_t *)j->minimum + (size_t)t * groups * 8, *m1 = m0 + groups * 8;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[8];
+    for (int k = 0; k < nb; k++) acc[k] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i w[8];
+        { /* the next pair's group g (2 x 2 lines): its DRAM read overlaps this pair's maths
+             (~25% off a decode step's products at batch 1 and 8; past the end: harmless) */
+            const char *next = (const char *)w0 + 2 * span + (size_t)g * 128;
+            _mm_prefetch(next, _MM_HINT_T0);
+            _mm_prefetch(next + 64, _MM_HINT_T0);
+            _mm_prefetch(next + span, _MM_HINT_T0);
+            _mm_prefetch(next + span + 64, _MM_HINT_T0);
+        }
+        for (int k = 0; k < 4; k++) {
+            __m512i v = join256(w0 + (size_t)g * 128 + k * 32, w1 + (size_t)g * 128 + k * 32);
+            w[k] = _mm512_and_si512(v, low);
+            w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        const __m512 sc = join_ph(s0 + (size_t)g * 8, s1 + (size_t)g * 8);
+        const __m512 mn = join_ph(m0 + (size_t)g * 8, m1 + (size_t)g * 8);
+        for (int k = 0; k < nb; k++) {
+            const size_t xg = (size_t)(b0 + k) * groups + g;
+            const int32_t *x4 = (const int32_t *)(j->qx + xg * GROUP);
+            __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+            a = DOT16(a, w[0], x4[0]);
+            c = DOT16(c, w[4], x4[4]);
+            a = DOT16(a, w[1], x4[1]);
+            c = DOT16(c, w[5], x4[5]);
+            a = DOT16(a, w[2], x4[2]);
+            c = DOT16(c, w[6], x4[6]);
+            a = DOT16(a, w[3], x4[3]);
+            c = DOT16(c, w[7], x4[7]);
+            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+            acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dx[xg])), acc[k]);
+            acc[k] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->sx[xg]), acc[k]);
+            if (j->qlo != NULL) {
+                const int32_t *r4 = (const int32_t *)(j->qlo + xg * GROUP);
+                a = _mm512_setzero_si512();
+                c = _mm512_setzero_si512();
+                a = DOT16(a, w[0], r4[0]);
+                c = DOT16(c, w[4], r4[4]);
+                a = DOT16(a, w[1], r4[1]);
+                c = DOT16(c, w[5], r4[5]);
+                a = DOT16(a, w[2], r4[2]);
+                c = DOT16(c, w[6], r4[6]);
+                a = DOT16(a, w[3], r4[3]);
+                c = DOT16(c, w[7], r4[7]);
+                f = _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+                acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dlo[xg])), acc[k]);
+            }
+        }
+    }
+    for (int k = 0; k < nb; k++) store16(j, b0 + k, t * 8, acc[k]);
+}
+
+TARGET_VNNI static void vnni16_run(const job_t *j) {
+    const int tiles = j->out / 8, pairs = tiles / 2;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < pairs + (tiles & 1); p++) {
+        int b = 0;
+        if (p == pairs) { /* an odd last tile: 256 bits */
+            for (; b + 4 <= j->batch; b += 4) vnni_tile(j, 2 * p, b, 4);
+            for (; b < j->batch; b++) vnni_tile(j, 2 * p, b, 1);
+            continue;
+        }
+        for (; b + 8 <= j->batch; b += 8) vnni16_tile(j, 2 * p, b, 8);
+        for (; b + 4 <= j->batch; b += 4) vnni16_tile(j, 2 * p, b, 4);
+        for (; b + 2 <= j->batch; b += 2) vnni16_tile(j, 2 * p, b, 2);
+        for (; b < j->batch; b++) vnni16_tile(j, 2 * p, b, 1);
+    }
+}
+
 /* ---- int8 weights (one scale per row), for the output head's coarse pass ----
 
    The same tiles of 8 rows, 8 steps of 4 bytes per group (256 bytes). u8 x s8 dot
@@ -377,7 +484,7 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
     const int G = a->groups, L = a->length, D = a->dim;
     float *scores = a->scratch + (size_t)(b * a->kv + h) * (size_t)G * (L + D);
     float *sums = scores + (size_t)G * L;
-    float qf[16 * 256];
+    float qf[16 * 256], kf[4 * 256];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < D; d += 8) {
             long long at = b * a->qs[0] + h * a->qs[1] + g * a->qs[2] + d;
@@ -387,26 +494,43 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
     const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
     const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
     const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
-    for (int l = 0; l < L; l++) {
-        const long long kat = kbase + (rows ? rows[l] : l) * a->ks[2];
-        __m256 acc[16];
-        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8) {
-            __m256 kv = load8s(a->k, a->bf16, kat + d);
-            for (int g = 0; g < G; g++)
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), kv, acc[g]);
+    /* Scores, 4 keys at a time: each key's row converted to float once, then per query head
+       4 independent FMA chains (one per key) and one horizontal-add tree for the 4 sums (one
+       chain per head left the loop waiting on FMA latency). */
+    for (int l0 = 0; l0 < L; l0 += 4) {
+        const int n = L - l0 < 4 ? L - l0 : 4;
+        for (int j = 0; j < 4; j++) {
+            const int l = l0 + (j < n ? j : 0); /* past the end: any real key, then dropped */
+            const long long kat = kbase + (rows ? rows[l] : l) * a->ks[2];
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(kf + j * D + d, load8s(a->k, a->bf16, kat + d));
         }
-        float m = 0.0f;
-        if (a->mask) {
-            const long long at = b * a->mask_stride + l;
-            if (a->mask_bf16) {
-                uint32_t u = (uint32_t)((const uint16_t *)a->mask)[at] << 16;
-                memcpy(&m, &u, 4);
-            } else {
-                m = ((const float *)a->mask)[at];
+        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (a->mask)
+            for (int j = 0; j < n; j++) {
+                const long long at = b * a->mask_stride + l0 + j;
+                if (a->mask_bf16) {
+                    uint32_t u = (uint32_t)((const uint16_t *)a->mask)[at] << 16;
+                    memcpy(m + j, &u, 4);
+                } else {
+                    m[j] = ((const float *)a->mask)[at];
+                }
             }
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + d), s0);
+                s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + D + d), s1);
+                s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 2 * D + d), s2);
+                s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 3 * D + d), s3);
+            }
+            /* [s0 s1 s2 s3] of each 128-bit half, then the halves added: the 4 dot products */
+            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+            float dots[4];
+            _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+            for (int j = 0; j < n; j++) scores[(size_t)g * L + l0 + j] = dots[j] * a->scale + m[j];
         }
-        for (int g = 0; g < G; g++) scores[(size_t)g * L + l] = hsum8(acc[g]) * a->scale + m;
     }
     for (int g = 0; g < G; g++) {
         float *s = scores + (size_t)g * L;
@@ -432,15 +556,27 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (l = 0; l < L; l++) s[l] *= inv;
     }
-    for (int i = 0; i < G * D; i++) sums[i] = 0.0f;
-    for (int l = 0; l < L; l++) {
-        const long long vat = vbase + (rows ? rows[l] : l) * a->vs[2];
-        for (int d = 0; d < D; d += 8) {
-            __m256 vv = load8s(a->v, a->bf16, vat + d);
-            for (int g = 0; g < G; g++) {
-                float *o = sums + g * D + d;
-                __m256 p = _mm256_set1_ps(scores[(size_t)g * L + l]);
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(p, vv, _mm256_loadu_ps(o)));
+    /* Values: the sums of up to 4 query heads x 16 dimensions stay in registers over all the
+       keys (through memory, each key's update waited on the previous one's store). */
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int ng = G - g0 < 4 ? G - g0 : 4;
+        for (int d = 0; d < D; d += 16) {
+            const int two = d + 16 <= D; /* D = 8 mod 16: a last half block */
+            __m256 o[4][2];
+            for (int g = 0; g < 4; g++) o[g][0] = o[g][1] = _mm256_setzero_ps();
+            for (int l = 0; l < L; l++) {
+                const long long vat = vbase + (rows ? rows[l] : l) * a->vs[2] + d;
+                const __m256 v0 = load8s(a->v, a->bf16, vat);
+                const __m256 v1 = two ? load8s(a->v, a->bf16, vat + 8) : v0;
+                for (int g = 0; g < ng; g++) {
+                    const __m256 p = _mm256_set1_ps(scores[(size_t)(g0 + g) * L + l]);
+                    o[g][0] = _mm256_fmadd_ps(p, v0, o[g][0]);
+                    o[g][1] = _mm256_fmadd_ps(p, v1, o[g][1]);
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                _mm256_storeu_ps(sums + (g0 + g) * D + d, o[g][0]);
+                if (two) _mm256_storeu_ps(sums + (g0 + g) * D + d + 8, o[g][1]);
             }
         }
     }
@@ -540,7 +676,7 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
     if (strcmp(name, "avx512vnni") == 0 && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("fma")) {
-        RUN = vnni_run;
+        RUN = vnni16_run;
         RUN8 = vnni_run8;
         ISA = "avx512vnni";
         Py_RETURN_TRUE;

@@ -87,6 +87,28 @@ def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batc
 
 
 @needs_kernel
+@pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576)])
+def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
+    out_f: int, in_f: int
+) -> None:
+    """A row's output does not depend on the rows beside it (the 8-, 4-, 2- and 1-row paths,
+    and an odd last tile, do the same arithmetic in the same order) nor on the instruction
+    set: batching never changes a sequence's tokens."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(out_f)
+    layer = Q4Linear(KERNEL, *quant.pack_q4(torch.randn(out_f, in_f, generator=g)))
+    x = torch.randn(15, in_f, generator=g)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
+    default = KERNEL.isa()
+    try:
+        for isa in _isas():
+            assert KERNEL.use(isa)
+            assert torch.equal(layer(x), alone), isa
+    finally:
+        KERNEL.use(default)
+
+
+@needs_kernel
 def test_rows_of_three_dimensions_and_the_dense_path() -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(16, 64, generator=g)
