@@ -181,21 +181,23 @@ class Q8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         tiled, scale = quant.tile_q8(weight), scale.float().contiguous()
+        sums = quant.q8_group_sums(weight)
         self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
         self.register_buffer("scale", scale)  # [out]
+        self.register_buffer("group_sums", sums)
         self._matmul = kernel.matmul
-        self._pointers = (tiled.data_ptr(), scale.data_ptr())  # as in Q4Linear
+        self._pointers = (tiled.data_ptr(), scale.data_ptr(), sums.data_ptr())  # as in Q4Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.bfloat16, torch.float32):
             x = x.float()
         x = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        weight, scale = self._pointers
+        weight, scale, sums = self._pointers
         flags = 1 if x.dtype == torch.bfloat16 else 0  # bfloat16 in, float32 out
         self._matmul(
             x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
-            y.data_ptr(), flags, _PRO_NONE, 0, 0.0,
+            y.data_ptr(), flags, _PRO_NONE, sums, 0.0,
         )  # fmt: skip
         return y
 

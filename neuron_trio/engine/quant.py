@@ -358,6 +358,15 @@ def tile_q8(weight: torch.Tensor) -> torch.Tensor:
     return tiled.contiguous()
 
 
+def q8_group_sums(weight: torch.Tensor) -> torch.Tensor:
+    """pack_q8's int8 `[out, in]` → 128 x each row's sum over each group of 32, int32 in the
+    tiles' layout `[tiles, groups, Q4_TILE]`: the AVX-512 kernel feeds it x + 128 (an unsigned
+    operand) and takes this back out."""
+    out_f, in_f = weight.shape
+    sums = weight.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP).sum(-1, dtype=torch.int32) * 128
+    return sums.reshape(out_f // Q4_TILE, Q4_TILE, -1).transpose(1, 2).contiguous()
+
+
 def native_q4() -> ModuleType | None:
     """The native 4-bit kernel (`_q4kernel.c`, built at install), or None where it was not
     built or this CPU has neither AVX2 nor AVX-512 VNNI; then "auto" uses torch's int4 kernel.

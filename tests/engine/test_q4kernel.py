@@ -87,16 +87,22 @@ def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batc
 
 
 @needs_kernel
+@pytest.mark.parametrize("weights", ["4-bit", "int8"])
 @pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576)])
 def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
-    out_f: int, in_f: int
+    weights: str, out_f: int, in_f: int
 ) -> None:
     """A row's output does not depend on the rows beside it (the 8-, 4-, 2- and 1-row paths,
     and an odd last tile, do the same arithmetic in the same order) nor on the instruction
     set: batching never changes a sequence's tokens."""
     assert KERNEL is not None
     g = torch.Generator().manual_seed(out_f)
-    layer = Q4Linear(KERNEL, *quant.pack_q4(torch.randn(out_f, in_f, generator=g)))
+    w = torch.randn(out_f, in_f, generator=g)
+    layer: torch.nn.Module
+    if weights == "4-bit":
+        layer = Q4Linear(KERNEL, *quant.pack_q4(w))
+    else:
+        layer = Q8Linear(KERNEL, *quant.pack_q8(w))
     x = torch.randn(15, in_f, generator=g)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
     default = KERNEL.isa()
@@ -135,6 +141,8 @@ def test_bad_shapes_are_refused() -> None:
         KERNEL.matmul(x.data_ptr(), 1, 33, 0, 0, 0, 8, y.data_ptr(), 0, 0, 0, 0.0)
     with pytest.raises(ValueError, match="prologue"):  # RMSNorm without its weight
         KERNEL.matmul(x.data_ptr(), 1, 32, 0, 0, 0, 8, y.data_ptr(), 0, 1, 0, 1e-5)
+    with pytest.raises(ValueError, match="group sums"):  # int8 weights without their sums
+        KERNEL.matmul(x.data_ptr(), 1, 32, 0, 0, 0, 8, y.data_ptr(), 0, 0, 0, 0.0)
     with pytest.raises(TypeError):
         KERNEL.matmul(1, 2)
 
