@@ -600,10 +600,18 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
                 s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 2 * D + d), s2);
                 s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 3 * D + d), s3);
             }
-            /* [s0 s1 s2 s3] of each 128-bit half, then the halves added: the 4 dot products */
-            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-            float dots[4];
-            _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+            /* The 4 sums in hsum8's order, so that the scores keep their bits whatever the
+               loop's shape: halves first (t = lo + hi, keys 0 | 1 and 2 | 3 side by side),
+               then (t0 + t2) + (t1 + t3). */
+            const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                                             _mm256_permute2f128_ps(s0, s1, 0x31));
+            const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(s2, s3, 0x20),
+                                             _mm256_permute2f128_ps(s2, s3, 0x31));
+            const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                           _mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
+            float r[8]; /* keys 0, 2, 0, 2 | 1, 3, 1, 3 */
+            _mm256_storeu_ps(r, _mm256_hadd_ps(c, c));
+            const float dots[4] = {r[0], r[4], r[1], r[5]};
             for (int j = 0; j < n; j++) scores[(size_t)g * L + l0 + j] = dots[j] * a->scale + m[j];
         }
     }
