@@ -740,6 +740,114 @@ static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* ---- the output head's refinement (model.RefinedHead): each row's k best coarse logits
+   recomputed exactly, in float32, from the dense table ----
+
+   torch's topk, gather and bmm cost ~1 ms a decode step at batch 8 (mostly the topk over the
+   vocabulary and the copy of the k table rows); here a min-heap of the k best is filled in
+   one pass (blocks of 8 logits that cannot enter it are skipped with one compare), and each
+   candidate's dot product reads its table row in place. */
+
+TARGET_AVX2 static void heap_down(float *val, int *idx, int n, int at) {
+    for (;;) {
+        int low = at, l = 2 * at + 1, r = l + 1;
+        if (l < n && (val[l] < val[low] || (val[l] == val[low] && idx[l] > idx[low]))) low = l;
+        if (r < n && (val[r] < val[low] || (val[r] == val[low] && idx[r] > idx[low]))) low = r;
+        if (low == at) return;
+        float v = val[at];
+        int i = idx[at];
+        val[at] = val[low];
+        idx[at] = idx[low];
+        val[low] = v;
+        idx[low] = i;
+        at = low;
+    }
+}
+
+#define REFINE_MAX 1024
+
+TARGET_AVX2 static void refine_row(float *logits, int vocab, const void *x, int bf16,
+                                   const float *table, int dim, int k) {
+    float val[REFINE_MAX], xf[8192];
+    int idx[REFINE_MAX];
+    /* the heap's root is its worst member: the lowest logit, the highest index on a tie */
+    for (int i = 0; i < k; i++) {
+        val[i] = logits[i];
+        idx[i] = i;
+    }
+    for (int i = k / 2 - 1; i >= 0; i--) heap_down(val, idx, k, i);
+    int i = k;
+    for (; i < vocab && (i & 7); i++)
+        if (logits[i] > val[0]) {
+            val[0] = logits[i];
+            idx[0] = i;
+            heap_down(val, idx, k, 0);
+        }
+    for (; i + 8 <= vocab; i += 8) {
+        const __m256 v = _mm256_loadu_ps(logits + i);
+        if (!_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(val[0]), _CMP_GT_OQ))) continue;
+        for (int j = i; j < i + 8; j++)
+            if (logits[j] > val[0]) {
+                val[0] = logits[j];
+                idx[0] = j;
+                heap_down(val, idx, k, 0);
+            }
+    }
+    for (; i < vocab; i++)
+        if (logits[i] > val[0]) {
+            val[0] = logits[i];
+            idx[0] = i;
+            heap_down(val, idx, k, 0);
+        }
+    for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(xf + d, load8(x, bf16, (size_t)d));
+    for (int c = 0; c < k; c++) {
+        const float *row = table + (size_t)idx[c] * dim;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+        int d = 0;
+        for (; d + 16 <= dim; d += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + d), _mm256_loadu_ps(xf + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + d + 8), _mm256_loadu_ps(xf + d + 8), s1);
+        }
+        if (d < dim) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + d), _mm256_loadu_ps(xf + d), s0);
+        logits[idx[c]] = hsum8(_mm256_add_ps(s0, s1));
+    }
+}
+
+/* refine(logits, rows, vocab, x, x_bf16, table, dim, k): logits float32 [rows, vocab] in
+   place; x [rows, dim] (bfloat16 if x_bf16, else float32); table float32 [vocab, dim]. */
+static PyObject *q4_refine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "refine takes 8 arguments");
+        return NULL;
+    }
+    if (ISA[0] == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has neither AVX2 nor AVX-512 VNNI");
+        return NULL;
+    }
+    long long v[8];
+    for (int i = 0; i < 8; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    float *logits = (float *)(intptr_t)v[0];
+    const int rows = (int)v[1], vocab = (int)v[2], bf16 = (int)v[4], dim = (int)v[6], k = (int)v[7];
+    const char *x = (const char *)(intptr_t)v[3];
+    const float *table = (const float *)(intptr_t)v[5];
+    if (rows < 1 || k < 1 || k > REFINE_MAX || k > vocab || dim < 8 || dim > 8192 || dim % 8) {
+        PyErr_SetString(PyExc_ValueError,
+                        "refine: bad shape (k 1..1024 and at most the vocabulary, dim 8..8192 by 8)");
+        return NULL;
+    }
+    const size_t x_row = (size_t)dim * (bf16 ? 2 : 4);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int r = 0; r < rows; r++)
+        refine_row(logits + (size_t)r * vocab, vocab, x + r * x_row, bf16, table, dim, k);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 typedef void (*run_fn)(const job_t *);
 static run_fn RUN = NULL, RUN8 = NULL;
 static const char *ISA = "";
@@ -861,6 +969,8 @@ static PyMethodDef METHODS[] = {
     {"attend", (PyCFunction)(void (*)(void))q4_attend, METH_FASTCALL,
      "attend(q, 3 strides, k, 3 strides, v, 3 strides, mask, mask stride, flags, batch, kv, "
      "groups, length, dim, out, scale, rows): decode attention"},
+    {"refine", (PyCFunction)(void (*)(void))q4_refine, METH_FASTCALL,
+     "refine(logits, rows, vocab, x, x_bf16, table, dim, k): each row's k best logits exact"},
     {"isa", q4_isa, METH_NOARGS, "the instruction set used: avx512vnni, avx2, or '' (none)"},
     {NULL, NULL, 0, NULL},
 };

@@ -195,7 +195,8 @@ def _load(
                 coarse = Q8Linear(kernel, *quant.pack_q8(head))
             else:
                 coarse = Int8Linear(*quant.pack_int8(head))
-            model.output = RefinedHead(coarse, table, HEAD_REFINE)
+            native = kernel if isinstance(coarse, Q8Linear) else None
+            model.output = RefinedHead(coarse, table, HEAD_REFINE, native)
         else:
             model.output = make_linear(head, scheme, device, four_bit=False)
     model.init_rope(min(full.context_length, 4096))

@@ -243,12 +243,18 @@ class RefinedHead(nn.Module):
 
     table: torch.Tensor
 
-    def __init__(self, coarse: nn.Module, table: torch.Tensor, refine: int) -> None:
+    def __init__(
+        self, coarse: nn.Module, table: torch.Tensor, refine: int, kernel: Any = None
+    ) -> None:
         super().__init__()
-        self.coarse = coarse  # Int8Linear or Int4Linear without a dense copy
+        self.coarse = coarse  # Q8Linear, Int8Linear or Int4Linear without a dense copy
         self.register_buffer("table", table)  # [V, dim], shared with the embedding when tied
         self.refine = refine
         self.out_features, self.in_features = table.shape
+        # The native kernel's `refine` (a float32 table on the CPU): the k best and their exact
+        # logits in one call, ~1 ms less a step at batch 8 than topk, gather and bmm.
+        fits = table.dtype == torch.float32 and table.is_contiguous() and table.device.type == "cpu"
+        self._kernel = kernel if fits else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -257,6 +263,15 @@ class RefinedHead(nn.Module):
         if x2.shape[0] >= DENSE_MIN_ROWS:
             return F.linear(x.to(table.dtype), table).float()
         logits = self.coarse(x2).float()  # [N, V]
+        kernel = self._kernel
+        if kernel is not None and x2.dtype in (torch.bfloat16, torch.float32):
+            x2, logits = x2.contiguous(), logits.contiguous()
+            n, (vocab, dim) = x2.shape[0], table.shape
+            bf16 = int(x2.dtype == torch.bfloat16)
+            kernel.refine(
+                logits.data_ptr(), n, vocab, x2.data_ptr(), bf16, table.data_ptr(), dim, self.refine
+            )
+            return logits.reshape(*lead, self.out_features)
         top = logits.topk(self.refine, dim=-1).indices  # [N, k]
         rows = table[top]  # [N, k, dim]
         exact = torch.bmm(rows, x2.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [N, k]

@@ -292,3 +292,33 @@ def test_decode_attention_through_token_rows_matches_a_gather(
     shifted = (rows + 1) % pool_tokens
     other = _native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=shifted)
     assert not torch.allclose(other.float(), want, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_refine_recomputes_each_rows_best_logits_exactly(dtype: torch.dtype) -> None:
+    """`refine`: each row's k best coarse logits replaced by their exact float32 dot products
+    with the table, the rest untouched; a row alone gets the same bits as in a batch."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(5)
+    vocab, dim, k = 1003, 72, 37  # neither a multiple of 8 nor of 16
+    coarse = torch.randn(5, vocab, generator=g)
+    table = torch.randn(vocab, dim, generator=g)
+    x = torch.randn(5, dim, generator=g).to(dtype)
+
+    def refine(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = logits.clone()
+        n = rows.shape[0]
+        KERNEL.refine(out.data_ptr(), n, vocab, rows.data_ptr(), int(dtype == torch.bfloat16),
+                      table.data_ptr(), dim, k)  # fmt: skip
+        return out
+
+    got = refine(coarse, x)
+    top = coarse.topk(k, dim=-1).indices
+    exact = (x.double() @ table.double().T).float()
+    want = coarse.scatter(1, top, exact.gather(1, top))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, coarse.scatter(1, top, got.gather(1, top)))  # the tail untouched
+    assert torch.equal(refine(coarse[2:3], x[2:3].contiguous()), got[2:3])
+    with pytest.raises(ValueError, match="refine: bad shape"):
+        KERNEL.refine(got.data_ptr(), 5, vocab, x.data_ptr(), 0, table.data_ptr(), dim, vocab + 1)
