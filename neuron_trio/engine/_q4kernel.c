@@ -15,9 +15,11 @@
    libgomp.so.1 torch already loaded is the one used: one thread pool, no oversubscription.
    The GIL is released while it computes.
 
-   The module exposes `matmul` and `attend` (pointers and strides as ints, from model.py's
-   Q4Linear, Q8Linear and _native_attention), `isa()`: "avx512vnni", "avx2" or "" (a CPU it
-   cannot use), and `use(name)` for tests. */
+   The module exposes `matmul`, `attend` and `refine` (pointers and strides as ints, from
+   model.py's Q4Linear, Q8Linear, _native_attention and RefinedHead), `isa()`: "avx512vnni",
+   "avx2" or "" (a CPU it cannot use), and `use(name)` for tests. Both instruction sets give
+   the same bits (the integers are exact, and the float operations run in the same order),
+   and so do all batch sizes: batching never changes a sequence's tokens. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
