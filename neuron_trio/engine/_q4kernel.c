@@ -337,6 +337,21 @@ TARGET_VNNI static inline void store16(const job_t *j, int b, int r0, __m512 v) 
 
 #define DOT16(acc, w, x) _mm512_dpbusd_epi32((acc), (w), _mm512_set1_epi32(x))
 
+/* One group's 8 steps (weights w, 4 activations x4[s] each): two chains, as the 256-bit
+   tile (steps 0..3 and 4..7), their sum converted to float. */
+TARGET_VNNI static inline __m512 group16(const __m512i *w, const int32_t *x4) {
+    __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+    a = DOT16(a, w[0], x4[0]);
+    c = DOT16(c, w[4], x4[4]);
+    a = DOT16(a, w[1], x4[1]);
+    c = DOT16(c, w[5], x4[5]);
+    a = DOT16(a, w[2], x4[2]);
+    c = DOT16(c, w[6], x4[6]);
+    a = DOT16(a, w[3], x4[3]);
+    c = DOT16(c, w[7], x4[7]);
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+}
+
 TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const job_t *j, int t,
                                                                           int b0, const int nb) {
     const int groups = j->in / GROUP;
@@ -366,32 +381,11 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
         const __m512 mn = join_ph(m0 + (size_t)g * 8, m1 + (size_t)g * 8);
         for (int k = 0; k < nb; k++) {
             const size_t xg = (size_t)(b0 + k) * groups + g;
-            const int32_t *x4 = (const int32_t *)(j->qx + xg * GROUP);
-            __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
-            a = DOT16(a, w[0], x4[0]);
-            c = DOT16(c, w[4], x4[4]);
-            a = DOT16(a, w[1], x4[1]);
-            c = DOT16(c, w[5], x4[5]);
-            a = DOT16(a, w[2], x4[2]);
-            c = DOT16(c, w[6], x4[6]);
-            a = DOT16(a, w[3], x4[3]);
-            c = DOT16(c, w[7], x4[7]);
-            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+            __m512 f = group16(w, (const int32_t *)(j->qx + xg * GROUP));
             acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dx[xg])), acc[k]);
             acc[k] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->sx[xg]), acc[k]);
-            if (j->qlo != NULL) {
-                const int32_t *r4 = (const int32_t *)(j->qlo + xg * GROUP);
-                a = _mm512_setzero_si512();
-                c = _mm512_setzero_si512();
-                a = DOT16(a, w[0], r4[0]);
-                c = DOT16(c, w[4], r4[4]);
-                a = DOT16(a, w[1], r4[1]);
-                c = DOT16(c, w[5], r4[5]);
-                a = DOT16(a, w[2], r4[2]);
-                c = DOT16(c, w[6], r4[6]);
-                a = DOT16(a, w[3], r4[3]);
-                c = DOT16(c, w[7], r4[7]);
-                f = _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+            if (j->qlo != NULL) { /* the residual pass, same weights */
+                f = group16(w, (const int32_t *)(j->qlo + xg * GROUP));
                 acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dlo[xg])), acc[k]);
             }
         }
@@ -691,21 +685,29 @@ TARGET_AVX2 static void attend_all(const attn_t *a) {
           an int64 [batch, length] of K/V token rows (then k's and v's row stride is unused). */
 static const char *ISA; /* defined below: "" on a CPU without AVX2 */
 
-static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 23) {
-        PyErr_SetString(PyExc_TypeError, "attend takes 23 arguments");
-        return NULL;
+/* The calls' common start: `nargs` must be `want`, the CPU usable, and the first `count`
+   arguments ints (pointers, strides, sizes), into v. 0 on success, -1 with an exception. */
+static int take_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int count,
+                     long long *v, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
+        return -1;
     }
     if (ISA[0] == 0) {
         PyErr_SetString(PyExc_RuntimeError, "this CPU has neither AVX2 nor AVX-512 VNNI");
-        return NULL;
+        return -1;
     }
-    long long v[21];
-    for (int i = 0; i < 21; i++) {
+    for (int i = 0; i < count; i++) {
         v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+        if (v[i] == -1 && PyErr_Occurred()) return -1;
     }
+    return 0;
+}
+
+static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[21];
+    if (take_ints(args, nargs, 23, 21, v, "attend") < 0) return NULL;
     const double scale = PyFloat_AsDouble(args[21]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     const long long rows = PyLong_AsLongLong(args[22]);
@@ -823,19 +825,8 @@ TARGET_AVX2 static void refine_row(float *logits, int vocab, const void *x, int 
    place; x [rows, dim] (bfloat16 if x_bf16, else float32); table float32 [vocab, dim]. */
 static PyObject *q4_refine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "refine takes 8 arguments");
-        return NULL;
-    }
-    if (ISA[0] == 0) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has neither AVX2 nor AVX-512 VNNI");
-        return NULL;
-    }
     long long v[8];
-    for (int i = 0; i < 8; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (take_ints(args, nargs, 8, 8, v, "refine") < 0) return NULL;
     float *logits = (float *)(intptr_t)v[0];
     const int rows = (int)v[1], vocab = (int)v[2], bf16 = (int)v[4], dim = (int)v[6], k = (int)v[7];
     const char *x = (const char *)(intptr_t)v[3];
