@@ -347,5 +347,8 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
 
 
 def _coarse_head_bytes(n: int, vocab: int) -> int:
-    """Bytes of RefinedHead's coarse pass over `n` weights: int4 + scales/zeros, or int8 + scales."""
-    return n // 2 + n // quant.INT4_GROUP * 4 if AUTO_INT4_HEAD else n + 2 * vocab
+    """Bytes of RefinedHead's coarse pass over `n` weights: int4 + scales/zeros, or int8 +
+    scales (+ the native kernel's int32 group sums)."""
+    if AUTO_INT4_HEAD:
+        return n // 2 + n // quant.INT4_GROUP * 4
+    return n + 2 * vocab + n // quant.INT4_GROUP * 4
