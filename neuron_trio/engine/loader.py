@@ -170,8 +170,9 @@ def _load(
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
         )
         layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+    # the native kernel ("auto" on the CPU): decode attention (see Block), the head's passes
     kernel = quant.native_q4() if scheme == "cpu-int" and device.type == "cpu" else None
-    for layer in model.layers:  # decode attention in the native kernel (see Block)
+    for layer in model.layers:
         cast(Block, layer).attend_kernel = kernel
     model.norm = vector("output_norm.weight")
     embed = get("token_embd.weight", (c.vocab_size, c.dim))
@@ -186,7 +187,6 @@ def _load(
             # a coarse int pass + exact top candidates (tied: from the embedding table itself)
             table = model.tok_embeddings if c.tied_output else head.to(device)
             int4_ok = c.dim % quant.INT4_GROUP == 0 and c.vocab_size % 16 == 0
-            kernel = quant.native_q4() if device.type == "cpu" else None
             coarse: torch.nn.Module
             if AUTO_INT4_HEAD and int4_ok:
                 packed, scales_zeros = quant.pack_int4(head)
@@ -195,8 +195,7 @@ def _load(
                 coarse = Q8Linear(kernel, *quant.pack_q8(head))
             else:
                 coarse = Int8Linear(*quant.pack_int8(head))
-            native = kernel if isinstance(coarse, Q8Linear) else None
-            model.output = RefinedHead(coarse, table, HEAD_REFINE, native)
+            model.output = RefinedHead(coarse, table, HEAD_REFINE)
         else:
             model.output = make_linear(head, scheme, device, four_bit=False)
     model.init_rope(min(full.context_length, 4096))

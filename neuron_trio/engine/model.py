@@ -185,6 +185,7 @@ class Q8Linear(nn.Module):
         self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
         self.register_buffer("scale", scale)  # [out]
         self.register_buffer("group_sums", sums)
+        self.kernel = kernel  # RefinedHead's refinement runs in it too
         self._matmul = kernel.matmul
         self._pointers = (tiled.data_ptr(), scale.data_ptr(), sums.data_ptr())  # as in Q4Linear
 
@@ -243,18 +244,17 @@ class RefinedHead(nn.Module):
 
     table: torch.Tensor
 
-    def __init__(
-        self, coarse: nn.Module, table: torch.Tensor, refine: int, kernel: Any = None
-    ) -> None:
+    def __init__(self, coarse: nn.Module, table: torch.Tensor, refine: int) -> None:
         super().__init__()
         self.coarse = coarse  # Q8Linear, Int8Linear or Int4Linear without a dense copy
         self.register_buffer("table", table)  # [V, dim], shared with the embedding when tied
         self.refine = refine
         self.out_features, self.in_features = table.shape
-        # The native kernel's `refine` (a float32 table on the CPU): the k best and their exact
-        # logits in one call, ~1 ms less a step at batch 8 than topk, gather and bmm.
+        # With a native coarse pass (and a float32 table on the CPU), the kernel's `refine`:
+        # the k best and their exact logits in one call, ~1 ms less a step at batch 8 than
+        # topk, gather and bmm.
         fits = table.dtype == torch.float32 and table.is_contiguous() and table.device.type == "cpu"
-        self._kernel = kernel if fits else None
+        self._kernel = coarse.kernel if fits and isinstance(coarse, Q8Linear) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
