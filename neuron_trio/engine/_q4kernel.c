@@ -209,7 +209,7 @@ typedef struct {
     const void *scale, *minimum; /* 4-bit: float16 per row and group; int8: float32 per row */
     const int8_t *qx, *qlo; /* qlo: the residual pass (4-bit path), or NULL */
     const float *dx, *sx, *dlo;
-    const uint8_t *qxu;   /* int8 weights: qx + 128 (vnni16_tile8) */
+    uint8_t *qxu;         /* int8 weights: room for qx + 128 (vnni16_run fills it) */
     const int32_t *wsum;  /* int8 weights: 128 x each row's group sums, in tiles [.., groups, 8] */
     int batch, in, out, flags;
     void *y;
@@ -393,30 +393,6 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
     for (int k = 0; k < nb; k++) store16(j, b0 + k, t * 8, acc[k]);
 }
 
-TARGET_VNNI static void vnni16_run(const job_t *j) {
-    if (j->batch == 1) {
-        /* One row is bound by reading the weights from memory, not by the maths: there the
-           256-bit tiles, read in one stream, beat a pair's two streams (~1.5x on the head,
-           whose 28 MB do not stay in cache). The same bits either way. */
-        vnni_run(j);
-        return;
-    }
-    const int tiles = j->out / 8, pairs = tiles / 2;
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int p = 0; p < pairs + (tiles & 1); p++) {
-        int b = 0;
-        if (p == pairs) { /* an odd last tile: 256 bits */
-            for (; b + 4 <= j->batch; b += 4) vnni_tile(j, 2 * p, b, 4);
-            for (; b < j->batch; b++) vnni_tile(j, 2 * p, b, 1);
-            continue;
-        }
-        for (; b + 8 <= j->batch; b += 8) vnni16_tile(j, 2 * p, b, 8);
-        for (; b + 4 <= j->batch; b += 4) vnni16_tile(j, 2 * p, b, 4);
-        for (; b + 2 <= j->batch; b += 2) vnni16_tile(j, 2 * p, b, 2);
-        for (; b < j->batch; b++) vnni16_tile(j, 2 * p, b, 1);
-    }
-}
-
 /* ---- int8 weights (one scale per row), for the output head's coarse pass ----
 
    The same tiles of 8 rows, 8 steps of 4 bytes per group (256 bytes). u8 x s8 dot
@@ -471,7 +447,7 @@ TILE8_KERNEL(avx2, TARGET_AVX2, dot_avx2)
 
 /* AVX-512 VNNI: the int8 weights' tiles in pairs (16 rows a vector), as vnni16_tile. Here the
    weights are the signed operand and the activations the unsigned one, x + 128 (`qxu`: qx with
-   its sign bit flipped, see q4_matmul): the dot instruction then needs no sign trick, and
+   its sign bit flipped, see vnni16_run): the dot instruction then needs no sign trick, and
    128 x each row's group sum of weights (`wsum`, from Q8Linear) takes the offset back out.
    The integers are exact, so the floats match the AVX2 path's bit for bit. */
 
@@ -511,25 +487,40 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
     for (int k = 0; k < nb; k++) store16(j, b0 + k, t * 8, _mm512_mul_ps(acc[k], scale));
 }
 
-TARGET_VNNI static void vnni16_run8(const job_t *j) {
-    if (j->batch == 1) { /* one row: one stream of weights reads faster (see vnni16_run) */
-        vnni_run8(j);
+/* Both kinds of weights on AVX-512 VNNI: pairs of tiles from batch 2, up to 8 rows at once.
+   A batch of one is bound by reading the weights from memory, not by the maths: there the
+   256-bit tiles, read in one stream, beat a pair's two streams (~1.5x on the head, whose
+   28 MB do not stay in cache). The same bits either way. */
+
+#define PAIR_TILE(NB) (int8 ? vnni16_tile8(j, 2 * p, b, NB) : vnni16_tile(j, 2 * p, b, NB))
+#define ONE_TILE(NB) (int8 ? vnni_tile8(j, 2 * p, b, NB) : vnni_tile(j, 2 * p, b, NB))
+
+TARGET_VNNI static void vnni16_run(const job_t *j) {
+    const int int8 = j->minimum == NULL;
+    if (j->batch == 1) {
+        (int8 ? vnni_run8 : vnni_run)(j);
         return;
     }
+    if (int8) /* vnni16_tile8's unsigned operand */
+        for (size_t i = 0; i < (size_t)j->batch * j->in; i++) j->qxu[i] = (uint8_t)(j->qx[i] ^ 0x80);
     const int tiles = j->out / 8, pairs = tiles / 2;
 #pragma omp parallel for schedule(dynamic, 4)
     for (int p = 0; p < pairs + (tiles & 1); p++) {
         int b = 0;
-        if (p == pairs) { /* an odd last tile: 256 bits, signed activations (see q4_matmul) */
-            for (; b < j->batch; b++) vnni_tile8(j, 2 * p, b, 1);
+        if (p == pairs) { /* an odd last tile: 256 bits (signed activations) */
+            for (; b + 4 <= j->batch; b += 4) ONE_TILE(4);
+            for (; b < j->batch; b++) ONE_TILE(1);
             continue;
         }
-        for (; b + 8 <= j->batch; b += 8) vnni16_tile8(j, 2 * p, b, 8);
-        for (; b + 4 <= j->batch; b += 4) vnni16_tile8(j, 2 * p, b, 4);
-        for (; b + 2 <= j->batch; b += 2) vnni16_tile8(j, 2 * p, b, 2);
-        for (; b < j->batch; b++) vnni16_tile8(j, 2 * p, b, 1);
+        for (; b + 8 <= j->batch; b += 8) PAIR_TILE(8);
+        for (; b + 4 <= j->batch; b += 4) PAIR_TILE(4);
+        for (; b + 2 <= j->batch; b += 2) PAIR_TILE(2);
+        for (; b < j->batch; b++) PAIR_TILE(1);
     }
 }
+
+#undef PAIR_TILE
+#undef ONE_TILE
 
 /* ---- decode attention: one query token per row, grouped query heads, float32 maths ----
 
@@ -865,7 +856,7 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("fma")) {
         RUN = vnni16_run;
-        RUN8 = vnni16_run8;
+        RUN8 = vnni16_run;
         ISA = "avx512vnni";
         Py_RETURN_TRUE;
     }
@@ -942,7 +933,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     j.sx = sx;
     j.qlo = two ? qlo : NULL;
     j.dlo = dlo;
-    j.qxu = two ? NULL : (const uint8_t *)qlo; /* int8 weights: qlo's room holds qx + 128 */
+    j.qxu = two ? NULL : (uint8_t *)qlo; /* int8 weights: qlo's room, for qx + 128 */
     Py_BEGIN_ALLOW_THREADS
     int bf16 = j.flags & FLAG_X_BF16;
     if (mode != PRO_NONE) {
@@ -951,8 +942,6 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         bf16 = 0;
     }
     quantize_rows(x, bf16, j.batch, j.in, qx, dx, sx, two ? qlo : NULL, dlo);
-    if (!two)
-        for (size_t i = 0; i < (size_t)j.batch * j.in; i++) qlo[i] = (int8_t)(qx[i] ^ 0x80);
     run(&j);
     Py_END_ALLOW_THREADS
     free(scratch);
