@@ -546,71 +546,15 @@ TARGET_AVX2 static inline __m256 load8s(const char *base, int bf16, long long at
     return load8(base, bf16, (size_t)at);
 }
 
-TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
-    const int G = a->groups, L = a->length, D = a->dim;
-    float *scores = a->scratch + (size_t)(b * a->kv + h) * (size_t)G * (L + D);
-    float *sums = scores + (size_t)G * L;
-    float qf[16 * 256], kf[4 * 256];
-    for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d += 8) {
-            long long at = b * a->qs[0] + h * a->qs[1] + g * a->qs[2] + d;
-            _mm256_storeu_ps(qf + g * D + d, load8s(a->q, a->bf16, at));
-        }
+/* Each query head's scores [G, L] in place: softmax over the keys (a key masked with -inf
+   gets exactly 0; every key masked: zeros, not NaN). */
+TARGET_AVX2 static void softmax_scores(float *scores, int G, int L) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
-    const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
-    const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
-    /* Scores, 4 keys at a time: each key's row converted to float once, then per query head
-       4 independent FMA chains (one per key) and one horizontal-add tree for the 4 sums (one
-       chain per head left the loop waiting on FMA latency). */
-    for (int l0 = 0; l0 < L; l0 += 4) {
-        const int n = L - l0 < 4 ? L - l0 : 4;
-        for (int j = 0; j < 4; j++) {
-            const int l = l0 + (j < n ? j : 0); /* past the end: any real key, then dropped */
-            const long long kat = kbase + (rows ? rows[l] : l) * a->ks[2];
-            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(kf + j * D + d, load8s(a->k, a->bf16, kat + d));
-        }
-        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (a->mask)
-            for (int j = 0; j < n; j++) {
-                const long long at = b * a->mask_stride + l0 + j;
-                if (a->mask_bf16) {
-                    uint32_t u = (uint32_t)((const uint16_t *)a->mask)[at] << 16;
-                    memcpy(m + j, &u, 4);
-                } else {
-                    m[j] = ((const float *)a->mask)[at];
-                }
-            }
-        for (int g = 0; g < G; g++) {
-            const float *qg = qf + g * D;
-            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            for (int d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qg + d);
-                s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + d), s0);
-                s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + D + d), s1);
-                s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 2 * D + d), s2);
-                s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 3 * D + d), s3);
-            }
-            /* The 4 sums in hsum8's order, so that the scores keep their bits whatever the
-               loop's shape: halves first (t = lo + hi, keys 0 | 1 and 2 | 3 side by side),
-               then (t0 + t2) + (t1 + t3). */
-            const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
-                                             _mm256_permute2f128_ps(s0, s1, 0x31));
-            const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(s2, s3, 0x20),
-                                             _mm256_permute2f128_ps(s2, s3, 0x31));
-            const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                           _mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
-            float r[8]; /* keys 0, 2, 0, 2 | 1, 3, 1, 3 */
-            _mm256_storeu_ps(r, _mm256_hadd_ps(c, c));
-            const float dots[4] = {r[0], r[4], r[1], r[5]};
-            for (int j = 0; j < n; j++) scores[(size_t)g * L + l0 + j] = dots[j] * a->scale + m[j];
-        }
-    }
     for (int g = 0; g < G; g++) {
         float *s = scores + (size_t)g * L;
         float top = -INFINITY;
         for (int l = 0; l < L; l++) top = s[l] > top ? s[l] : top;
-        if (top == -INFINITY) top = 0.0f; /* every key masked: zeros, not NaN */
+        if (top == -INFINITY) top = 0.0f;
         const __m256 t = _mm256_set1_ps(top);
         float total = 0.0f;
         int l = 0;
@@ -630,6 +574,109 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (l = 0; l < L; l++) s[l] *= inv;
     }
+}
+
+/* Row b, KV head h's output [G, D] from its float32 sums. */
+TARGET_AVX2 static void store_sums(const attn_t *a, int b, int h, const float *sums) {
+    const int n = a->groups * a->dim;
+    const size_t base = ((size_t)b * a->kv + h) * n;
+    for (int i = 0; i < n; i++) {
+        if (a->bf16)
+            ((uint16_t *)a->out)[base + i] = f32_to_bf16(sums[i]);
+        else
+            ((float *)a->out)[base + i] = sums[i];
+    }
+}
+
+/* The additive mask of row b's keys l0 .. l0 + n - 1 (n <= 4) into m (0 without a mask). */
+TARGET_AVX2 static inline void key_masks(const attn_t *a, int b, int l0, int n, float *m) {
+    for (int j = 0; j < 4; j++) m[j] = 0.0f;
+    if (a->mask == NULL) return;
+    for (int j = 0; j < n; j++) {
+        const long long at = b * a->mask_stride + l0 + j;
+        if (a->mask_bf16) {
+            uint32_t u = (uint32_t)((const uint16_t *)a->mask)[at] << 16;
+            memcpy(m + j, &u, 4);
+        } else {
+            m[j] = ((const float *)a->mask)[at];
+        }
+    }
+}
+
+/* Keys j = 0..3's dot products, each 8 partial sums folded once (x01: keys 0 | 1 in 128-bit
+   halves, x23: keys 2 | 3), finished in hsum8's order ((t0 + t2) + (t1 + t3)), scaled and
+   masked into out[0 .. n - 1]. */
+TARGET_AVX2 static inline void put_scores(float *out, int n, __m256 x01, __m256 x23, float scale,
+                                          const float *m) {
+    const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
+    float r[8]; /* keys 0, 2, 0, 2 | 1, 3, 1, 3 */
+    _mm256_storeu_ps(r, _mm256_hadd_ps(c, c));
+    const float dots[4] = {r[0], r[4], r[1], r[5]};
+    for (int j = 0; j < n; j++) out[j] = dots[j] * scale + m[j];
+}
+
+/* Software prefetch of the K/V rows that the loops read AHEAD keys on (KEYS_AHEAD for K in
+   the scores, VALUES_AHEAD for V in the value sums): the rows jump from block to block, and
+   the K/V that 8 rows read over 30 layers does not stay in cache. At B = 8, L = 100..300,
+   ~40% off the attention; fetching V during the scores instead was slower (it evicted K). */
+#define KEYS_AHEAD 32
+#define VALUES_AHEAD 16
+static inline void prefetch_row(const char *base, int bf16, long long at, int dim) {
+    const char *p = base + at * (bf16 ? 2 : 4);
+    for (int i = 0; i < dim * (bf16 ? 2 : 4); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
+    const int G = a->groups, L = a->length, D = a->dim;
+    float *scores = a->scratch + (size_t)(b * a->kv + h) * (size_t)G * (L + D);
+    float *sums = scores + (size_t)G * L;
+    float qf[16 * 256], kf[4 * 256];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d += 8) {
+            long long at = b * a->qs[0] + h * a->qs[1] + g * a->qs[2] + d;
+            _mm256_storeu_ps(qf + g * D + d, load8s(a->q, a->bf16, at));
+        }
+    const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
+    const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
+    const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
+    /* Scores, 4 keys at a time: each key's row converted to float once, then per query head
+       4 independent FMA chains (one per key) and one horizontal-add tree for the 4 sums (one
+       chain per head left the loop waiting on FMA latency). */
+    for (int l = 0; l < KEYS_AHEAD && l < L; l++)
+        prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+    for (int l0 = 0; l0 < L; l0 += 4) {
+        const int n = L - l0 < 4 ? L - l0 : 4;
+        for (int l = l0 + KEYS_AHEAD; l < l0 + KEYS_AHEAD + 4 && l < L; l++)
+            prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+        for (int j = 0; j < 4; j++) {
+            const int l = l0 + (j < n ? j : 0); /* past the end: any real key, then dropped */
+            const long long kat = kbase + (rows ? rows[l] : l) * a->ks[2];
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(kf + j * D + d, load8s(a->k, a->bf16, kat + d));
+        }
+        float m[4];
+        key_masks(a, b, l0, n, m);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + d), s0);
+                s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + D + d), s1);
+                s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 2 * D + d), s2);
+                s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + 3 * D + d), s3);
+            }
+            /* The 4 sums in hsum8's order, so that the scores keep their bits whatever the
+               loop's shape: halves first (t = lo + hi, keys 0 | 1 and 2 | 3 side by side),
+               then (t0 + t2) + (t1 + t3). */
+            const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                                             _mm256_permute2f128_ps(s0, s1, 0x31));
+            const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(s2, s3, 0x20),
+                                             _mm256_permute2f128_ps(s2, s3, 0x31));
+            put_scores(scores + (size_t)g * L + l0, n, x01, x23, a->scale, m);
+        }
+    }
+    softmax_scores(scores, G, L);
     /* Values: the sums of up to 4 query heads x 16 dimensions stay in registers over all the
        keys (through memory, each key's update waited on the previous one's store). */
     for (int g0 = 0; g0 < G; g0 += 4) {
@@ -640,6 +687,10 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
             for (int g = 0; g < 4; g++) o[g][0] = o[g][1] = _mm256_setzero_ps();
             for (int l = 0; l < L; l++) {
                 const long long vat = vbase + (rows ? rows[l] : l) * a->vs[2] + d;
+                if (d == 0 && l + VALUES_AHEAD < L) { /* the whole row: the next d find it */
+                    const int ahead = l + VALUES_AHEAD;
+                    prefetch_row(a->v, a->bf16, vbase + (rows ? rows[ahead] : ahead) * a->vs[2], D);
+                }
                 const __m256 v0 = load8s(a->v, a->bf16, vat);
                 const __m256 v1 = two ? load8s(a->v, a->bf16, vat + 8) : v0;
                 for (int g = 0; g < ng; g++) {
@@ -654,19 +705,154 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
             }
         }
     }
-    const size_t base = ((size_t)b * a->kv + h) * G * D;
-    for (int i = 0; i < G * D; i++) {
-        if (a->bf16)
-            ((uint16_t *)a->out)[base + i] = f32_to_bf16(sums[i]);
-        else
-            ((float *)a->out)[base + i] = sums[i];
+    store_sums(a, b, h, sums);
+}
+
+/* AVX-512: the same attention, lane for lane and in the same order, so both instruction sets
+   give the same bits. In the scores a 512-bit vector holds two keys' 8 dimensions side by
+   side (the 256-bit chains, two per instruction) and two query heads run together (4
+   chains); the value sums hold 16 dimensions a vector, 4 heads x 64 dimensions in registers.
+   About half the instructions of the 256-bit version at D = 64. */
+
+TARGET_VNNI static inline __m512 join_ps(__m256 lo, __m256 hi) { /* AVX-512F only, no DQ */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+TARGET_VNNI static inline __m512 load2x8(const char *base, int bf16, long long i0, long long i1) {
+    if (bf16) { /* two keys' 8 bfloat16 values, widened to float32 */
+        const uint16_t *p = (const uint16_t *)base;
+        __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + i0))),
+                                            _mm_loadu_si128((const __m128i *)(p + i1)), 1);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const float *p = (const float *)base;
+    return join_ps(_mm256_loadu_ps(p + i0), _mm256_loadu_ps(p + i1));
+}
+
+TARGET_VNNI static inline __m512 load16m(const char *base, int bf16, long long i, __mmask16 k) {
+    if (bf16) {
+        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)base + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(k, (const float *)base + i);
+}
+
+/* Query heads g .. g + NG - 1 (NG 1 or 2) against 4 keys: kp holds the keys in pairs
+   ([k0 | k1] then [k2 | k3], 16 floats per 8 dimensions), qp each head's [q | q]. */
+TARGET_VNNI static inline __attribute__((always_inline)) void scores512(
+    const attn_t *a, const float *qp, const float *kp, int g, const int NG, float *scores, int l0,
+    int n, const float *m) {
+    const int D = a->dim, steps = D / 8, L = a->length;
+    __m512 s[2][2];
+    for (int i = 0; i < NG; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
+    for (int d = 0; d < steps; d++) {
+        const __m512 k01 = _mm512_loadu_ps(kp + d * 16), k23 = _mm512_loadu_ps(kp + (steps + d) * 16);
+        for (int i = 0; i < NG; i++) {
+            const __m512 q = _mm512_loadu_ps(qp + ((size_t)(g + i) * steps + d) * 16);
+            s[i][0] = _mm512_fmadd_ps(q, k01, s[i][0]);
+            s[i][1] = _mm512_fmadd_ps(q, k23, s[i][1]);
+        }
+    }
+    for (int i = 0; i < NG; i++) {
+        /* 128-bit quarters [k0 lo, k0 hi, k1 lo, k1 hi] | [k2 ...]: each key's halves added */
+        const __m512 lo = _mm512_shuffle_f32x4(s[i][0], s[i][1], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 hi = _mm512_shuffle_f32x4(s[i][0], s[i][1], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512 x = _mm512_add_ps(lo, hi);
+        const __m256 x01 = _mm512_castps512_ps256(x);
+        const __m256 x23 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+        put_scores(scores + (size_t)(g + i) * L + l0, n, x01, x23, a->scale, m);
     }
 }
 
+/* Query heads g0 .. g0 + NG - 1 (NG 1..4) x dimensions d0 .. d0 + 63 of the value sums. */
+TARGET_VNNI static inline __attribute__((always_inline)) void values512(
+    const attn_t *a, const float *scores, float *sums, const long long *rows, long long vbase,
+    int g0, const int NG, int d0) {
+    const int L = a->length, D = a->dim;
+    __mmask16 k[4];
+    for (int c = 0; c < 4; c++) {
+        const int left = D - d0 - 16 * c; /* a multiple of 8 */
+        k[c] = left >= 16 ? 0xFFFF : left > 0 ? 0x00FF : 0;
+    }
+    __m512 o[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
+    for (int l = 0; l < L; l++) {
+        const long long vat = vbase + (rows ? rows[l] : l) * a->vs[2] + d0;
+        if (l + VALUES_AHEAD < L) {
+            const int ahead = l + VALUES_AHEAD;
+            prefetch_row(a->v, a->bf16, vbase + (rows ? rows[ahead] : ahead) * a->vs[2] + d0, D - d0 < 64 ? D - d0 : 64);
+        }
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = load16m(a->v, a->bf16, vat + 16 * c, k[c]);
+        for (int g = 0; g < NG; g++) {
+            const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * L + l]);
+            for (int c = 0; c < 4; c++) o[g][c] = _mm512_fmadd_ps(p, v[c], o[g][c]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < 4; c++)
+            _mm512_mask_storeu_ps(sums + (size_t)(g0 + g) * D + d0 + 16 * c, k[c], o[g][c]);
+}
+
+TARGET_VNNI static void attend_one512(const attn_t *a, int b, int h) {
+    const int G = a->groups, L = a->length, D = a->dim, steps = D / 8;
+    float *scores = a->scratch + (size_t)(b * a->kv + h) * (size_t)G * (L + D);
+    float *sums = scores + (size_t)G * L;
+    float qp[16 * 256 * 2], kp[4 * 256];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < steps; d++) {
+            const long long at = b * a->qs[0] + h * a->qs[1] + g * a->qs[2] + d * 8;
+            const __m256 q = load8s(a->q, a->bf16, at);
+            _mm512_storeu_ps(qp + ((size_t)g * steps + d) * 16,
+                             join_ps(q, q));
+        }
+    const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
+    const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
+    const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
+    for (int l = 0; l < KEYS_AHEAD && l < L; l++)
+        prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+    for (int l0 = 0; l0 < L; l0 += 4) {
+        const int n = L - l0 < 4 ? L - l0 : 4;
+        long long kat[4];
+        for (int j = 0; j < 4; j++) {
+            const int l = l0 + (j < n ? j : 0); /* past the end: any real key, then dropped */
+            kat[j] = kbase + (rows ? rows[l] : l) * a->ks[2];
+        }
+        for (int l = l0 + KEYS_AHEAD; l < l0 + KEYS_AHEAD + 4 && l < L; l++)
+            prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+        for (int p = 0; p < 2; p++)
+            for (int d = 0; d < steps; d++)
+                _mm512_storeu_ps(kp + ((size_t)p * steps + d) * 16,
+                                 load2x8(a->k, a->bf16, kat[2 * p] + d * 8, kat[2 * p + 1] + d * 8));
+        float m[4];
+        key_masks(a, b, l0, n, m);
+        int g = 0;
+        for (; g + 2 <= G; g += 2) scores512(a, qp, kp, g, 2, scores, l0, n, m);
+        if (g < G) scores512(a, qp, kp, g, 1, scores, l0, n, m);
+    }
+    softmax_scores(scores, G, L);
+    for (int g0 = 0; g0 < G; g0 += 4)
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            switch (G - g0 < 4 ? G - g0 : 4) {
+            case 1: values512(a, scores, sums, rows, vbase, g0, 1, d0); break;
+            case 2: values512(a, scores, sums, rows, vbase, g0, 2, d0); break;
+            case 3: values512(a, scores, sums, rows, vbase, g0, 3, d0); break;
+            default: values512(a, scores, sums, rows, vbase, g0, 4, d0); break;
+            }
+        }
+    store_sums(a, b, h, sums);
+}
+
+typedef void (*attend_fn)(const attn_t *, int, int);
+static attend_fn ATTEND = NULL;
+
 TARGET_AVX2 static void attend_all(const attn_t *a) {
     const int n = a->batch * a->kv;
+    const attend_fn one = ATTEND;
 #pragma omp parallel for schedule(static) if (n > 1)
-    for (int i = 0; i < n; i++) attend_one(a, i / a->kv, i % a->kv);
+    for (int i = 0; i < n; i++) one(a, i / a->kv, i % a->kv);
 }
 
 /* attend(q, q_strides x3, k, k_strides x3, v, v_strides x3, mask, mask_stride, flags,
@@ -857,6 +1043,7 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
         __builtin_cpu_supports("fma")) {
         RUN = vnni16_run;
         RUN8 = vnni16_run;
+        ATTEND = attend_one512;
         ISA = "avx512vnni";
         Py_RETURN_TRUE;
     }
@@ -864,6 +1051,7 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
         __builtin_cpu_supports("fma")) {
         RUN = avx2_run;
         RUN8 = avx2_run8;
+        ATTEND = attend_one;
         ISA = "avx2";
         Py_RETURN_TRUE;
     }

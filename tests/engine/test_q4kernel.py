@@ -247,6 +247,42 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, batch: int, length: i
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("batch", "kv", "groups", "d", "length"),
+    [(1, 3, 3, 64, 1), (8, 3, 3, 64, 130), (3, 2, 5, 72, 45), (2, 1, 16, 256, 9), (4, 2, 1, 8, 7)],
+)
+def test_decode_attention_has_the_same_bits_on_either_instruction_set(
+    dtype: torch.dtype, batch: int, kv: int, groups: int, d: int, length: int
+) -> None:
+    """The AVX-512 attention (two keys a vector, 16 dimensions of the value sums) does the
+    256-bit version's arithmetic lane for lane: the same bits, for odd head counts, a head
+    size of 8 mod 16, a last group of fewer than 4 keys, masks and token rows."""
+    from neuron_trio.engine.model import _native_attention
+
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(batch * 31 + d)
+    pool_tokens = 256
+    pool = torch.randn(1, 2 * kv, pool_tokens, d, generator=g).to(dtype)
+    q = torch.randn(batch, kv, groups, d, generator=g).to(dtype)
+    rows = torch.stack([torch.randperm(pool_tokens, generator=g)[:length] for _ in range(batch)])
+    ends = torch.randint(1, length + 1, (batch,), generator=g)
+    attend = torch.arange(length)[None, :] < ends[:, None]
+    mask = torch.zeros(batch, length, dtype=dtype).masked_fill_(~attend, float("-inf"))
+    keys, values = pool[:, :kv], pool[:, kv:]
+    default, outputs = KERNEL.isa(), []
+    try:
+        for isa in _isas():
+            assert KERNEL.use(isa)
+            got = _native_attention(KERNEL, q, keys, values, mask[:, None, None], None, rows=rows)
+            outputs.append(got)
+    finally:
+        KERNEL.use(default)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    assert bool(outputs[0].isfinite().all())
+
+
+@needs_kernel
 def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
     """4-bit weights take Q4Linear; weights beyond float16's range (its scales) or with rows
     not a multiple of its tile take torch's int4 kernel."""
