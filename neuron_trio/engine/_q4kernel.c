@@ -92,10 +92,15 @@ TARGET_AVX2 static inline float amax32(__m256 v0, __m256 v1, __m256 v2, __m256 v
 }
 
 /* Each group of 32: int8 qx with scale dx, the exact float sum sx, and with `qlo` the int8
-   residual x - dx · qx with its own scale dlo (two int8 passes: ~15 bits, where one int8
-   pass cost 4-bit decode a few points of top-1 agreement with float32). */
+   residual x - dx · qx in steps of dx / LOW_STEPS (two int8 passes: ~15 bits; one int8 pass
+   cost 4-bit decode several points of top-1 agreement with float32). The residual is at most
+   half a step of qx, so it fits in int8 at 256 steps (its rare 128 saturates to 127).
+   A fixed ratio of the two scales lets the product join the passes' integer sums exactly,
+   qx's times 256 plus qlo's, and scale them once. */
+#define LOW_BITS 8
+#define LOW_STEPS ((float)(1 << LOW_BITS))
 TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in, int8_t *qx,
-                                      float *dx, float *sx, int8_t *qlo, float *dlo) {
+                                      float *dx, float *sx, int8_t *qlo) {
     const int groups = in / GROUP;
     for (int b = 0; b < batch; b++) {
         for (int g = 0; g < groups; g++) {
@@ -117,9 +122,7 @@ TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in
             v1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), dv, v1);
             v2 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), dv, v2);
             v3 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), dv, v3);
-            const float r = amax32(v0, v1, v2, v3);
-            dlo[gi] = r / 127.0f;
-            const __m256 rinv = _mm256_set1_ps(r > 0.0f ? 127.0f / r : 0.0f);
+            const __m256 rinv = _mm256_set1_ps(d > 0.0f ? LOW_STEPS / d : 0.0f);
             _mm256_storeu_si256((__m256i *)(qlo + at), pack32(v0, v1, v2, v3, rinv));
         }
     }
@@ -207,8 +210,8 @@ TARGET_AVX2 static void prologue(const void *x, int bf16, int mode, const float 
 typedef struct {
     const uint8_t *qs;
     const void *scale, *minimum; /* 4-bit: float16 per row and group; int8: float32 per row */
-    const int8_t *qx, *qlo; /* qlo: the residual pass (4-bit path), or NULL */
-    const float *dx, *sx, *dlo;
+    const int8_t *qx, *qlo; /* qlo: the residual pass (4-bit weights), or NULL (int8) */
+    const float *dx, *sx;
     uint8_t *qxu;         /* int8 weights: room for qx + 128 (vnni16_run fills it) */
     const int32_t *wsum;  /* int8 weights: 128 x each row's group sums, in tiles [.., groups, 8] */
     int batch, in, out, flags;
@@ -250,34 +253,12 @@ static inline void store8(const job_t *j, int b, int r0, const float *v) {
             const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8))); \
             for (int k = 0; k < nb; k++) {                                                     \
                 const size_t xg = (size_t)(b0 + k) * groups + g;                               \
-                const int32_t *x4 = (const int32_t *)(j->qx + xg * GROUP);                     \
-                __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();                \
-                a = DOT(a, w[0], _mm256_set1_epi32(x4[0]));                                    \
-                c = DOT(c, w[4], _mm256_set1_epi32(x4[4]));                                    \
-                a = DOT(a, w[1], _mm256_set1_epi32(x4[1]));                                    \
-                c = DOT(c, w[5], _mm256_set1_epi32(x4[5]));                                    \
-                a = DOT(a, w[2], _mm256_set1_epi32(x4[2]));                                    \
-                c = DOT(c, w[6], _mm256_set1_epi32(x4[6]));                                    \
-                a = DOT(a, w[3], _mm256_set1_epi32(x4[3]));                                    \
-                c = DOT(c, w[7], _mm256_set1_epi32(x4[7]));                                    \
-                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(a, c));                         \
-                acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, _mm256_set1_ps(j->dx[xg])), acc[k]); \
+                const __m256i hi = group8_##NAME(w, (const int32_t *)(j->qx + xg * GROUP));      \
+                const __m256i lo = group8_##NAME(w, (const int32_t *)(j->qlo + xg * GROUP));     \
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, LOW_BITS), lo)); \
+                const __m256 step = _mm256_set1_ps(j->dx[xg] * (1.0f / LOW_STEPS));            \
+                acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, step), acc[k]);                  \
                 acc[k] = _mm256_fmadd_ps(mn, _mm256_set1_ps(j->sx[xg]), acc[k]);               \
-                if (j->qlo != NULL) { /* the residual pass, same weights */                    \
-                    const int32_t *r4 = (const int32_t *)(j->qlo + xg * GROUP);                \
-                    a = _mm256_setzero_si256();                                                \
-                    c = _mm256_setzero_si256();                                                \
-                    a = DOT(a, w[0], _mm256_set1_epi32(r4[0]));                                \
-                    c = DOT(c, w[4], _mm256_set1_epi32(r4[4]));                                \
-                    a = DOT(a, w[1], _mm256_set1_epi32(r4[1]));                                \
-                    c = DOT(c, w[5], _mm256_set1_epi32(r4[5]));                                \
-                    a = DOT(a, w[2], _mm256_set1_epi32(r4[2]));                                \
-                    c = DOT(c, w[6], _mm256_set1_epi32(r4[6]));                                \
-                    a = DOT(a, w[3], _mm256_set1_epi32(r4[3]));                                \
-                    c = DOT(c, w[7], _mm256_set1_epi32(r4[7]));                                \
-                    f = _mm256_cvtepi32_ps(_mm256_add_epi32(a, c));                            \
-                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, _mm256_set1_ps(j->dlo[xg])), acc[k]); \
-                }                                                                              \
             }                                                                                  \
         }                                                                                      \
         for (int k = 0; k < nb; k++) {                                                         \
@@ -306,6 +287,20 @@ TARGET_AVX2 static inline __m256i dot_avx2(__m256i acc, __m256i w, __m256i x) {
                                                    _mm256_set1_epi16(1)));
 }
 
+/* One group's 8 steps (weights w, 4 activations x4[s] each) in two chains (steps 0..3 and
+   4..7), their integer sum. */
+#define GROUP8(NAME, TARGET, DOT)                                                              \
+    TARGET static inline __m256i group8_##NAME(const __m256i *w, const int32_t *x4) {          \
+        __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();                        \
+        for (int s = 0; s < 4; s++) {                                                          \
+            a = DOT(a, w[s], _mm256_set1_epi32(x4[s]));                                        \
+            c = DOT(c, w[s + 4], _mm256_set1_epi32(x4[s + 4]));                                \
+        }                                                                                      \
+        return _mm256_add_epi32(a, c);                                                         \
+    }
+
+GROUP8(vnni, TARGET_VNNI, dot_vnni)
+GROUP8(avx2, TARGET_AVX2, dot_avx2)
 TILE_KERNEL(vnni, TARGET_VNNI, dot_vnni)
 TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2)
 
@@ -335,21 +330,18 @@ TARGET_VNNI static inline void store16(const job_t *j, int b, int r0, __m512 v) 
     store8(j, b, r0 + 8, f + 8);
 }
 
-#define DOT16(acc, w, x) _mm512_dpbusd_epi32((acc), (w), _mm512_set1_epi32(x))
+/* acc += w (u8) . the 4 int8 at x, which the instruction broadcasts to every lane from memory
+   itself (GCC does not fold _mm512_set1_epi32 into it; a separate broadcast was ~5% slower) */
+#define DOT16(acc, w, x) __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(x), "v"(w))
 
-/* One group's 8 steps (weights w, 4 activations x4[s] each): two chains, as the 256-bit
-   tile (steps 0..3 and 4..7), their sum converted to float. */
-TARGET_VNNI static inline __m512 group16(const __m512i *w, const int32_t *x4) {
+/* group8 on a pair of tiles: the same chains, lane for lane. */
+TARGET_VNNI static inline __m512i group16(const __m512i *w, const int32_t *x4) {
     __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
-    a = DOT16(a, w[0], x4[0]);
-    c = DOT16(c, w[4], x4[4]);
-    a = DOT16(a, w[1], x4[1]);
-    c = DOT16(c, w[5], x4[5]);
-    a = DOT16(a, w[2], x4[2]);
-    c = DOT16(c, w[6], x4[6]);
-    a = DOT16(a, w[3], x4[3]);
-    c = DOT16(c, w[7], x4[7]);
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+    for (int s = 0; s < 4; s++) {
+        DOT16(a, w[s], x4[s]);
+        DOT16(c, w[s + 4], x4[s + 4]);
+    }
+    return _mm512_add_epi32(a, c);
 }
 
 TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const job_t *j, int t,
@@ -381,13 +373,12 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
         const __m512 mn = join_ph(m0 + (size_t)g * 8, m1 + (size_t)g * 8);
         for (int k = 0; k < nb; k++) {
             const size_t xg = (size_t)(b0 + k) * groups + g;
-            __m512 f = group16(w, (const int32_t *)(j->qx + xg * GROUP));
-            acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dx[xg])), acc[k]);
+            const __m512i hi = group16(w, (const int32_t *)(j->qx + xg * GROUP));
+            const __m512i lo = group16(w, (const int32_t *)(j->qlo + xg * GROUP));
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, LOW_BITS), lo));
+            const __m512 step = _mm512_set1_ps(j->dx[xg] * (1.0f / LOW_STEPS));
+            acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, step), acc[k]);
             acc[k] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->sx[xg]), acc[k]);
-            if (j->qlo != NULL) { /* the residual pass, same weights */
-                f = group16(w, (const int32_t *)(j->qlo + xg * GROUP));
-                acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dlo[xg])), acc[k]);
-            }
         }
     }
     for (int k = 0; k < nb; k++) store16(j, b0 + k, t * 8, acc[k]);
@@ -1112,15 +1103,14 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     const size_t staged = mode == PRO_NONE ? 0 : (size_t)j.batch * j.in;
     const int two = j.minimum != NULL; /* 4-bit: two int8 passes (see quantize_rows) */
     /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice) */
-    char *scratch = malloc((staged + 3 * groups) * sizeof(float) + 2 * (size_t)j.batch * j.in);
+    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + 2 * (size_t)j.batch * j.in);
     if (scratch == NULL) return PyErr_NoMemory();
-    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups, *dlo = sx + groups;
-    int8_t *qx = (int8_t *)(dlo + groups), *qlo = qx + (size_t)j.batch * j.in;
+    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups;
+    int8_t *qx = (int8_t *)(sx + groups), *qlo = qx + (size_t)j.batch * j.in;
     j.qx = qx;
     j.dx = dx;
     j.sx = sx;
     j.qlo = two ? qlo : NULL;
-    j.dlo = dlo;
     j.qxu = two ? NULL : (uint8_t *)qlo; /* int8 weights: qlo's room, for qx + 128 */
     Py_BEGIN_ALLOW_THREADS
     int bf16 = j.flags & FLAG_X_BF16;
@@ -1129,7 +1119,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         x = xf;
         bf16 = 0;
     }
-    quantize_rows(x, bf16, j.batch, j.in, qx, dx, sx, two ? qlo : NULL, dlo);
+    quantize_rows(x, bf16, j.batch, j.in, qx, dx, sx, two ? qlo : NULL);
     run(&j);
     Py_END_ALLOW_THREADS
     free(scratch);
