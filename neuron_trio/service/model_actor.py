@@ -206,6 +206,15 @@ class _Request:
     outcome: str = ""
 
 
+# A burst of requests (a router's, or streams opened together on one HTTP/2 connection)
+# arrives over a few milliseconds. From idle, the first would start a step alone and the rest
+# would wait that whole step to join. So the loop waits for the burst to settle first: up to
+# BURST_GAP_S for each next arrival, at most BURST_WINDOW_S in all (a lone request's first
+# token comes BURST_GAP_S later; 8 streams measured 0.5 ms apart on a busy 2-core machine).
+BURST_GAP_S = 0.001
+BURST_WINDOW_S = 0.005
+
+
 class ModelActor:
     """One loaded model: its executor, a bounded queue, and the loop that drives steps.
 
@@ -233,6 +242,8 @@ class ModelActor:
         stream_capacity: int = 64,
         source_path: str | None = None,
         memory: ModelMemory | None = None,
+        burst_gap_s: float = BURST_GAP_S,
+        burst_window_s: float = BURST_WINDOW_S,
     ) -> None:
         self.spec = spec
         self.name = spec.name
@@ -261,6 +272,7 @@ class ModelActor:
         self._steps = 0
         self._failures = 0
         self._last_error: str | None = None
+        self._burst_gap_s, self._burst_window_s = burst_gap_s, burst_window_s
 
     # ---- what the node reads -------------------------------------------------------------
 
@@ -709,12 +721,29 @@ class ModelActor:
                     await self._wakeup.wait()
                 if idle.cancelled_caught:
                     await self._guarded(executor, self._idle_probe, "probe")
+                else:
+                    await self._gather_burst()
                 continue
             events = await self._guarded(executor, self._step, "step")
             if events is not None:
                 self._steps += 1
                 self._route(events)
             self._engine_stats = engine.statistics()
+
+    async def _gather_burst(self) -> None:
+        """Woken from idle: wait while requests keep arriving (see BURST_GAP_S), so that a
+        burst starts in one step. Returns at once when a batch is full or the actor stops."""
+        if self._burst_gap_s <= 0:
+            return
+        end = trio.current_time() + self._burst_window_s
+        while len(self._queue) < self.spec.max_batch and not self._stopping:
+            seen = len(self._queue)
+            with trio.move_on_at(min(end, trio.current_time() + self._burst_gap_s)):
+                while len(self._queue) <= seen and not self._stopping:
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+            if len(self._queue) <= seen:
+                return  # no arrival within the gap (or the window is over)
 
     async def _guarded(
         self,

@@ -53,7 +53,13 @@ from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
-from neuron_trio.service.model_actor import EventStream, ModelActor, ModelInfo, ModelMemory
+from neuron_trio.service.model_actor import (
+    BURST_GAP_S,
+    EventStream,
+    ModelActor,
+    ModelInfo,
+    ModelMemory,
+)
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.placement import (
@@ -230,8 +236,10 @@ class Node:
         host_memory: Callable[[], int | None] | None = None,
         watchdog_factory: Callable[[ModelConfig], Watchdog | None] | None = None,
         hostname: str | None = None,
+        burst_gap_s: float = BURST_GAP_S,
     ) -> None:
         self.config = config
+        self._burst_gap_s = burst_gap_s  # ModelActor's wait for a burst of requests
         self.identity = identity if identity is not None else _ephemeral_identity()
         self.hostname = hostname or socket.gethostname()
         self.failpoints = fp.REGISTRY if failpoints is None else failpoints
@@ -590,6 +598,7 @@ class Node:
                 watchdog=self._watchdog_factory(spec),
                 metrics=self._metrics.for_model(spec.name),
                 source_path=str(path),
+                burst_gap_s=self._burst_gap_s,
                 memory=ModelMemory(
                     weights_bytes=estimate.weights_bytes,
                     kv_cache_bytes=estimate.kv_cache_bytes,

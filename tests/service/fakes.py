@@ -104,6 +104,7 @@ class FakeEngine:
         self.added: list[list[int]] = []
         self.cancelled: list[int] = []
         self.steps = 0
+        self.batches: list[int] = []  # sequences in each step
         self.rendered_on: list[bool] = []  # True: on the trio (main) thread
 
     def render_chat(self, messages: list[dict[str, Any]], tools: Any = ()) -> str:
@@ -169,6 +170,7 @@ class FakeEngine:
 
     def step(self) -> list[SequenceEvent]:
         self.steps += 1
+        self.batches.append(len(self.seqs))
         events = []
         for seq_id, state in list(self.seqs.items()):
             params, produced, prompt_len = state

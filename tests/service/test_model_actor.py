@@ -92,7 +92,11 @@ class Harness:
 
 
 def run_actor(
-    test: Callable[[Harness], Awaitable[None]], *, max_batch: int = 2, max_queue: int = 2
+    test: Callable[[Harness], Awaitable[None]],
+    *,
+    max_batch: int = 2,
+    max_queue: int = 2,
+    burst_gap_s: float = 0.0,  # tests step at once unless they test the burst wait
 ) -> None:
     clock = trio.testing.MockClock()  # no autojump: time moves only when a test jumps it
 
@@ -117,6 +121,7 @@ def run_actor(
                 probe_interval_s=PROBE_INTERVAL,
                 watchdog=watchdog,
                 metrics=metrics.for_model("m"),
+                burst_gap_s=burst_gap_s,
             )
             actors.append(actor)
             await nursery.start(actor.run)
@@ -259,6 +264,49 @@ def test_admission_is_first_come_first_served() -> None:
         assert all(r["done"] for r in [first, *later])
 
     run_actor(test, max_batch=1, max_queue=5)
+
+
+def test_a_burst_from_idle_starts_in_one_step() -> None:
+    """Requests that arrive within BURST_GAP_S of each other, from idle, are admitted
+    together: the first waits for the others instead of stepping alone."""
+
+    async def test(h: Harness) -> None:
+        records = [h.consume(job(prompt="a", max_tokens=1))]
+        await settle()
+        assert h.engine.added == []  # waiting for the burst to settle
+        for p in "bc":
+            h.clock.jump(0.0008)  # each within the gap of the one before
+            records.append(h.consume(job(prompt=p, max_tokens=1)))
+            await settle()
+        assert h.engine.added == []
+        h.clock.jump(0.0011)  # the gap passes with no new arrival
+        await settle()
+        assert [chr(ids[0]) for ids in h.engine.added] == ["a", "b", "c"]
+        assert h.engine.batches[0] == 3  # one step for the three
+        assert all(r["done"] and r["error"] is None for r in records)
+
+    run_actor(test, max_batch=4, max_queue=4, burst_gap_s=0.001)
+
+
+def test_the_burst_wait_ends_at_its_window_or_a_full_batch() -> None:
+    async def test(h: Harness) -> None:
+        # arrivals every 0.9 ms keep it waiting, but no longer than 5 ms in all
+        for i, p in enumerate("abcdef"):  # at 0, 0.9, .. 4.5 ms
+            if i:
+                h.clock.jump(0.0009)
+            h.consume(job(prompt=p, max_tokens=1))
+            await settle()
+        assert h.engine.added == []  # at 4.5 ms: within the window and the gap
+        h.clock.jump(0.0006)  # 5.1 ms: the window is over, the gap (to 5.5 ms) is not
+        await settle()
+        assert len(h.engine.added) == 6 and h.engine.batches == [6]
+        # a full batch steps at once, without waiting for the gap
+        for p in "ghijklmn":
+            h.consume(job(prompt=p, max_tokens=1))
+        await settle()
+        assert len(h.engine.added) == 14 and h.engine.batches == [6, 8]
+
+    run_actor(test, max_batch=8, max_queue=8, burst_gap_s=0.001)
 
 
 def test_a_consumer_that_leaves_frees_its_slot_at_the_next_step() -> None:

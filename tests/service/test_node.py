@@ -157,6 +157,7 @@ class World:
             host_memory=lambda: 1 << 40,  # the fake estimates are not this machine's
             watchdog_factory=self.watchdog,
             hostname="node-1",
+            burst_gap_s=0.0,  # time moves by hand here: step at once
         )
 
 
