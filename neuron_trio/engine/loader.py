@@ -16,8 +16,8 @@ dtype:
   activations, RMSNorm and SwiGLU fused in, and so does decode attention; elsewhere torch's
   int4 (groups of 32) and int8 (one scale per row) kernels. The head's best candidates are
   recomputed exactly (see AUTO_INT4_HEAD). Weights in other formats take int8. Each such
-  layer also keeps a bfloat16 copy for prefill chunks of 16 rows or more, where a dense GEMM
-  is several times faster than the int kernels. bench/bench_decode.py measures it (against
+  layer also keeps a bfloat16 copy for long prefill chunks, where a dense GEMM beats the int
+  kernels (from 16 rows for torch's, 48 for the native one: model.py's thresholds). bench/bench_decode.py measures it (against
   llama.cpp too) and prints auto's top-1 agreement with float32.
 """
 

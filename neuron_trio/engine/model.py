@@ -50,6 +50,10 @@ class Linear(nn.Module):
 # At or above this many rows (prefill chunks), the int kernels lose to a dense GEMM: layers
 # that keep a dense copy use it (measured on 2 CPU cores: int4 at 256 rows ~4x slower).
 DENSE_MIN_ROWS = 16
+# The native kernel (Q4Linear) holds out longer: on 2 cores it beat the dense bfloat16 copy
+# by 1.5x at 16 rows and 1.2x at 32-48, and lost from 64-96 rows on (bench: the products of
+# the built-in model's 30 layers at N rows, both ways).
+NATIVE_DENSE_MIN_ROWS = 48
 
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
 _INT8_MM = torch.ops.aten._weight_int8pack_mm
@@ -103,8 +107,8 @@ class Q4Linear(nn.Module):
 
     `normed` and `gated` also run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
     saves a decode step ~16 torch ops a layer. With `dense` (a bfloat16 copy of the weight),
-    inputs of DENSE_MIN_ROWS rows or more take a dense GEMM instead (after the same ops in
-    torch).
+    inputs of NATIVE_DENSE_MIN_ROWS rows or more take a dense GEMM instead (after the same ops
+    in torch).
     """
 
     dense: torch.Tensor | None
@@ -134,7 +138,7 @@ class Q4Linear(nn.Module):
             lead = x.shape[:-1]
             return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
         dense = self._buffers["dense"]
-        if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+        if dense is not None and x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
             return F.linear(x.to(dense.dtype), dense).to(x.dtype)
         return self._product(x, x.dtype)
 
@@ -142,13 +146,17 @@ class Q4Linear(nn.Module):
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
     ) -> torch.Tensor:
         """RMSNorm(x) · weight, then the product, as `out`: x `[N, in]` and weight float32."""
-        if x.shape[0] >= DENSE_MIN_ROWS or x.dtype != torch.float32 or weight.dtype != x.dtype:
+        if (
+            x.shape[0] >= NATIVE_DENSE_MIN_ROWS
+            or x.dtype != torch.float32
+            or weight.dtype != x.dtype
+        ):
             return self.forward(F.rms_norm(x, (self.in_features,), weight, eps).to(out))
         return self._product(x, out, _PRO_RMSNORM, weight.data_ptr(), eps)
 
     def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
-        if gate_up.shape[0] >= DENSE_MIN_ROWS:
+        if gate_up.shape[0] >= NATIVE_DENSE_MIN_ROWS:
             gate, up = gate_up[:, : self.in_features], gate_up[:, self.in_features :]
             gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
             return self.forward(gate * up)

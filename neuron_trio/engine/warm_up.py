@@ -2,9 +2,9 @@
 first real request pays no one-time cost the tenth does not.
 
 What a first request would otherwise pay: the chat template's first render and the
-tokenizer's first encode; the first forward of each kind (a prefill chunk of 16 rows or more
-takes the dense GEMM path and its oneDNN kernels, a shorter one and the decode rows the int
-kernels; padded rows of different lengths; n choices forking K/V rows); the sampler's greedy
+tokenizer's first encode; the first forward of each kind (a long prefill chunk takes the dense
+GEMM path and its oneDNN kernels, a shorter one and the decode rows the int kernels; padded
+rows of different lengths; n choices forking K/V rows); the sampler's greedy
 fast path and its full path (penalties, top-k/top-p, a seeded draw, logprobs); structured
 output's grammar compiler (built on first use, with the tool-call format detection) and a
 JSON mask filled and applied; the detokeniser. `warm_up` runs each once, through the engine's
@@ -24,8 +24,11 @@ from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import RequestError
 
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
-# A plain chat: the shape of the usual first request (one row, the dense prefill path).
+# A plain chat: the shape of the usual first request (one row, a short prefill).
 _CHAT = [{"role": "user", "content": "Say hello."}]
+# A prompt past the rows where prefill leaves the int kernels for the dense GEMM (model.py's
+# NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: 16) with any tokenizer: a word a token.
+_LONG_TEXT = " ".join(["hello"] * 64)
 _SYSTEM_CHAT = [
     {"role": "system", "content": "You answer in JSON."},
     {"role": "user", "content": "Give me an object."},
@@ -78,11 +81,13 @@ def _requests(max_batch: int) -> list[list[_Request]]:
     sampled_chat = _Request("sampled", _CHAT, sampled)
     greedy_chat = _Request("greedy chat", _CHAT, greedy)
     short = _Request("short completion", None, greedy, text="Hi")
+    long = _Request("long completion", None, greedy, text=_LONG_TEXT)
     # A batch takes the sampler's greedy argmax fast path only when every row is greedy and
     # unmasked, a masked path when any row has a grammar, the per-row path otherwise: so the
     # constrained and the sampled requests run alone (single-row prefill and decode), and the
-    # greedy ones together (prefill rows of different lengths, padded; a batched decode).
-    return [[json_chat], [sampled_chat], [greedy_chat, short]]
+    # greedy ones together (prefill rows of different lengths, padded; a batched decode), the
+    # long one alone (one row on the dense path).
+    return [[json_chat], [sampled_chat], [long], [greedy_chat, short]]
 
 
 def warm_up(engine: Engine) -> WarmUpReport:

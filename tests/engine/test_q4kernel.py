@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from neuron_trio.engine import quant
-from neuron_trio.engine.model import Q4Linear, Q8Linear
+from neuron_trio.engine.model import NATIVE_DENSE_MIN_ROWS, Q4Linear, Q8Linear
 
 KERNEL = quant.native_q4()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
@@ -126,7 +126,7 @@ def test_rows_of_three_dimensions_and_the_dense_path() -> None:
     assert got.shape == (2, 3, 16)
     want = x @ dense.T
     assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
-    many = torch.randn(32, 64, generator=g)  # DENSE_MIN_ROWS or more: the bfloat16 copy
+    many = torch.randn(NATIVE_DENSE_MIN_ROWS, 64, generator=g)  # the bfloat16 copy
     torch.testing.assert_close(
         layer(many), (many.bfloat16() @ dense.bfloat16().T).float(), rtol=0.02, atol=0.05
     )

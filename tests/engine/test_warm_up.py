@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.model import DENSE_MIN_ROWS
+from neuron_trio.engine.model import NATIVE_DENSE_MIN_ROWS
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.engine.warm_up import warm_up
 from tests.engine.tiny_gguf import write_tiny_llama
@@ -20,8 +20,8 @@ Kind = tuple[str, ...]
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Q4_1 under "auto": int4 kernels for short rows, a dense copy for prefill chunks of
-    # DENSE_MIN_ROWS rows or more, as the built-in model.
+    # Q4_1 under "auto": the native kernel for short rows, a dense copy for prefill chunks of
+    # NATIVE_DENSE_MIN_ROWS rows or more, as the built-in model.
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "q4.gguf", qtype="Q4_1", seed=5)
 
 
@@ -45,7 +45,7 @@ class WorkSpy:
                 (
                     "forward",
                     "decode" if t == 1 else "prefill",
-                    "dense" if b * t >= DENSE_MIN_ROWS else "int",
+                    "dense" if b * t >= NATIVE_DENSE_MIN_ROWS else "int",
                     "padded" if kw.get("lengths") is not None else "even",
                     "batch" if b > 1 else "single",
                 )
@@ -91,29 +91,34 @@ FIRST_REQUESTS = [
     ("a sampled chat with logprobs", SAMPLED),
     ("a json_object chat", JSON),
 ]
+SHORT = "the cat sat on the mat today"
+LONG = " ".join([SHORT] * 12)  # past NATIVE_DENSE_MIN_ROWS tokens: the dense prefill
 
 
+@pytest.mark.parametrize("content", [SHORT, LONG])
 @pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
 def test_a_first_request_after_warm_up_runs_nothing_new(
-    tiny_q4: Path, what: str, params: SamplingParams
+    tiny_q4: Path, what: str, params: SamplingParams, content: str
 ) -> None:
     engine = _engine(tiny_q4)
     spy = WorkSpy(engine)
     warm_up(engine)
-    new, built = spy.new_work(lambda: _chat(engine, "the cat sat on the mat today", params))
+    new, built = spy.new_work(lambda: _chat(engine, content, params))
     assert new == set(), f"{what}: the first request ran {new}, which the warm-up did not"
     assert not any(built), f"{what}: the first request built lazy parts {built}"
 
 
+@pytest.mark.parametrize(("content", "path"), [(SHORT, "int"), (LONG, "dense")])
 @pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
 def test_without_warm_up_the_first_request_does_run_new_work(
-    tiny_q4: Path, what: str, params: SamplingParams
+    tiny_q4: Path, what: str, params: SamplingParams, content: str, path: str
 ) -> None:
-    """The spy sees what the previous test checks is absent (so that test can fail)."""
+    """The spy sees what the previous test checks is absent (so that test can fail), on
+    both prefill paths."""
     engine = _engine(tiny_q4)
     spy = WorkSpy(engine)
-    new, built = spy.new_work(lambda: _chat(engine, "the cat sat on the mat today", params))
-    assert ("forward", "prefill", "dense", "even", "single") in new, what
+    new, built = spy.new_work(lambda: _chat(engine, content, params))
+    assert ("forward", "prefill", path, "even", "single") in new, what
     assert any(built) == (params.constraint is not None)
 
 
@@ -122,7 +127,13 @@ def test_warm_up_leaves_the_engine_idle_with_every_slot_free(tiny_q4: Path, max_
     engine = _engine(tiny_q4, max_batch=max_batch)
     report = warm_up(engine)
     assert not engine.has_work and engine.free_slots == max_batch
-    assert report.requests == ["json_object", "sampled", "greedy chat", "short completion"]
+    assert report.requests == [
+        "json_object",
+        "sampled",
+        "long completion",
+        "greedy chat",
+        "short completion",
+    ]
     assert report.steps >= 6 and report.tokens >= 8  # every request got its 2 tokens
     # and the engine serves as before
     _chat(engine, "hello", GREEDY)
@@ -140,7 +151,7 @@ def test_a_model_without_a_chat_template_warms_up_on_completions(tmp_path: Path)
     base = write_tiny_llama(tmp_path / "base.gguf", qtype="Q4_1", chat_template=None)
     engine = _engine(base)
     report = warm_up(engine)
-    assert len(report.requests) == 4 and not engine.has_work
+    assert len(report.requests) == 5 and not engine.has_work
 
 
 def test_a_context_shorter_than_the_warm_up_prompts_still_warms_up(tiny_q4: Path) -> None:
