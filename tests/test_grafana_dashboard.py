@@ -93,6 +93,7 @@ def app_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
             executor_factory=w.factory,
             estimator=w.estimator,
             watchdog_factory=watchdog,
+            burst_gap_s=0.0,  # a MockClock moved by hand: step at once
         )
         node.metrics_registry.register(GpuCollector(OneGpu()))  # as daemon._start does
         create_app(node, config)  # registers the HTTP layer's collectors
