@@ -630,6 +630,13 @@ static inline void prefetch_row(const char *base, int bf16, long long at, int di
     for (int i = 0; i < dim * (bf16 ? 2 : 4); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
+/* The K rows of keys from .. to - 1 (those below the length), as prefetch_row. */
+static inline void prefetch_keys(const attn_t *a, const long long *rows, long long kbase,
+                                 int from, int to) {
+    for (int l = from; l < to && l < a->length; l++)
+        prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], a->dim);
+}
+
 TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
     const int G = a->groups, L = a->length, D = a->dim;
     float *scores = a->scratch + (size_t)(b * a->kv + h) * (size_t)G * (L + D);
@@ -646,12 +653,10 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
     /* Scores, 4 keys at a time: each key's row converted to float once, then per query head
        4 independent FMA chains (one per key) and one horizontal-add tree for the 4 sums (one
        chain per head left the loop waiting on FMA latency). */
-    for (int l = 0; l < KEYS_AHEAD && l < L; l++)
-        prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+    prefetch_keys(a, rows, kbase, 0, KEYS_AHEAD);
     for (int l0 = 0; l0 < L; l0 += 4) {
         const int n = L - l0 < 4 ? L - l0 : 4;
-        for (int l = l0 + KEYS_AHEAD; l < l0 + KEYS_AHEAD + 4 && l < L; l++)
-            prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+        prefetch_keys(a, rows, kbase, l0 + KEYS_AHEAD, l0 + KEYS_AHEAD + 4);
         for (int j = 0; j < 4; j++) {
             const int l = l0 + (j < n ? j : 0); /* past the end: any real key, then dropped */
             const long long kat = kbase + (rows ? rows[l] : l) * a->ks[2];
@@ -814,8 +819,7 @@ TARGET_VNNI static void attend_one512(const attn_t *a, int b, int h) {
     const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
     const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
     const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
-    for (int l = 0; l < KEYS_AHEAD && l < L; l++)
-        prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+    prefetch_keys(a, rows, kbase, 0, KEYS_AHEAD);
     for (int l0 = 0; l0 < L; l0 += 4) {
         const int n = L - l0 < 4 ? L - l0 : 4;
         long long kat[4];
@@ -823,8 +827,7 @@ TARGET_VNNI static void attend_one512(const attn_t *a, int b, int h) {
             const int l = l0 + (j < n ? j : 0); /* past the end: any real key, then dropped */
             kat[j] = kbase + (rows ? rows[l] : l) * a->ks[2];
         }
-        for (int l = l0 + KEYS_AHEAD; l < l0 + KEYS_AHEAD + 4 && l < L; l++)
-            prefetch_row(a->k, a->bf16, kbase + (rows ? rows[l] : l) * a->ks[2], D);
+        prefetch_keys(a, rows, kbase, l0 + KEYS_AHEAD, l0 + KEYS_AHEAD + 4);
         for (int p = 0; p < 2; p++)
             for (int d = 0; d < steps; d++)
                 _mm512_storeu_ps(kp + ((size_t)p * steps + d) * 16,
