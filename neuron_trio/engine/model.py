@@ -17,6 +17,7 @@ L attended positions, V vocabulary.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Generator
 from typing import Any
@@ -335,7 +336,7 @@ class Block(nn.Module):
 
     def steps(
         self,
-        x: torch.Tensor,  # [N, dim] residual stream, N = B · T rows (row-major over B, T)
+        x: torch.Tensor,  # [N, dim] residual stream: B · T rows (row-major), or at.real's
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [N, H + 2KV, D]
         cache: torch.Tensor,  # this layer's K/V pool: [2KV, pool tokens, D]
         at: _Placement,
@@ -365,8 +366,6 @@ class Block(nn.Module):
         cos, sin = rope
         qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
         new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
-        if at.real is not None:  # padded rows: only the real tokens are written, never padding
-            new_kv = new_kv[at.real]
         # cache: [2KV, pool tokens, D]; indices address its rows flattened, [2KV · pool, D]
         if isinstance(at.write, slice):  # one row on consecutive blocks
             cache[:, at.write] = new_kv.transpose(0, 1)
@@ -384,12 +383,17 @@ class Block(nn.Module):
             o = self._attend_decode(q, cache, at, act, mask)
         else:
             keys, values = self._read_kv(cache, at, act)
-            q = qkv[:, :h].view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
+            q = qkv[:, :h]
+            if at.real is not None:  # padded chunks: padding queries are zeros, then dropped
+                q = q.new_zeros(at.b * at.t, h, d).index_copy_(0, at.real, q)
+            q = q.view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
             if kv != h and self.softcap:
                 keys = keys.repeat_interleave(h // kv, dim=1)
                 values = values.repeat_interleave(h // kv, dim=1)
             o = self._attend(q, keys, values, mask, causal)  # [B, H, T, D]
-            o = o.transpose(1, 2).reshape(n, h * d)
+            o = o.transpose(1, 2).reshape(at.b * at.t, h * d)
+            if at.real is not None:
+                o = o[at.real]
         o = mods["wo"].forward(o)  # type: ignore[union-attr]  # [N, dim]
         if partial:
             o = yield o
@@ -553,7 +557,10 @@ class _Placement:
         # Where the real tokens' K/V go: a slice of token rows (one row on consecutive
         # blocks) or an index [2KV · R] into the layer's [2KV · pool, D] rows.
         self.write: slice | torch.Tensor = slice(0, 0)
-        self.real: torch.Tensor | None = None  # padded rows: indices of the real tokens in N
+        # Padded prompt chunks: the indices of the real tokens among the B · T rows. Only
+        # those R rows go through the layers (the residual stream is [R, dim]); attention
+        # alone lays them out as [B, T].
+        self.real: torch.Tensor | None = None
         # Where the rows' K/V are read: a slice of L token rows (one row on consecutive
         # blocks) or an index [B · 2KV · L] into the layer's [2KV · pool, D] rows.
         self.read: slice | torch.Tensor = slice(0, 0)
@@ -658,8 +665,10 @@ class Transformer(nn.Module):
         by padding the shorter ones to T (`lengths`). Row b's position p lives in block
         `tables[b, p // BLOCK_TOKENS]`; its table must cover its last position (entries past
         that are ignored). Rows never share a block they write. Padding is never written.
-        With `partial_sums`, yields each row-parallel partial output `[B · T, dim]` and
-        continues with the tensor sent back (the sum over ranks, same shape).
+        Padding costs nothing in the layers: only real tokens go through them (the rows of
+        `at.real`). With `partial_sums`, yields each row-parallel partial output `[R, dim]`
+        (R: the real tokens, B · T without padding) and continues with the tensor sent back
+        (the sum over ranks, same shape).
         """
         b, t = input_ids.shape
         c, dev = self.config, self.device
@@ -708,11 +717,14 @@ class Transformer(nn.Module):
             at.window_mask = (
                 (cols <= qpos[..., None]) & (cols > qpos[..., None] - c.sliding_window)
             )[:, None]  # [B, 1, T, L]
+        ids = input_ids.to(dev).reshape(-1)
+        if at.real is not None:  # padded chunks: the layers see the real tokens only
+            ids, positions = ids[at.real], positions[at.real]
         rope = self._rope_rows(positions, self.rope_cos, self.rope_sin)
         rope_local = rope
         if c.has_local_rope:
             rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
-        x = F.embedding(input_ids.to(dev).reshape(-1), self.tok_embeddings)  # [N, dim]
+        x = F.embedding(ids, self.tok_embeddings)  # [N, dim]
         x = x.to(self.residual_dtype)
         if c.embed_scale != 1.0:  # gemma; in the residual dtype, as transformers rounds it
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
@@ -720,10 +732,15 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_rope = rope_local if layer.sliding else rope
             x = yield from layer.steps(x, layer_rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
-        x = x.view(b, t, c.dim)
-        if not all_logits:  # each row's last real token: [B, dim]
-            last = None if lengths is None else lengths.to(dev) - 1
-            x = x[:, -1] if last is None else x[torch.arange(b, device=dev), last]
+        if at.real is None:
+            x = x.view(b, t, c.dim)
+            if not all_logits:  # each row's last real token: [B, dim]
+                last = None if lengths is None else lengths.to(dev) - 1
+                x = x[:, -1] if last is None else x[torch.arange(b, device=dev), last]
+        elif all_logits:  # back to [B, T] (padding rows: zeros)
+            x = x.new_zeros(b * t, c.dim).index_copy_(0, at.real, x).view(b, t, c.dim)
+        else:  # each row's last real token: the real rows are in order, row after row
+            x = x[torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1]
         x = F.rms_norm(x, (c.dim,), self.norm, c.rms_eps).to(act)
         logits = self.output(x).float()
         if c.final_softcap:  # gemma2

@@ -178,7 +178,19 @@ def test_packed_prefill_matches_each_prompt_alone(files: dict[str, Path]) -> Non
     runner.forward(torch.tensor([long[:5]]), torch.tensor([0]), torch.tensor([2]))
     ids, starts, lengths = packed_batch([(mid, 0), (long[5:], 5), (short, 0), (one, 0)])
     slots = torch.tensor([3, 2, 0, 1])  # not contiguous: read by a gather
+    seen: list[int] = []  # rows through each layer's projections: the real tokens only
+    projections: list[Any] = [layer.wqkv for layer in model.layers]
+    for linear in projections:
+
+        def counted(x: torch.Tensor, project: Any = linear.forward) -> torch.Tensor:
+            seen.append(x.shape[0])
+            return project(x)  # type: ignore[no-any-return]
+
+        linear.forward = counted
     got = runner.forward(ids, starts, slots, lengths=lengths)
+    for linear in projections:
+        del linear.forward
+    assert seen == [9 + 8 + 4 + 1] * len(model.layers)  # not B x T = 4 x 9
     want = torch.stack([alone[1][-1], alone[0][-1], alone[2][-1], alone[3][-1]])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Every real position's logits too (padding positions give garbage, ignored).
