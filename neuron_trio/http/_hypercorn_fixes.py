@@ -28,6 +28,12 @@
    peer had gone, so a client that reconnects often held dozens of dead descriptors. Once
    the read loop has ended the timer is stopped and not restarted (the app tasks' last
    `Updated(idle=True)` arrives after it, in an order trio does not fix).
+6. One write for what the streams have ready. hypercorn's send task wrote each DATA frame to
+   the socket on its own (a flush, a send_all and two trio checkpoints per chunk): a batch
+   of 8 streams that each got a token made 8 writes, and the client 8 reads. The send task
+   now frames every stream's pending data and writes once when no stream has more (or
+   FLUSH_BYTES are pending): at 8 streams the event loop's CPU time per step fell by about
+   a third. Flow control and the order of frames are hypercorn's own; only the writes merge.
 
 Each is applied only if hypercorn still has the shape it was written against; otherwise it
 logs and leaves hypercorn alone.
@@ -44,6 +50,9 @@ import trio
 log = logging.getLogger(__name__)
 
 _APPLIED = False
+
+# Fix 6: pending frames are written once they reach this size, even if more could be framed.
+FLUSH_BYTES = 1 << 16
 
 
 @dataclass
@@ -97,6 +106,7 @@ def apply_hypercorn_fixes() -> None:
         import h2.errors
         import h2.events
         import h2.exceptions
+        import priority
         from hypercorn.events import Closed
         from hypercorn.protocol.events import StreamClosed
         from hypercorn.protocol.h2 import H2Protocol, StreamBuffer
@@ -111,6 +121,8 @@ def apply_hypercorn_fixes() -> None:
     original_idle = getattr(TCPServer, "_idle_timeout", None)
     if (
         original_idle is None
+        or not hasattr(H2Protocol, "send_task")
+        or not hasattr(H2Protocol, "_send_data")
         or original_send is None
         or original_events is None
         or original_run is None
@@ -205,7 +217,50 @@ def apply_hypercorn_fixes() -> None:
             return
         await original_idle(self)
 
+    async def _frame_data(self: Any, stream_id: int) -> int:
+        """hypercorn's `_send_data` without its flushes: frame one chunk of the stream's
+        data (or its END_STREAM); return the bytes framed."""
+        try:
+            chunk_size = min(
+                self.connection.local_flow_control_window(stream_id),
+                self.connection.max_outbound_frame_size,
+            )
+            data = await self.stream_buffers[stream_id].pop(max(0, chunk_size))
+            if data:
+                self.connection.send_data(stream_id, data)
+            else:
+                self.priority.block(stream_id)
+            if self.stream_buffers[stream_id].complete:
+                self.connection.end_stream(stream_id)
+                del self.stream_buffers[stream_id]
+                self.priority.remove_stream(stream_id)
+            return len(data)
+        except (h2.exceptions.StreamClosedError, KeyError, h2.exceptions.ProtocolError):
+            # the stream or the connection closed while its data waited: drop it (as hypercorn)
+            await self.stream_buffers[stream_id].close()
+            del self.stream_buffers[stream_id]
+            self.priority.remove_stream(stream_id)
+            return 0
+
+    async def send_task(self: Any) -> None:
+        pending = 0
+        while not self.closed:
+            try:
+                stream_id = next(self.priority)
+            except priority.DeadlockError:  # no stream has data it may send: write, then wait
+                await self._flush()
+                pending = 0
+                await self.has_data.wait()
+                await self.has_data.clear()
+            else:
+                # No checkpoint in between: the buffers cannot grow meanwhile, so this ends.
+                pending += await _frame_data(self, stream_id)
+                if pending >= FLUSH_BYTES:
+                    await self._flush()
+                    pending = 0
+
     H2Protocol.stream_send = stream_send  # type: ignore[method-assign]
+    H2Protocol.send_task = send_task  # type: ignore[method-assign]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
     TCPServer._idle_timeout = _idle_timeout  # type: ignore[method-assign]
     H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
