@@ -115,6 +115,14 @@ class SamplingState:
             row[idx] -= counts * p.frequency_penalty + p.presence_penalty
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first on ties; a NaN wins, as in torch). On the CPU through
+    numpy: torch's argmax took ~350 us for 8 rows of 49152 logits, numpy's ~35 us."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return x.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return x.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+
+
 class Sampler:
     """Samples a batch. `token_text(id)` gives the text shown in logprobs (the tokenizer's
     `token_text`); without it the text is empty."""
@@ -138,7 +146,7 @@ class Sampler:
         masked = raw_logits is not None
         raw = logits if raw_logits is None else raw_logits
         if not any(s.needs_slow_path for s in rows):
-            ids = logits.argmax(dim=-1).tolist()
+            ids = argmax_rows(logits)
             for state, token in zip(rows, ids, strict=True):
                 state.append(token)
             return [SampleResult(token) for token in ids]
@@ -153,7 +161,7 @@ class Sampler:
         chosen: list[int] = [0] * len(rows)
         greedy = [i for i, s in enumerate(rows) if s.greedy]
         if greedy:
-            picks = work[greedy].argmax(dim=-1).tolist()
+            picks = argmax_rows(work[greedy])
             for i, token in zip(greedy, picks, strict=True):
                 chosen[i] = token
         sampled = [i for i, s in enumerate(rows) if not s.greedy]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_trio.engine.sampling import Sampler, SamplingState
+from neuron_trio.engine.sampling import Sampler, SamplingState, argmax_rows
 from neuron_trio.engine.types import SamplingParams
 
 
@@ -37,6 +37,23 @@ def test_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None
     assert all(r.logprob is None for r in results)
     assert calls == []
     assert rows[0].output_ids == [1] and rows[1].output_counts == {0: 1}
+
+
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included() -> None:
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        [1.0, 3.0, 3.0, 2.0],
+        [-inf, -inf, -inf, -inf],
+        [0.0, nan, 5.0, nan],
+        [7.0, 1.0, 7.0, inf],
+    ]
+    x = torch.tensor(rows)
+    assert argmax_rows(x) == x.argmax(dim=-1).tolist() == [1, 0, 1, 3]
+    wide = torch.randn(8, 49152)  # the built-in model's vocabulary, a batch of 8
+    wide[3, 100] = wide[3, 200] = wide[3].max() + 1  # a tie: the first wins
+    assert argmax_rows(wide) == wide.argmax(dim=-1).tolist()
+    assert argmax_rows(wide[:, ::2]) == wide[:, ::2].argmax(dim=-1).tolist()  # strided
+    assert argmax_rows(wide.bfloat16()) == wide.bfloat16().argmax(dim=-1).tolist()
 
 
 def test_repetition_penalty_over_prompt_and_output() -> None:
