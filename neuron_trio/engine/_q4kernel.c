@@ -19,8 +19,8 @@
    product wait for it (under a synthetic event-loop load, steps ~8% faster). Each chunk is
    several tiles, so the prefetch of the next one mostly lands on the thread that reads it.
 
-   The module exposes `matmul`, `attend` and `refine` (pointers and strides as ints, from
-   model.py's Q4Linear, Q8Linear, _native_attention and RefinedHead), `isa()`: "avx512vnni",
+   The module exposes `matmul`, `attend`, `rope_write` and `refine` (pointers and strides as
+   ints, from model.py's Q4Linear, Q8Linear, _native_attention, Block and RefinedHead), `isa()`: "avx512vnni",
    "avx2" or "" (a CPU it cannot use), and `use(name)` for tests. Both instruction sets give
    the same bits (the integers are exact, and the float operations run in the same order),
    and so do all batch sizes: batching never changes a sequence's tokens. */
@@ -936,6 +936,99 @@ static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* ---- RoPE and the K/V write of a forward's rows (model.Block), one call a layer ----
+
+   qkv [N, H + 2KV, D] contiguous (float32 or bfloat16): the Q and K heads rotated the
+   rotate-half way, x · cos + roll(x, D / 2) · sin (sin signed: -sin | +sin), cos and sin from
+   float32 tables [P, D] at each row's position; Q into q_out [N, H, D], K and V into the
+   layer's pool [2KV, pool tokens, D] at each row's token row. Float32 maths, one rounding to
+   each output's dtype. In torch this was ~10 small ops a layer (roll, mul, addcmul, the
+   transposed copy, the dtype cast, index_copy_, the query's copy): ~25 us a layer. */
+
+typedef struct {
+    const void *qkv;
+    const long long *pos, *rows;
+    const float *cos, *sin;
+    void *pool, *q;
+    long long pool_tokens;
+    int n, heads, kv, dim, x_bf16, pool_bf16, q_bf16;
+} rope_t;
+
+static inline float load_f(const void *p, int bf16, size_t i) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void store_f(void *p, int bf16, size_t i, float f) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+static void rope_write_rows(const rope_t *r) {
+    const int D = r->dim, half = D / 2, all = r->heads + 2 * r->kv;
+    float x[256];
+    for (int n = 0; n < r->n; n++) {
+        const float *c = r->cos + (size_t)r->pos[n] * D, *s = r->sin + (size_t)r->pos[n] * D;
+        for (int h = 0; h < all; h++) {
+            const size_t at = ((size_t)n * all + h) * D;
+            for (int i = 0; i < D; i++) x[i] = load_f(r->qkv, r->x_bf16, at + i);
+            void *out = r->q;
+            int bf16 = r->q_bf16;
+            size_t to = ((size_t)n * r->heads + h) * D;
+            if (h >= r->heads) { /* K heads, then V heads: the pool's order */
+                out = r->pool;
+                bf16 = r->pool_bf16;
+                to = ((size_t)(h - r->heads) * r->pool_tokens + (size_t)r->rows[n]) * D;
+            }
+            if (h < r->heads + r->kv) /* Q and K rotate; V does not */
+                for (int i = 0; i < D; i++) {
+                    const float other = x[i < half ? i + half : i - half];
+                    store_f(out, bf16, to + i, x[i] * c[i] + other * s[i]);
+                }
+            else
+                for (int i = 0; i < D; i++) store_f(out, bf16, to + i, x[i]);
+        }
+    }
+}
+
+/* rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool tokens, rows, q):
+   flags: 1 bfloat16 qkv, 2 bfloat16 pool, 4 bfloat16 q (else float32). positions and rows:
+   int64 [n]. Pointers as ints. */
+static PyObject *q4_rope_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[13];
+    if (take_ints(args, nargs, 13, 13, v, "rope_write") < 0) return NULL;
+    rope_t r;
+    r.qkv = (const void *)(intptr_t)v[0];
+    r.n = (int)v[1];
+    r.heads = (int)v[2];
+    r.kv = (int)v[3];
+    r.dim = (int)v[4];
+    r.x_bf16 = (int)(v[5] & 1);
+    r.pool_bf16 = (int)((v[5] >> 1) & 1);
+    r.q_bf16 = (int)((v[5] >> 2) & 1);
+    r.pos = (const long long *)(intptr_t)v[6];
+    r.cos = (const float *)(intptr_t)v[7];
+    r.sin = (const float *)(intptr_t)v[8];
+    r.pool = (void *)(intptr_t)v[9];
+    r.pool_tokens = v[10];
+    r.rows = (const long long *)(intptr_t)v[11];
+    r.q = (void *)(intptr_t)v[12];
+    if (r.n < 0 || r.heads < 1 || r.kv < 1 || r.dim < 2 || r.dim > 256 || r.dim % 2) {
+        PyErr_SetString(PyExc_ValueError, "rope_write: bad shape (dim even, at most 256)");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_write_rows(&r);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* ---- the output head's refinement (model.RefinedHead): each row's k best coarse logits
    recomputed exactly, in float32, from the dense table ----
 
@@ -1155,6 +1248,9 @@ static PyMethodDef METHODS[] = {
      "groups, length, dim, out, scale, rows): decode attention"},
     {"refine", (PyCFunction)(void (*)(void))q4_refine, METH_FASTCALL,
      "refine(logits, rows, vocab, x, x_bf16, table, dim, k): each row's k best logits exact"},
+    {"rope_write", (PyCFunction)(void (*)(void))q4_rope_write, METH_FASTCALL,
+     "rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool_tokens, rows, "
+     "q): RoPE on the rows' Q and K heads; Q out, K and V into the pool"},
     {"isa", q4_isa, METH_NOARGS, "the instruction set used: avx512vnni, avx2, or '' (none)"},
     {NULL, NULL, 0, NULL},
 };

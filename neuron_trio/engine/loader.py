@@ -174,6 +174,7 @@ def _load(
     kernel = quant.native_q4() if scheme == "cpu-int" and device.type == "cpu" else None
     for layer in model.layers:
         cast(Block, layer).attend_kernel = kernel
+    model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
     model.norm = vector("output_norm.weight")
     embed = get("token_embd.weight", (c.vocab_size, c.dim))
     # The embedding table keeps float32 unless the whole model is a dense half type.

@@ -337,7 +337,8 @@ class Block(nn.Module):
     def steps(
         self,
         x: torch.Tensor,  # [N, dim] residual stream: B · T rows (row-major), or at.real's
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [N, H + 2KV, D]
+        # cos, signed sin: per row [N, H + 2KV, D], or with at.positions the float32 tables
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,  # this layer's K/V pool: [2KV, pool tokens, D]
         at: _Placement,
         act: torch.dtype,
@@ -349,8 +350,11 @@ class Block(nn.Module):
         # lookup, 6 per layer and step.
         mods, bufs, shape = self._modules, self._buffers, (self.dim,)
         wqkv = mods["wqkv"]
+        native_rope = at.positions is not None
         if type(wqkv) is Q4Linear:  # the norm inside the native kernel
-            qkv = wqkv.normed(x, bufs["attn_norm"], self.eps, act)  # type: ignore[arg-type]
+            # float32 for the native RoPE: Q, K and V are then rounded to `act` once, after it
+            out = torch.float32 if native_rope else act
+            qkv = wqkv.normed(x, bufs["attn_norm"], self.eps, out)  # type: ignore[arg-type]
         else:
             hn = F.rms_norm(x, shape, bufs["attn_norm"], self.eps).to(act)
             qkv = wqkv.forward(hn)  # type: ignore[union-attr]
@@ -362,16 +366,20 @@ class Block(nn.Module):
         if qk_norm is not None:  # RMSNorm over each Q and K head, before RoPE
             qk = F.rms_norm(qkv[:, : h + kv], (d,), eps=self.eps) * qk_norm
             qkv = torch.cat((qk.to(qkv.dtype), qkv[:, h + kv :]), dim=1)
-        # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
-        cos, sin = rope
-        qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
-        new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
-        # cache: [2KV, pool tokens, D]; indices address its rows flattened, [2KV · pool, D]
-        if isinstance(at.write, slice):  # one row on consecutive blocks
-            cache[:, at.write] = new_kv.transpose(0, 1)
+        if native_rope:  # RoPE and the K/V write in one native call
+            q = self._rope_write(qkv, rope, cache, at, act)  # [N, H, D]
         else:
-            rows = new_kv.transpose(0, 1).reshape(-1, d).to(cache.dtype)  # [2KV · R, D]
-            cache.view(-1, d).index_copy_(0, at.write, rows)
+            # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
+            cos, sin = rope
+            qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
+            new_kv = qkv[:, h:]  # [N, 2KV, D]: K heads, then V heads, as the cache keeps them
+            # cache: [2KV, pool tokens, D]; indices address its rows flattened, [2KV · pool, D]
+            if isinstance(at.write, slice):  # one row on consecutive blocks
+                cache[:, at.write] = new_kv.transpose(0, 1)
+            else:
+                rows = new_kv.transpose(0, 1).reshape(-1, d).to(cache.dtype)  # [2KV · R, D]
+                cache.view(-1, d).index_copy_(0, at.write, rows)
+            q = qkv[:, :h]
         mask, causal = at.mask, at.causal
         if self.sliding and at.window_mask is not None:  # keys past the window are masked
             mask, causal = at.window_mask, False
@@ -379,11 +387,10 @@ class Block(nn.Module):
             # Decode: the H / KV query heads of a group attend to the same keys, so they stand
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
-            q = qkv[:, :h].reshape(n, kv, h // kv, d)
+            q = q.reshape(n, kv, h // kv, d)
             o = self._attend_decode(q, cache, at, act, mask)
         else:
             keys, values = self._read_kv(cache, at, act)
-            q = qkv[:, :h]
             if at.real is not None:  # padded chunks: padding queries are zeros, then dropped
                 q = q.new_zeros(at.b * at.t, h, d).index_copy_(0, at.real, q)
             q = q.view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
@@ -420,6 +427,32 @@ class Block(nn.Module):
         if post is not None:
             y = F.rms_norm(y.to(x.dtype), shape, post, self.eps)
         return x + y
+
+    def _rope_write(
+        self,
+        qkv: torch.Tensor,  # [N, H + 2KV, D]
+        tables: tuple[torch.Tensor, torch.Tensor],  # float32 cos, signed sin: [P, D]
+        cache: torch.Tensor,
+        at: _Placement,
+        act: torch.dtype,
+    ) -> torch.Tensor:
+        """RoPE on the Q and K heads, K and V into the cache at `at.write_rows`, in the
+        native kernel (float32 maths, rounded once); returns Q `[N, H, D]` in `act`."""
+        h, d = self.n_heads, self.head_dim
+        qkv = qkv.contiguous()
+        n = qkv.shape[0]
+        q = torch.empty(n, h, d, dtype=act)
+        cos, sin = tables
+        positions, rows = at.positions, at.write_rows
+        assert positions is not None and rows is not None
+        bf16 = torch.bfloat16
+        flags = int(qkv.dtype == bf16) | 2 * int(cache.dtype == bf16) | 4 * int(act == bf16)
+        self.attend_kernel.rope_write(
+            qkv.data_ptr(), n, h, self.n_kv_heads, d, flags, positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cache.data_ptr(), cache.shape[1], rows.data_ptr(),
+            q.data_ptr(),
+        )  # fmt: skip
+        return q
 
     def _attend_decode(
         self,
@@ -548,7 +581,8 @@ class _Placement:
     """Where one forward's rows write and read the KV pool; computed once, used by every layer."""
 
     __slots__ = (
-        "b", "causal", "length", "mask", "read", "real", "t", "token_rows", "window_mask", "write",
+        "b", "causal", "length", "mask", "positions", "read", "real", "t", "token_rows",
+        "window_mask", "write", "write_rows",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -557,6 +591,11 @@ class _Placement:
         # Where the real tokens' K/V go: a slice of token rows (one row on consecutive
         # blocks) or an index [2KV · R] into the layer's [2KV · pool, D] rows.
         self.write: slice | torch.Tensor = slice(0, 0)
+        # The same as token rows of the pool, int64 [R] on the host (the native RoPE's write).
+        self.write_rows: torch.Tensor | None = None
+        # With the native RoPE (Transformer.native_kernel): the R rows' positions, int64 on
+        # the host; the layers then get the float32 RoPE tables instead of per-row ones.
+        self.positions: torch.Tensor | None = None
         # Padded prompt chunks: the indices of the real tokens among the B · T rows. Only
         # those R rows go through the layers (the residual stream is [R, dim]); attention
         # alone lays them out as [B, T].
@@ -612,6 +651,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
             self.register_buffer(name, torch.empty(0, config.head_dim, device=META))
+        # The native kernel module (the loader sets it under "auto" on the CPU): RoPE and the
+        # K/V write run in it, from float32 tables (rope_f32, rope_f32_local: cos, sin).
+        self.native_kernel: Any = None
+        none = torch.empty(0, config.head_dim)
+        self.rope_f32 = self.rope_f32_local = (none, none)
 
     @property
     def device(self) -> torch.device:
@@ -624,25 +668,38 @@ class Transformer(nn.Module):
         (-sin, +sin), so that RoPE(x) = x·cos + roll(x, D/2)·sin.
         """
         c = self.config
-        if self.rope_cos.device == self.device and self.rope_cos.shape[0] >= positions:
+        native = self.native_kernel is not None
+        if (
+            self.rope_cos.device == self.device
+            and self.rope_cos.shape[0] >= positions
+            and (not native or self.rope_f32[0].shape[0] >= positions)
+        ):
             return
         half = c.head_dim // 2
         exponents = torch.arange(half, dtype=torch.float64) / half
         inv = 1.0 / (c.rope_base**exponents)  # [D/2]
         if c.rope_freq_factors:  # Llama 3.x: each frequency divided by its factor
             inv = inv / torch.tensor(c.rope_freq_factors, dtype=torch.float64)
-        self.rope_cos, self.rope_sin = self._rope_table(inv / c.rope_scale, positions)
+        cos, sin = self._rope_table(inv / c.rope_scale, positions)
+        self.rope_cos, self.rope_sin = self._in_act(cos), self._in_act(sin)
+        if native:
+            self.rope_f32 = (cos.float(), sin.float())
         if c.has_local_rope:  # gemma3's sliding layers: their own base, unscaled
             inv_local = 1.0 / ((c.rope_base_local or c.rope_base) ** exponents)
-            self.rope_cos_local, self.rope_sin_local = self._rope_table(inv_local, positions)
+            cos, sin = self._rope_table(inv_local, positions)
+            self.rope_cos_local, self.rope_sin_local = self._in_act(cos), self._in_act(sin)
+            if native:
+                self.rope_f32_local = (cos.float(), sin.float())
 
-    def _rope_table(self, inv: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _rope_table(inv: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 cos and signed sin `[P, D]` for the inverse frequencies `inv` [D / 2]."""
         ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]  # [P, D/2]
         cos, sin = ang.cos(), ang.sin()
-        return (
-            torch.cat((cos, cos), dim=-1).to(self.act_dtype).to(self.device),
-            torch.cat((-sin, sin), dim=-1).to(self.act_dtype).to(self.device),
-        )
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def _in_act(self, table: torch.Tensor) -> torch.Tensor:
+        return table.to(self.act_dtype).to(self.device)
 
     def forward_steps(
         self,
@@ -720,10 +777,15 @@ class Transformer(nn.Module):
         ids = input_ids.to(dev).reshape(-1)
         if at.real is not None:  # padded chunks: the layers see the real tokens only
             ids, positions = ids[at.real], positions[at.real]
-        rope = self._rope_rows(positions, self.rope_cos, self.rope_sin)
-        rope_local = rope
-        if c.has_local_rope:
-            rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
+        if self._native_rope(kv):
+            at.positions = positions.to(torch.int64).contiguous()
+            rope = self.rope_f32
+            rope_local = self.rope_f32_local if c.has_local_rope else rope
+        else:
+            rope = self._rope_rows(positions, self.rope_cos, self.rope_sin)
+            rope_local = rope
+            if c.has_local_rope:
+                rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
         x = F.embedding(ids, self.tok_embeddings)  # [N, dim]
         x = x.to(self.residual_dtype)
         if c.embed_scale != 1.0:  # gemma; in the residual dtype, as transformers rounds it
@@ -747,6 +809,15 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
 
+    def _native_rope(self, kv: KVCache) -> bool:
+        """Whether RoPE and the K/V write run in the native kernel: on the CPU, activations
+        and cache in bfloat16 or float32, the cache's layers contiguous."""
+        if self.native_kernel is None or self.device.type != "cpu":
+            return False
+        kinds = (torch.bfloat16, torch.float32)
+        cache = kv.layers[0]
+        return self.act_dtype in kinds and cache.dtype in kinds and cache.is_contiguous()
+
     def _place_blocks(
         self,
         at: _Placement,
@@ -764,6 +835,7 @@ class Transformer(nn.Module):
         if at.b == 1 and tables[0].tolist() == list(range(first, first + tables.shape[1])):
             base = first * BLOCK_TOKENS  # consecutive blocks: one slice of the pool
             at.write = slice(base + starts[0], base + ends[0])
+            at.write_rows = torch.arange(base + starts[0], base + ends[0])
             at.read = slice(base, base + length)
             return
         cols = torch.arange(length)
@@ -779,6 +851,7 @@ class Transformer(nn.Module):
             at.token_rows = rows.contiguous()
         spans = zip(starts, ends, strict=True)
         written = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
+        at.write_rows = written
         at.write = (heads[:, None] + written[None, :]).reshape(-1).to(dev)  # [2KV · R]
 
     def _place_packed(

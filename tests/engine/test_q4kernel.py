@@ -358,3 +358,95 @@ def test_refine_recomputes_each_rows_best_logits_exactly(dtype: torch.dtype) -> 
     assert torch.equal(refine(coarse[2:3], x[2:3].contiguous()), got[2:3])
     with pytest.raises(ValueError, match="refine: bad shape"):
         KERNEL.refine(got.data_ptr(), 5, vocab, x.data_ptr(), 0, table.data_ptr(), dim, vocab + 1)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE written out in float64: x · cos + rotate_half(x) · sin (sin unsigned here)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(9, 3, 64), (4, 4, 128), (2, 1, 8)])
+def test_rope_write_rotates_q_and_k_and_writes_k_v_at_their_rows(
+    dtype: torch.dtype, heads: int, kv: int, dim: int
+) -> None:
+    """Block's native RoPE: Q out, K (rotated) and V (as is) into the pool at each row's token
+    row, every other pool row untouched; float32 maths, rounded once to the outputs' dtype."""
+    g = torch.Generator().manual_seed(heads * dim)
+    n, positions, pool_tokens = 5, 64, 96
+    qkv = torch.randn(n, heads + 2 * kv, dim, generator=g)  # float32 in (the kernel's qkv)
+    pos = torch.randint(0, positions, (n,), generator=g)
+    rows = torch.randperm(pool_tokens, generator=g)[:n]
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * torch.rand(dim // 2).double()
+    cos64 = torch.cat((ang.cos(), ang.cos()), dim=-1)
+    sin64 = torch.cat((ang.sin(), ang.sin()), dim=-1)
+    signed = torch.cat((-ang.sin(), ang.sin()), dim=-1)  # the tables' convention
+    cos32, sin32 = cos64.float(), signed.float()
+    pool = torch.full((2 * kv, pool_tokens, dim), 7.0, dtype=dtype)
+    q = torch.empty(n, heads, dim, dtype=dtype)
+    flags = 2 * int(dtype == torch.bfloat16) | 4 * int(dtype == torch.bfloat16)
+    KERNEL.rope_write(
+        qkv.data_ptr(), n, heads, kv, dim, flags, pos.data_ptr(), cos32.data_ptr(),
+        sin32.data_ptr(), pool.data_ptr(), pool_tokens, rows.data_ptr(), q.data_ptr(),
+    )  # fmt: skip
+    x = qkv.double()
+    want = _rotate_half(x[:, : heads + kv], cos64[pos][:, None], sin64[pos][:, None])
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(q.double(), want[:, :heads], rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        pool[:kv, rows].double(), want[:, heads:].transpose(0, 1), rtol=tol, atol=tol
+    )
+    torch.testing.assert_close(
+        pool[kv:, rows], x[:, heads + kv :].transpose(0, 1).to(dtype), rtol=0, atol=0
+    )
+    others = torch.ones(pool_tokens, dtype=torch.bool)
+    others[rows] = False
+    assert bool((pool[:, others] == 7.0).all())
+    # bfloat16 qkv in: the same as its values in float32
+    qkv16 = qkv.bfloat16()
+    again = torch.empty_like(q)
+    KERNEL.rope_write(
+        qkv16.data_ptr(), n, heads, kv, dim, flags | 1, pos.data_ptr(), cos32.data_ptr(),
+        sin32.data_ptr(), pool.data_ptr(), pool_tokens, rows.data_ptr(), again.data_ptr(),
+    )  # fmt: skip
+    want16 = _rotate_half(qkv16.double()[:, :heads], cos64[pos][:, None], sin64[pos][:, None])
+    torch.testing.assert_close(again.double(), want16, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_models_native_rope_is_as_close_to_float32_as_torchs() -> None:
+    """The built-in model under "auto" with RoPE and the K/V write in the kernel, against the
+    same with torch's RoPE, both against float32: over a prefill and decode steps, on
+    scattered blocks (the write's index case) and on consecutive ones (its slice case)."""
+    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.loader import load_transformer
+    from tests.engine.slot_runner import SlotRunner
+
+    path = builtin_model_path()
+    native = load_transformer(path, dtype="auto", device="cpu")
+    plain = load_transformer(path, dtype="auto", device="cpu")
+    assert native.native_kernel is not None
+    plain.native_kernel = None
+    reference = load_transformer(path, dtype="float32", device="cpu")
+    prompt = torch.tensor([[(7 * j + 3) % 49152 for j in range(40)]])
+    slot = torch.tensor([1])
+    for scattered in (True, False):
+        logits = []
+        for model in (native, plain, reference):
+            runner = SlotRunner(model, slots=2, context=128, scattered=scattered)
+            out = runner.forward(prompt, torch.tensor([0]), slot, all_logits=True)[0]
+            for i in range(6):  # decode: the same tokens for all three
+                token = torch.tensor([[(11 * i + 5) % 49152]])
+                out = torch.cat((out, runner.forward(token, torch.tensor([40 + i]), slot)))
+            logits.append(out)
+        got, torchs, want = logits
+        # position 0 has no rotation: the two paths agree exactly there
+        assert torch.equal(got[0], torchs[0])
+        # a wrong row, position or sign would be far off (errors here: ~0.05 per logit)
+        error, torch_error = ((x - want).abs().mean().item() for x in (got, torchs))
+        assert error < 1.25 * torch_error, (error, torch_error)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
