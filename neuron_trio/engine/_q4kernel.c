@@ -969,7 +969,38 @@ static inline void store_f(void *p, int bf16, size_t i, float f) {
         ((float *)p)[i] = f;
 }
 
-static void rope_write_rows(const rope_t *r) {
+/* 8 floats to bfloat16, rounded as f32_to_bf16 (to nearest even; NaN stays a quiet NaN) */
+TARGET_AVX2 static inline void store8_f(void *p, int bf16, size_t i, __m256 v) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
+}
+
+/* Where head h of row n goes: Q out, or the pool (K heads, then V heads: its order). */
+static inline void *rope_dest(const rope_t *r, int n, int h, int *bf16, size_t *to) {
+    if (h < r->heads) {
+        *bf16 = r->q_bf16;
+        *to = ((size_t)n * r->heads + h) * r->dim;
+        return r->q;
+    }
+    *bf16 = r->pool_bf16;
+    *to = ((size_t)(h - r->heads) * r->pool_tokens + (size_t)r->rows[n]) * r->dim;
+    return r->pool;
+}
+
+/* out = x · cos + other · sin, as fmaf(x, cos, other · sin) in both versions (same bits) */
+static void rope_rows_scalar(const rope_t *r) {
     const int D = r->dim, half = D / 2, all = r->heads + 2 * r->kv;
     float x[256];
     for (int n = 0; n < r->n; n++) {
@@ -977,23 +1008,62 @@ static void rope_write_rows(const rope_t *r) {
         for (int h = 0; h < all; h++) {
             const size_t at = ((size_t)n * all + h) * D;
             for (int i = 0; i < D; i++) x[i] = load_f(r->qkv, r->x_bf16, at + i);
-            void *out = r->q;
-            int bf16 = r->q_bf16;
-            size_t to = ((size_t)n * r->heads + h) * D;
-            if (h >= r->heads) { /* K heads, then V heads: the pool's order */
-                out = r->pool;
-                bf16 = r->pool_bf16;
-                to = ((size_t)(h - r->heads) * r->pool_tokens + (size_t)r->rows[n]) * D;
+            int bf16;
+            size_t to;
+            void *out = rope_dest(r, n, h, &bf16, &to);
+            const int rotate = h < r->heads + r->kv; /* Q and K rotate; V does not */
+            for (int i = 0; i < D; i++) {
+                const float other = x[i < half ? i + half : i - half];
+                store_f(out, bf16, to + i, rotate ? fmaf(x[i], c[i], other * s[i]) : x[i]);
             }
-            if (h < r->heads + r->kv) /* Q and K rotate; V does not */
-                for (int i = 0; i < D; i++) {
-                    const float other = x[i < half ? i + half : i - half];
-                    store_f(out, bf16, to + i, x[i] * c[i] + other * s[i]);
-                }
-            else
-                for (int i = 0; i < D; i++) store_f(out, bf16, to + i, x[i]);
         }
     }
+}
+
+/* D a multiple of 16: 8 dimensions of each half at a time. */
+TARGET_AVX2 static void rope_rows_avx2(const rope_t *r) {
+    const int D = r->dim, half = D / 2, all = r->heads + 2 * r->kv;
+    for (int n = 0; n < r->n; n++) {
+        const float *c = r->cos + (size_t)r->pos[n] * D, *s = r->sin + (size_t)r->pos[n] * D;
+        for (int h = 0; h < all; h++) {
+            const size_t at = ((size_t)n * all + h) * D;
+            int bf16;
+            size_t to;
+            void *out = rope_dest(r, n, h, &bf16, &to);
+            const int rotate = h < r->heads + r->kv;
+            for (int i = 0; i < half; i += 8) {
+                const __m256 lo = load8(r->qkv, r->x_bf16, at + i);
+                const __m256 hi = load8(r->qkv, r->x_bf16, at + half + i);
+                if (!rotate) {
+                    store8_f(out, bf16, to + i, lo);
+                    store8_f(out, bf16, to + half + i, hi);
+                    continue;
+                }
+                const __m256 c_lo = _mm256_loadu_ps(c + i), c_hi = _mm256_loadu_ps(c + half + i);
+                const __m256 s_lo = _mm256_loadu_ps(s + i), s_hi = _mm256_loadu_ps(s + half + i);
+                store8_f(out, bf16, to + i, _mm256_fmadd_ps(lo, c_lo, _mm256_mul_ps(hi, s_lo)));
+                store8_f(out, bf16, to + half + i,
+                         _mm256_fmadd_ps(hi, c_hi, _mm256_mul_ps(lo, s_hi)));
+            }
+        }
+    }
+}
+
+static void rope_write_rows(const rope_t *r) {
+    /* The pool rows written are scattered over a pool that is mostly not in cache: fetching
+       all their lines first lets the misses overlap (one after the other, they were most of
+       the call's time at batch 8). */
+    const size_t bytes = (size_t)r->dim * (r->pool_bf16 ? 2 : 4);
+    for (int n = 0; n < r->n; n++)
+        for (int h = 0; h < 2 * r->kv; h++) {
+            const char *row = (const char *)r->pool +
+                              ((size_t)h * r->pool_tokens + (size_t)r->rows[n]) * bytes;
+            for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 1);
+        }
+    if (r->dim % 16 == 0)
+        rope_rows_avx2(r);
+    else
+        rope_rows_scalar(r);
 }
 
 /* rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool tokens, rows, q):
