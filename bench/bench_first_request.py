@@ -45,7 +45,12 @@ def run(args: argparse.Namespace) -> None:
     engines = {}
     for label in ("probe only", "warmed up"):
         engine = Engine.from_gguf(
-            builtin_model_path(), dtype=args.dtype, device="cpu", max_batch=8, context=4096
+            builtin_model_path(),
+            dtype=args.dtype,
+            device="cpu",
+            max_batch=8,
+            context=4096,
+            prefix_cache=False,  # requests 2..N would otherwise reuse request 1's prompt
         )
         engine.probe()
         if label == "warmed up":
