@@ -20,8 +20,8 @@
    several tiles, so the prefetch of the next one mostly lands on the thread that reads it.
 
    The module exposes `matmul`, `attend`, `rope_write` and `refine` (pointers and strides as
-   ints, from model.py's Q4Linear, Q8Linear, _native_attention, Block and RefinedHead), `isa()`: "avx512vnni",
-   "avx2" or "" (a CPU it cannot use), and `use(name)` for tests. Both instruction sets give
+   ints, from model.py's Q4Linear, Q8Linear, _native_attention, Block and RefinedHead),
+   `isa()`: "avx512vnni", "avx2" or "" (a CPU it cannot use), and `use(name)` for tests. Both instruction sets give
    the same bits (the integers are exact, and the float operations run in the same order),
    and so do all batch sizes: batching never changes a sequence's tokens. */
 

@@ -591,7 +591,7 @@ class _Placement:
         # Where the real tokens' K/V go: a slice of token rows (one row on consecutive
         # blocks) or an index [2KV · R] into the layer's [2KV · pool, D] rows.
         self.write: slice | torch.Tensor = slice(0, 0)
-        # The same as token rows of the pool, int64 [R] on the host (the native RoPE's write).
+        # The real tokens' token rows in the pool, int64 [R] on the host (the native RoPE's).
         self.write_rows: torch.Tensor | None = None
         # With the native RoPE (Transformer.native_kernel): the R rows' positions, int64 on
         # the host; the layers then get the float32 RoPE tables instead of per-row ones.
