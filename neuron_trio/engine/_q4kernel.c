@@ -21,9 +21,10 @@
 
    The module exposes `matmul`, `attend`, `rope_write` and `refine` (pointers and strides as
    ints, from model.py's Q4Linear, Q8Linear, _native_attention, Block and RefinedHead),
-   `isa()`: "avx512vnni", "avx2" or "" (a CPU it cannot use), and `use(name)` for tests. Both instruction sets give
-   the same bits (the integers are exact, and the float operations run in the same order),
-   and so do all batch sizes: batching never changes a sequence's tokens. */
+   `isa()`: "avx512vnni", "avx2" or "" (a CPU it cannot use), and `use(name)` for tests.
+   Both instruction sets give the same bits (the integers are exact, and the float operations
+   run in the same order), and so do all batch sizes: batching never changes a sequence's
+   tokens. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,6 +49,22 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* One value of a float32 or bfloat16 array, as float32; and back (rounded as above). */
+static inline float load_f(const void *p, int bf16, size_t i) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void store_f(void *p, int bf16, size_t i, float f) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
 /* ---- activations: int8 per group of 32, with each group's scale and exact float sum ---- */
 
 TARGET_AVX2 static inline __m256 load8(const void *x, int bf16, size_t i) {
@@ -56,6 +73,24 @@ TARGET_AVX2 static inline __m256 load8(const void *x, int bf16, size_t i) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)x + i);
+}
+
+/* 8 floats to bfloat16, rounded as f32_to_bf16 (to nearest even; NaN stays a quiet NaN) */
+TARGET_AVX2 static inline void store8_f(void *p, int bf16, size_t i, __m256 v) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
 }
 
 TARGET_AVX2 static inline float hsum8(__m256 v) {
@@ -218,14 +253,8 @@ typedef struct {
     void *y;
 } job_t;
 
-static inline void store8(const job_t *j, int b, int r0, const float *v) {
-    size_t at = (size_t)b * j->out + r0;
-    if (j->flags & FLAG_Y_BF16) {
-        uint16_t *y = (uint16_t *)j->y + at;
-        for (int i = 0; i < 8; i++) y[i] = f32_to_bf16(v[i]);
-    } else {
-        memcpy((float *)j->y + at, v, 8 * sizeof(float));
-    }
+TARGET_AVX2 static inline void store8(const job_t *j, int b, int r0, const float *v) {
+    store8_f(j->y, j->flags & FLAG_Y_BF16, (size_t)b * j->out + r0, _mm256_loadu_ps(v));
 }
 
 #define TILE_KERNEL(NAME, TARGET, DOT)                                                         \
@@ -584,29 +613,17 @@ TARGET_AVX2 static void softmax_scores(float *scores, int G, int L) {
 
 /* Row b, KV head h's output [G, D] from its float32 sums. */
 TARGET_AVX2 static void store_sums(const attn_t *a, int b, int h, const float *sums) {
-    const int n = a->groups * a->dim;
+    const int n = a->groups * a->dim; /* dim: a multiple of 8 */
     const size_t base = ((size_t)b * a->kv + h) * n;
-    for (int i = 0; i < n; i++) {
-        if (a->bf16)
-            ((uint16_t *)a->out)[base + i] = f32_to_bf16(sums[i]);
-        else
-            ((float *)a->out)[base + i] = sums[i];
-    }
+    for (int i = 0; i < n; i += 8) store8_f(a->out, a->bf16, base + i, _mm256_loadu_ps(sums + i));
 }
 
 /* The additive mask of row b's keys l0 .. l0 + n - 1 (n <= 4) into m (0 without a mask). */
 TARGET_AVX2 static inline void key_masks(const attn_t *a, int b, int l0, int n, float *m) {
     for (int j = 0; j < 4; j++) m[j] = 0.0f;
     if (a->mask == NULL) return;
-    for (int j = 0; j < n; j++) {
-        const long long at = b * a->mask_stride + l0 + j;
-        if (a->mask_bf16) {
-            uint32_t u = (uint32_t)((const uint16_t *)a->mask)[at] << 16;
-            memcpy(m + j, &u, 4);
-        } else {
-            m[j] = ((const float *)a->mask)[at];
-        }
-    }
+    for (int j = 0; j < n; j++)
+        m[j] = load_f(a->mask, a->mask_bf16, (size_t)(b * a->mask_stride + l0 + j));
 }
 
 /* Keys j = 0..3's dot products, each 8 partial sums folded once (x01: keys 0 | 1 in 128-bit
@@ -951,39 +968,6 @@ typedef struct {
     long long pool_tokens;
     int n, heads, kv, dim, x_bf16, pool_bf16, q_bf16;
 } rope_t;
-
-static inline float load_f(const void *p, int bf16, size_t i) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline void store_f(void *p, int bf16, size_t i, float f) {
-    if (bf16)
-        ((uint16_t *)p)[i] = f32_to_bf16(f);
-    else
-        ((float *)p)[i] = f;
-}
-
-/* 8 floats to bfloat16, rounded as f32_to_bf16 (to nearest even; NaN stays a quiet NaN) */
-TARGET_AVX2 static inline void store8_f(void *p, int bf16, size_t i, __m256 v) {
-    if (!bf16) {
-        _mm256_storeu_ps((float *)p + i, v);
-        return;
-    }
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    r = _mm256_srli_epi32(r, 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, quiet, nan);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
-}
 
 /* Where head h of row n goes: Q out, or the pool (K heads, then V heads: its order). */
 static inline void *rope_dest(const rope_t *r, int n, int h, int *bf16, size_t *to) {

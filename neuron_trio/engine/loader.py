@@ -13,12 +13,13 @@ dtype:
   quantised, bfloat16 activations and a float32 residual stream. Where the native kernel
   (`_q4kernel.c`, quant.native_q4) was built: 4-bit groups of 32 (weights stored in 4-bit
   formats) and the output head's coarse pass (int8, one scale per row) run in it with int8
-  activations, RMSNorm and SwiGLU fused in, and so does decode attention; elsewhere torch's
-  int4 (groups of 32) and int8 (one scale per row) kernels. The head's best candidates are
-  recomputed exactly (see AUTO_INT4_HEAD). Weights in other formats take int8. Each such
-  layer also keeps a bfloat16 copy for long prefill chunks, where a dense GEMM beats the int
-  kernels (from 16 rows for torch's, 48 for the native one: model.py's thresholds). bench/bench_decode.py measures it (against
-  llama.cpp too) and prints auto's top-1 agreement with float32.
+  activations, RMSNorm and SwiGLU fused in, and so do RoPE with the K/V write and decode
+  attention; elsewhere torch's int4 (groups of 32) and int8 (one scale per row) kernels. The
+  head's best candidates are recomputed exactly (see AUTO_INT4_HEAD). Weights in other
+  formats take int8. Each such layer also keeps a bfloat16 copy for long prefill chunks,
+  where a dense GEMM beats the int kernels (from 16 rows for torch's, 48 for the native one:
+  model.py's thresholds). bench/bench_decode.py measures it (against llama.cpp too) and
+  prints auto's top-1 agreement with float32.
 """
 
 from __future__ import annotations

@@ -152,16 +152,19 @@ class RawH2:
                 self.ended.add(event.stream_id)
         await self.flush()
 
+    async def read_until(self, done: Callable[[], bool]) -> None:
+        """Receive until `done()` is true."""
+        while not done():
+            await self._receive()
+
     async def read_until_data(self, sid: int) -> bytes:
         """Receive until stream `sid` has some response body."""
-        while not self.data[sid]:
-            await self._receive()
+        await self.read_until(lambda: bool(self.data[sid]))
         return bytes(self.data[sid])
 
     async def read_until_ended(self, sid: int) -> bytes:
         """Receive until stream `sid` has ended; its whole response body."""
-        while sid not in self.ended:
-            await self._receive()
+        await self.read_until(lambda: sid in self.ended)
         return bytes(self.data[sid])
 
     async def reset(self, sid: int) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
 import trio
 from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 from tests.http.fake_node import FakeNode
-from tests.http.http_harness import chat_body, run, serving, sse_events
-from tests.http.test_http_hardening import Frames
+from tests.http.http_harness import RawH2, chat_body, run, serving, sse_events
 
 STREAMS = 8
 TOKENS = ("a", "b", "c", "d")
@@ -38,23 +36,19 @@ def test_tokens_of_many_streams_leave_in_one_write(monkeypatch: pytest.MonkeyPat
     node.gate = gate
 
     async def body() -> None:
-        async with serving(node) as srv:
-            client = await Frames.open(srv.url)
-            doc = msgspec.json.encode(chat_body(stream=True, max_tokens=len(TOKENS)))
-            sids = [
-                client.request("POST", "/v1/chat/completions", body=doc) for _ in range(STREAMS)
-            ]
-            await client.flush()
-            await client.until(lambda: node.open == STREAMS)  # every stream waits for token 0
+        async with serving(node) as srv, RawH2.connect(srv.bound[0]) as client:
+            doc = chat_body(stream=True, max_tokens=len(TOKENS))
+            sids = [await client.post("/v1/chat/completions", doc) for _ in range(STREAMS)]
+            await client.read_until(lambda: node.open == STREAMS)  # all wait for token 0
             for i, token in enumerate(TOKENS[:-1]):  # the last one also ends the streams
                 mark = f'"content":"{token}"'.encode()
                 writes.clear()
                 released[i].set()  # all streams get token i in the same moment, as in a step
-                await client.until(lambda mark=mark: all(mark in client.data[s] for s in sids))
+                await client.read_until(lambda mark=mark: all(mark in client.data[s] for s in sids))
                 # One write (two if the send task woke between two streams' pushes), not 8.
                 assert 1 <= len(writes) <= 2, (token, writes)
             released[-1].set()
-            await client.until(lambda: all(s in client.ended for s in sids))
+            await client.read_until(lambda: all(s in client.ended for s in sids))
             for sid in sids:  # whole and in order on every stream
                 events = sse_events(client.data[sid].decode())
                 assert events[-1] == "[DONE]"
@@ -64,6 +58,5 @@ def test_tokens_of_many_streams_leave_in_one_write(monkeypatch: pytest.MonkeyPat
                     for choice in event["choices"]
                 )
                 assert text == "".join(TOKENS)
-            await client.aclose()
 
     run(body)
