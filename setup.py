@@ -1,7 +1,8 @@
 """The optional native kernel (neuron_trio/engine/_q4kernel.c); everything else is in pyproject.toml.
 
 `optional=True`: where it cannot be built (no C compiler, another architecture) the install
-goes on without it and the engine uses torch's int4 kernel (see engine/q4native.py). It needs
+goes on without it and the engine uses torch's int4 kernel (see `native_q4()` in
+neuron_trio/engine/quant.py). It needs
 only Python's headers, never torch's, so build isolation pulls nothing but setuptools.
 """
 

@@ -172,7 +172,7 @@ def time_llamacpp(venv: Path, path: Path, prompt: Sequence[int], n: int) -> floa
     if not python.exists():
         print(
             f"decode llama.cpp: skipped, no llama-cpp-python venv at {venv} "
-            "(build one with ../shared/tools/build-llamacpp-peer, or pass --llamacpp-venv)"
+            "(build one as docs/STACK-NOTES.md says, or pass --llamacpp-venv)"
         )
         return None
     request = {"path": str(path), "prompt": list(prompt), "n": n}

@@ -1,6 +1,6 @@
 """The `neuron` command: serve (the daemon), gpus, check-config, pull, status.
 
-Exit codes (sysexits, DESIGN.md): 0 clean; 64 bad usage; 69 a model could not be loaded or
+Exit codes (sysexits, docs/DESIGN.md): 0 clean; 64 bad usage; 69 a model could not be loaded or
 fetched; 70 the deadman fired; 78 bad config. Messages go to stderr; stdout carries only
 what a command was asked for (`gpus --json`: exactly one JSON document; `pull`: the path).
 """

@@ -6,7 +6,7 @@ these once, at the edge; inner code and the HTTP layer see only these.
 
 from __future__ import annotations
 
-# sysexits(3) codes of the CLI contract (DESIGN.md).
+# sysexits(3) codes of the CLI contract (docs/DESIGN.md).
 EX_OK = 0
 EX_USAGE = 64
 EX_UNAVAILABLE = 69  # a default model cannot be loaded

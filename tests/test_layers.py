@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md import one way only."""
+"""The layers of docs/DESIGN.md import one way only."""
 
 import ast
 from pathlib import Path

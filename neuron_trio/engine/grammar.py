@@ -10,9 +10,9 @@ Why llguidance (1.9) rather than xgrammar (0.2): measured on the built-in model'
 vocabulary (issue 14's closing note), both are far below a decode step (xgrammar ~5 µs per mask
 after a 1-5 ms compile; llguidance ~15-30 µs per mask, no ahead-of-time compile, <1 ms per
 schema); but xgrammar's wheel requires torch, transformers, triton and pydantic (an unpinned
-torch may pull a CUDA build of several GB: STACK-NOTES), while llguidance is one 8 MB wheel
+torch may pull a CUDA build of several GB: docs/STACK-NOTES.md), while llguidance is one 8 MB wheel
 with no dependencies. llguidance also refuses schema keywords it cannot enforce (`if`/`then`,
-an unknown `format`: a 400 naming them, as DESIGN.md asks), and its Lark grammars embed JSON
+an unknown `format`: a 400 naming them, as docs/DESIGN.md asks), and its Lark grammars embed JSON
 Schemas (`%json {...}`), which is what a tool call in a model's own format needs.
 
 Compilation (`GrammarCompiler.compile`) parses the grammar once per distinct constraint and

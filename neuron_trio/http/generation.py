@@ -3,7 +3,7 @@
 Both shapes keep the whole life of `node.generate(job)` inside one trio task (the context may
 hold cancel scopes or nurseries of its own), and both watch `receive()` for `http.disconnect`
 in a sibling task: under trio, Starlette's `request.is_disconnected()` always says False
-(STACK-NOTES.md). A client that goes away cancels the sibling's scope, which leaves the
+(docs/STACK-NOTES.md). A client that goes away cancels the sibling's scope, which leaves the
 `generate` context early, which cancels the sequence at the node's next step.
 """
 

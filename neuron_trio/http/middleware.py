@@ -7,7 +7,7 @@ Order, outside in (one class, so each request pays for one wrapper, not five):
    started, answered with a generic JSON 500 (never a traceback);
 3. shielded final send: the last `http.response.body` of a response is sent inside a shielded
    (and bounded) cancel scope; without it hypercorn never restarts a connection's idle timer
-   after a streaming response and a drain waits its whole graceful timeout (STACK-NOTES.md);
+   after a streaming response and a drain waits its whole graceful timeout (docs/STACK-NOTES.md);
 4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`; with admin
    keys, loading and unloading models needs one of those (another valid key: 403);
 5. body limit: a `Content-Length` over the limit is a 413 at once; otherwise `receive()`

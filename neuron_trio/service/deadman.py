@@ -1,6 +1,6 @@
 """The deadman: forensics, then exit 70 at once. One per process, shared by every model.
 
-Why it exists (DESIGN.md): a wedged process that never exits is invisible to systemd. Once
+Why it exists (docs/DESIGN.md): a wedged process that never exits is invisible to systemd. Once
 the deadman fires nothing is drained and no destructor runs: draining cannot work while a
 collective is stuck, and waiting would only add minutes before systemd restarts us.
 

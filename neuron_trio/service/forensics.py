@@ -1,4 +1,4 @@
-"""The forensics report the deadman writes before exit 70 (format in DESIGN.md).
+"""The forensics report the deadman writes before exit 70 (format in docs/DESIGN.md).
 
 Plain threading code, no trio: the deadman may gather from a worker thread, or from a
 thread that is not trio's at all. Every part that talks to something outside the
@@ -88,7 +88,7 @@ class ThreadStack(msgspec.Struct, frozen=True):
 
 
 class ForensicsReport(msgspec.Struct, kw_only=True):
-    """The report the deadman writes (format in DESIGN.md). Parts that are not there are
+    """The report the deadman writes (format in docs/DESIGN.md). Parts that are not there are
     absent from the JSON (UNSET): a minimal report, when gathering failed, has no GPU parts,
     and the deadman adds where it was written (or why not) and the exit code last."""
 

@@ -179,7 +179,7 @@ class FailpointsInfo(msgspec.Struct, frozen=True):
 
 
 class NodeInfo(msgspec.Struct, frozen=True):
-    """The `/v1/node` document (DESIGN.md)."""
+    """The `/v1/node` document (docs/DESIGN.md)."""
 
     hostname: str
     boot_id: str

@@ -1,6 +1,6 @@
 """The wedge watchdog of one model: step deadline, abort on its own thread, recovery or exit 70.
 
-Why (DESIGN.md, "Why it exists"): a tensor-parallel step once wedged in an NCCL collective,
+Why (docs/DESIGN.md, "Why it exists"): a tensor-parallel step once wedged in an NCCL collective,
 and the abort meant to free it blocked forever too, so neither branch after it ever ran.
 Here every blocking call runs on a worker thread the event loop does not wait for
 (`abandon_on_cancel=True`), and every wait on such a thread has a deadline of its own:

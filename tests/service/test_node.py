@@ -463,7 +463,7 @@ def test_node_info_document(tmp_path: Path) -> None:
             "report": {"reason": "abort-deadline"},
         }
         assert info["failpoints"]["configured"] == {"engine.step": "hang"}
-        # the contract's keys (DESIGN.md, /v1/node), exactly
+        # the contract's keys (docs/DESIGN.md, /v1/node), exactly
         assert list(info) == [
             "hostname", "boot_id", "started_at", "starts", "previous_stop_clean", "status",
             "draining", "config", "gpus", "models", "generated_tokens_per_s_1m", "watchdog",
