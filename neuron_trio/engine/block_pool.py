@@ -70,6 +70,10 @@ class BlockPool:
             )
         self.n_blocks = n_blocks
         self.prefix_cache = prefix_cache
+        # Invariant: every block id in RESERVED_BLOCKS .. n_blocks - 1 is in exactly one of
+        # `_free` (no references, no key), `_refs` (referenced; keyed or not) and
+        # `_evictable` (unreferenced, keyed); `_key_of` and `_block_of` are inverse maps over
+        # the keyed blocks, and a keyed block is full (never written again).
         self._free = list(range(RESERVED_BLOCKS, n_blocks))  # a heap: lowest first
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
         self._key_of: dict[int, bytes] = {}  # cached block -> its key

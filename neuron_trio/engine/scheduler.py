@@ -72,6 +72,10 @@ class Scheduler:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.pool = pool
+        # Invariant: `_active` holds at most max_batch sequences, none FINISHED, in admission
+        # order (so "oldest first" and "the youngest" are its two ends); a DECODING sequence
+        # holds the blocks of all its cached positions, and only sequences in `_active` hold
+        # blocks of the pool.
         self._active: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self._looked_up: set[int] = set()  # sequences whose prefill start checked the cache
         self.preemptions = 0

@@ -7,9 +7,8 @@ requests into free slots and applies cancellations; while the engine has work it
 `executor.step()` on a worker thread (through the watchdog, which bounds it) and routes each
 event to its request's stream. Nothing blocking ever runs on the trio thread.
 
-Per-request streams are bounded and never block the loop: past `stream_capacity` buffered
-events, new events are merged into the last one (text and tokens appended), so a slow client
-costs memory bounded by its own completion, and never stalls the other sequences.
+Each request's events reach it through an `EventStream` (`service/event_stream.py`), bounded
+and never blocking the loop.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Literal, TypeVar
 import msgspec
 import trio
 
-from neuron_trio.config import ModelConfig
+from neuron_trio.config import ModelConfig, TpConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
@@ -41,6 +40,7 @@ from neuron_trio.errors import (
 )
 from neuron_trio.parallel.api import ModelExecutor, RankInfo, ServingEngine
 from neuron_trio.service.api import GenerationJob, template_message
+from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.watchdog import InflightRequest, Watchdog, WatchdogStatistics
 
@@ -54,31 +54,7 @@ INLINE_ENCODE_MESSAGES = 32
 # No tokenizer packs more characters than this into one token on average, so a prompt with
 # more than context x this many characters cannot fit: refused before it is rendered.
 MAX_CHARS_PER_TOKEN = 64
-WARM_UP_MIN_S = 120.0  # the least time a model's first (warm-up) forward gets
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
-
-
-def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
-    """`b` appended to `a` (same sequence): one event carrying both."""
-    logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = [*(a.logprobs or ()), *(b.logprobs or ())]
-    tool_calls = None
-    if a.tool_calls is not None or b.tool_calls is not None:
-        tool_calls = [*(a.tool_calls or ()), *(b.tool_calls or ())]
-    return SequenceEvent(
-        seq_id=b.seq_id,
-        text=a.text + b.text,
-        token_ids=[*a.token_ids, *b.token_ids],
-        logprobs=logprobs,
-        finish_reason=b.finish_reason or a.finish_reason,
-        prompt_tokens=max(a.prompt_tokens, b.prompt_tokens),
-        completion_tokens=max(a.completion_tokens, b.completion_tokens),
-        error=b.error or a.error,
-        index=b.index,
-        tool_calls=tool_calls,
-        more_choices=b.more_choices,
-    )
 
 
 class ModelMemory(msgspec.Struct, frozen=True):
@@ -131,65 +107,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     watchdog: WatchdogStatistics | None
 
 
-class EventStream:
-    """A request's events: an async iterator fed by the actor without ever blocking it.
-
-    Iteration ends after the event that carries `finish_reason`, or raises the error the
-    actor failed the request with (UnavailableError when the model wedges).
-    """
-
-    def __init__(self, capacity: int = 64) -> None:
-        self._capacity = max(1, capacity)
-        self._buffer: deque[SequenceEvent] = deque()
-        self._error: BaseException | None = None
-        self._closed = False
-        self._lot = trio.lowlevel.ParkingLot()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def push(self, event: SequenceEvent) -> None:
-        if self._closed:
-            return
-        if len(self._buffer) >= self._capacity:
-            # merge into the latest event of the same choice (n > 1 interleaves choices)
-            for i in range(len(self._buffer) - 1, -1, -1):
-                if self._buffer[i].index == event.index:
-                    self._buffer[i] = merge_events(self._buffer[i], event)
-                    break
-            else:
-                self._buffer.append(event)  # at most one extra per choice
-        else:
-            self._buffer.append(event)
-        self._lot.unpark_all()
-
-    def close(self) -> None:
-        self._closed = True
-        self._lot.unpark_all()
-
-    def fail(self, error: BaseException) -> None:
-        if self._closed:
-            return
-        self._error = error
-        self.close()
-
-    def __aiter__(self) -> EventStream:
-        return self
-
-    async def __anext__(self) -> SequenceEvent:
-        while True:
-            if self._buffer:
-                await trio.lowlevel.checkpoint()
-                return self._buffer.popleft()
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            if self._closed:
-                raise StopAsyncIteration
-            await self._lot.park()
-
-
 @dataclass(eq=False)
 class _Request:
     job: GenerationJob
@@ -236,7 +153,6 @@ class ModelActor:
         loader: Callable[[], ModelExecutor],
         *,
         max_queue: int,
-        probe_interval_s: float = 30.0,
         watchdog: Watchdog | None = None,
         metrics: ModelMetrics | None = None,
         stream_capacity: int = 64,
@@ -248,7 +164,10 @@ class ModelActor:
         self.spec = spec
         self.name = spec.name
         self.max_queue = max_queue
-        self.probe_interval_s = probe_interval_s
+        # One idle-probe interval (tp.probe_interval_s): the watchdog's, which /v1/node shows.
+        self.probe_interval_s = (
+            watchdog.probe_interval_s if watchdog is not None else TpConfig().probe_interval_s
+        )
         self.source_path = source_path
         self.memory = memory
         self.loaded_at: float | None = None  # unix seconds
@@ -258,6 +177,9 @@ class ModelActor:
         self._loader = loader
         self._metrics = metrics
         self._stream_capacity = stream_capacity
+        # Invariant: a request is in `_queue` (no seq_id yet, in arrival order) or in
+        # `_active` (keyed by its engine seq_id), never both; only the actor's loop moves it
+        # between them, between steps, and it leaves both when its stream ends.
         self._queue: deque[_Request] = deque()
         self._active: dict[int, _Request] = {}
         self._cancels: list[int] = []
@@ -575,13 +497,11 @@ class ModelActor:
         the first real request then pays no one-time cost), each bounded: a hang here ends in
         exit 70 (the deadman); an error fails the load.
 
-        The bound is generous (first forwards pay one-time costs: CUDA context, kernel
-        selection, NCCL connection set-up, or a busy CPU), never less than WARM_UP_MIN_S.
+        The bound is the watchdog's `warm_up_s` (generous: first forwards pay one-time costs).
         """
         started = time.monotonic()
         if self.watchdog is not None:
-            bound = self.watchdog.step_timeout_s + self.watchdog.abort_deadline_s
-            timeout_s = max(WARM_UP_MIN_S, bound)
+            timeout_s = self.watchdog.warm_up_s
             await self.watchdog.run_or_die(executor.probe, what="warm-up", timeout_s=timeout_s)
             report = await self.watchdog.run_or_die(
                 executor.warm_up, what="warm-up", timeout_s=timeout_s

@@ -53,9 +53,9 @@ from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
+from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.model_actor import (
     BURST_GAP_S,
-    EventStream,
     ModelActor,
     ModelInfo,
     ModelMemory,
@@ -594,7 +594,6 @@ class Node:
                 spec,
                 partial(self._factory, spec, path, devices, failpoints=self.failpoints),
                 max_queue=self.config.server.max_queue,
-                probe_interval_s=self.config.tp.probe_interval_s,
                 watchdog=self._watchdog_factory(spec),
                 metrics=self._metrics.for_model(spec.name),
                 source_path=str(path),

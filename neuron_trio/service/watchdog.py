@@ -65,12 +65,19 @@ log = logging.getLogger("neuron.watchdog")
 T = TypeVar("T")
 ReturnOutcome = Literal["returned", "error", "deadline"]
 InflightFn = Callable[[], "list[InflightRequest]"]  # the requests in flight, for forensics
+# Invariant: "stepping"/"probing" only while a call holds the busy lock and runs under the
+# step deadline; "recovering"/"aborting" exactly while a wedge is pending (`_wedge` set), and
+# then no step or probe is started; "wedged" is final (the deadman is firing, the process
+# exits); every other state returns to "idle".
 WatchdogState = Literal["idle", "stepping", "probing", "recovering", "aborting", "wedged"]
 
 # After the deadline fires, how many scheduling rounds (at the same clock instant) a call
 # that came back at that instant gets to deliver its result. Each hop (thread runner ->
 # abort task -> event) takes one round; checkpoints do not advance even a MockClock.
 _SAME_INSTANT_ROUNDS = 16
+# The least time a model's first forwards (the warm-up) get: they pay one-time costs (CUDA
+# context, kernel selection, NCCL connection set-up, or a busy CPU).
+WARM_UP_MIN_S = 120.0
 
 
 # --- the decision ---------------------------------------------------------------------------
@@ -289,6 +296,12 @@ class Watchdog:
             last_wedge=None if last is None else msgspec.structs.replace(last),
         )
 
+    @property
+    def warm_up_s(self) -> float:
+        """The one bound on a model's warm-up calls (its first probe, its warm-up requests):
+        never less than WARM_UP_MIN_S, nor than the time a wedged step gets."""
+        return max(WARM_UP_MIN_S, self.step_timeout_s + self.abort_deadline_s)
+
     # --- steps ------------------------------------------------------------------------------
 
     async def run_step(
@@ -427,28 +440,14 @@ class Watchdog:
         """Abort every rank's communicator on a thread of its own; wait until `deadline`."""
         self._set_state("aborting")
         started = self._clock()
-        done = trio.Event()
-        result = CallReturn()
-
-        async def abort_task() -> None:
-            try:
-                await self._run_thread(
-                    executor.abort_comm,
-                    thread_name=f"nccl-abort-{self.model_name}",
-                    # A fresh limiter: an abandoned abort keeps its slot for ever.
-                    limiter=trio.CapacityLimiter(1),
-                    on_return=_ignore,
-                )
-            except Exception as exc:
-                result.error = exc
-            result.finished_at = self._clock()
-            done.set()
-
         self._log.warning("watchdog: model %s: aborting the communicator", self.model_name)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(abort_task)
-            outcome = await wait_for_return(done, result, deadline)
-            nursery.cancel_scope.cancel()  # deadline: abandon the abort's thread
+        outcome, result = await self._bounded_call(
+            executor.abort_comm,
+            thread_name=f"nccl-abort-{self.model_name}",
+            # A fresh limiter: an abandoned abort keeps its slot for ever.
+            limiter=trio.CapacityLimiter(1),
+            deadline=deadline,
+        )
         duration = (result.finished_at if outcome != "deadline" else None) or self._clock()
         duration -= started
         self._aborts[outcome] += 1
@@ -478,29 +477,15 @@ class Watchdog:
         self, fn: Callable[[], Any], what: str, watch: _Watch, comms: list[Any]
     ) -> None:
         """One recovery step on a worker thread, bounded by step_timeout_s; failing -> exit 70."""
-        done = trio.Event()
-        result = CallReturn()
         on_step_thread = what == "probe"
-
-        async def call() -> None:
-            try:
-                await self._run_thread(
-                    fn,
-                    thread_name=f"neuron-step-{self.model_name}"
-                    if on_step_thread
-                    else f"nccl-init-{self.model_name}",
-                    limiter=self._step_limiter if on_step_thread else trio.CapacityLimiter(1),
-                    on_return=_ignore,
-                )
-            except Exception as exc:
-                result.error = exc
-            result.finished_at = self._clock()
-            done.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(call)
-            outcome = await wait_for_return(done, result, self._clock() + self.step_timeout_s)
-            nursery.cancel_scope.cancel()
+        outcome, result = await self._bounded_call(
+            fn,
+            thread_name=f"neuron-step-{self.model_name}"
+            if on_step_thread
+            else f"nccl-init-{self.model_name}",
+            limiter=self._step_limiter if on_step_thread else trio.CapacityLimiter(1),
+            deadline=self._clock() + self.step_timeout_s,
+        )
         if outcome == "returned":
             return
         why = (
@@ -510,6 +495,39 @@ class Watchdog:
         )
         self._log.critical("watchdog: model %s: recovery failed: %s", self.model_name, why)
         await self._fire(f"{what}-failed", watch, comms, why)
+
+    async def _bounded_call(
+        self,
+        fn: Callable[[], Any],
+        *,
+        thread_name: str,
+        limiter: trio.CapacityLimiter,
+        deadline: float,
+    ) -> tuple[ReturnOutcome, CallReturn]:
+        """Run `fn` on a worker thread and wait for it until `deadline` (`wait_for_return`).
+
+        Returns the outcome and the call's return record (its error, when it finished).
+        Cancellation handling: past the deadline the thread is abandoned (it keeps its
+        `limiter` slot until it really returns); the caller decides what that means.
+        """
+        done = trio.Event()
+        result = CallReturn()
+
+        async def call() -> None:
+            try:
+                await self._run_thread(
+                    fn, thread_name=thread_name, limiter=limiter, on_return=_ignore
+                )
+            except Exception as exc:
+                result.error = exc
+            result.finished_at = self._clock()
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            outcome = await wait_for_return(done, result, deadline)
+            nursery.cancel_scope.cancel()  # deadline: abandon the thread
+        return outcome, result
 
     async def _fire(self, reason: str, watch: _Watch, comms: list[Any], detail: str) -> NoReturn:
         self._set_state("wedged")

@@ -25,7 +25,8 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.service.api import ChatMessage, GenerationJob
-from neuron_trio.service.model_actor import EventStream, ModelActor, merge_events
+from neuron_trio.service.event_stream import EventStream, merge_events
+from neuron_trio.service.model_actor import ModelActor
 from neuron_trio.service.model_metrics import NodeMetrics
 from neuron_trio.service.watchdog import Watchdog
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
@@ -107,7 +108,11 @@ def run_actor(
             registry = CollectorRegistry()
             watchdog = Watchdog(
                 model_name="m",
-                tp=TpConfig(step_timeout_s=STEP_TIMEOUT, abort_deadline_s=ABORT_DEADLINE),
+                tp=TpConfig(
+                    step_timeout_s=STEP_TIMEOUT,
+                    abort_deadline_s=ABORT_DEADLINE,
+                    probe_interval_s=PROBE_INTERVAL,
+                ),
                 deadman=FakeDeadman(),  # type: ignore[arg-type]
                 metrics=WatchdogMetrics.for_registry(registry),
                 run_thread=threads,
@@ -118,7 +123,6 @@ def run_actor(
                 spec(max_batch),
                 lambda: executor,
                 max_queue=max_queue,
-                probe_interval_s=PROBE_INTERVAL,
                 watchdog=watchdog,
                 metrics=metrics.for_model("m"),
                 burst_gap_s=burst_gap_s,

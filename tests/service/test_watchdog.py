@@ -379,3 +379,16 @@ def test_real_thread_runner_reports_an_abandoned_thread_returning() -> None:
 
     trio.run(main)
     assert returned == [None]
+
+
+@pytest.mark.parametrize(("step_s", "abort_s", "bound"), [(2.0, 3.0, 120.0), (30.0, 100.0, 130.0)])
+def test_the_warm_up_bound_is_the_minimum_or_a_wedged_steps_time(
+    step_s: float, abort_s: float, bound: float
+) -> None:
+    watchdog = Watchdog(
+        model_name="m",
+        tp=TpConfig(step_timeout_s=step_s, abort_deadline_s=abort_s),
+        deadman=cast(Deadman, FakeDeadman()),
+        wall_clock=lambda: 0.0,
+    )
+    assert watchdog.warm_up_s == bound
