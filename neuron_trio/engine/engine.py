@@ -49,7 +49,7 @@ from neuron_trio.engine.grammar import (
     detect_tool_format,
     fill_masks,
 )
-from neuron_trio.engine.loader import SingleRunner, kv_pool_blocks, load_transformer
+from neuron_trio.engine.loader import SingleRunner, engine_sizing, load_transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
@@ -66,7 +66,10 @@ from neuron_trio.engine.types import (
 )
 from neuron_trio.errors import ContextLengthError, RequestError
 
-__all__ = ["Engine", "NoFreeSlotError"]
+__all__ = ["PREFILL_CHUNK", "Engine", "NoFreeSlotError"]
+
+# Tokens a step's prefill batch holds at most (rows x longest chunk, padding included).
+PREFILL_CHUNK = 256
 
 
 class Engine:
@@ -77,7 +80,7 @@ class Engine:
         *,
         max_batch: int,
         context: int,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
         chat_template: Any = None,
         prefix_cache: bool = True,
     ):
@@ -120,21 +123,20 @@ class Engine:
         device: torch.device | str = "cpu",
         max_batch: int = 8,
         context: int = 4096,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
         kv_cache_mb: int = 0,
         prefix_cache: bool = True,
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
-        The one way to build an unsharded engine: the daemon's `build_executor` calls it for
-        tp = 1. `context` (tokens per sequence) is capped at the context the model was
+        For tools, tests and benchmarks; the daemon builds every model (tp = 1 or more)
+        through `build_executor`, which sizes it the same way (`loader.engine_sizing`). `context` (tokens per sequence) is capped at the context the model was
         trained for. The KV pool holds `kv_cache_mb` MiB, or with 0, `max_batch` × `context`
-        tokens (`loader.kv_pool_blocks`). The file is parsed once (weights and tokenizer)
+        tokens (`loader.engine_sizing`). The file is parsed once (weights and tokenizer)
         and closed before this returns.
         """
         with GGUFFile(path) as gguf:
-            context = min(context, gguf.config.context_length)
-            blocks = kv_pool_blocks(
+            sizing = engine_sizing(
                 gguf.config,
                 dtype,
                 device,
@@ -144,7 +146,8 @@ class Engine:
             )
             model = load_transformer(gguf, dtype=dtype, device=torch.device(device))
             tokenizer = Tokenizer.from_gguf(gguf)
-        runner = SingleRunner(model, blocks=blocks, context=context)
+        context = sizing.context
+        runner = SingleRunner(model, blocks=sizing.kv_blocks, context=context)
         return cls(
             runner,
             tokenizer,

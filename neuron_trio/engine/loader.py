@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -305,6 +306,35 @@ def kv_pool_blocks(
         )
     except ValueError as exc:
         raise ConfigError(f"kv_cache_mb: {exc}") from None
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    """How big one loaded model's engine is: the one computation every builder shares."""
+
+    context: int  # tokens per sequence: as configured, capped at the model's own
+    kv_blocks: int  # the KV pool (reserved blocks included), the same on every TP rank
+
+
+def engine_sizing(
+    config: LlamaConfig,
+    dtype: str,
+    device: torch.device | str,
+    *,
+    kv_cache_mb: int,
+    max_batch: int,
+    context: int,
+) -> EngineSizing:
+    """The context cap and the KV pool's blocks (`kv_pool_blocks`) of a model's engine.
+
+    The pool follows the whole model's shape: every TP rank holds all its blocks, each for its
+    own KV heads (so each rank holds 1/tp of kv_cache_mb).
+    """
+    capped = min(context, config.context_length)
+    blocks = kv_pool_blocks(
+        config, dtype, device, kv_cache_mb=kv_cache_mb, max_batch=max_batch, context=capped
+    )
+    return EngineSizing(context=capped, kv_blocks=blocks)
 
 
 def estimate_kv_bytes(

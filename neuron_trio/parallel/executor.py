@@ -25,10 +25,10 @@ import torch
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.llama_config import LlamaConfig
-from neuron_trio.engine.loader import SingleRunner, kv_pool_blocks, load_transformer
+from neuron_trio.engine.loader import SingleRunner, engine_sizing, load_transformer
 from neuron_trio.engine.model import Transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.tokenizer import Tokenizer
@@ -193,71 +193,54 @@ def build_executor(
     failpoints = fp.REGISTRY if failpoints is None else failpoints
     tp = spec.tp
     rank_devices = _rank_devices(devices, tp)
-    if tp == 1:
-        engine = Engine.from_gguf(
-            model_path,
-            dtype=spec.dtype,
-            device=rank_devices[0],
-            max_batch=spec.max_batch,
-            context=spec.context,
-            kv_cache_mb=spec.kv_cache_mb,
-            prefix_cache=spec.prefix_cache,
-        )
-        single = engine.runner
-        assert isinstance(single, SingleRunner)
-        return Executor(
-            engine=engine,
-            models=[single.model],
-            devices=rank_devices,
-            comm=None,
-            comm_factory=None,
-            dtype=single.model.scheme,
-            ranks=_ranks(single.config, rank_devices),
-            failpoints=failpoints,
-        )
-    # One mapping for every rank's load, and each weight dequantised once and sliced per rank
-    # (dequantising is most of a load's time).
-    with _SharedWeights(model_path) as gguf:
+    # One mapping for every rank's load; with tp > 1 each weight is dequantised once and
+    # sliced per rank (dequantising is most of a load's time).
+    with _SharedWeights(model_path) if tp > 1 else GGUFFile(model_path) as gguf:
         config = gguf.config
         try:
             check_tp(config, tp)
         except ConfigError as exc:
             raise ConfigError(f"model {spec.name!r}: {exc}") from None
-        # Tokens per sequence: at most what the model was trained for (as Engine.from_gguf
-        # does); the KV pool's blocks from the whole model's shape: every rank holds them all,
-        # each for its own KV heads (so each rank holds 1/tp of kv_cache_mb).
-        context = min(spec.context, config.context_length)
-        blocks = kv_pool_blocks(
+        sizing = engine_sizing(
             config,
             spec.dtype,
             rank_devices[0],
             kv_cache_mb=spec.kv_cache_mb,
             max_batch=spec.max_batch,
-            context=context,
+            context=spec.context,
         )
         models = [
             load_transformer(
                 gguf,
                 dtype=spec.dtype,
                 device=rank_devices[rank],
-                shard=shard_fn(config, rank, tp),
+                shard=shard_fn(config, rank, tp) if tp > 1 else None,
                 tp=tp,
             )
             for rank in range(tp)
         ]
         tokenizer = Tokenizer.from_gguf(gguf)
-    factory = make_comm_factory(rank_devices, failpoints)
-    comm = factory()
-    try:
-        runner = TPRunner(models, comm, blocks=blocks, context=context, config=config)
-    except BaseException:
-        _destroy_quietly(comm)
-        raise
+    comm: Communicator | None = None
+    factory: CommFactory | None = None
+    runner: Runner
+    if tp == 1:
+        runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
+    else:
+        factory = make_comm_factory(rank_devices, failpoints)
+        comm = factory()
+        try:
+            runner = TPRunner(
+                models, comm, blocks=sizing.kv_blocks, context=sizing.context, config=config
+            )
+        except BaseException:
+            _destroy_quietly(comm)
+            raise
     engine = Engine(
         runner,
         tokenizer,
         max_batch=spec.max_batch,
-        context=context,
+        context=sizing.context,
+        prefill_chunk=PREFILL_CHUNK,
         prefix_cache=spec.prefix_cache,
     )
     return Executor(

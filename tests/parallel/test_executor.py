@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from neuron_trio.config import ModelConfig
+from neuron_trio.engine.engine import PREFILL_CHUNK
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
 from neuron_trio.parallel.api import RankInfo
@@ -139,15 +140,17 @@ def test_rank_devices_and_communicator_kinds() -> None:
         make_comm_factory([torch.device("cpu"), torch.device("cuda", 0)])
 
 
-def test_context_is_capped_at_the_models(tiny: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 3])
+def test_one_builder_sizes_every_tp_the_same(tiny: Path, tp: int) -> None:
     spec = ModelConfig(
-        name="tiny", source="tiny.gguf", tp=3, dtype="float32", max_batch=1, context=1000
+        name="tiny", source="tiny.gguf", tp=tp, dtype="float32", max_batch=1, context=1000
     )
     executor = build_executor(spec, tiny, CPU)
-    assert executor.engine.context == 256  # the tiny file's context_length
+    assert executor.engine.context == 256  # capped at the tiny file's context_length
     assert executor.runner.context == 256
     # the pool: max_batch x 256 tokens in blocks of 16, plus the null and probe blocks
-    assert executor.runner.kv[0].n_blocks == 256 // 16 + 2
+    assert executor.runner.blocks == 256 // 16 + 2
+    assert executor.engine.prefill_chunk == PREFILL_CHUNK
 
 
 def test_tp3_forks_n_choices_and_masks_the_gathered_logits(tiny: Path) -> None:
