@@ -34,7 +34,40 @@ from neuron_trio.engine.llama_config import LlamaConfig
 META = torch.device("meta")
 
 
-class Linear(nn.Module):
+class LinearLayer(nn.Module):
+    """The one interface of a projection, whichever kernel holds its weight.
+
+    `forward(x)` is the product. `normed` and `gated` are the product after the op that always
+    precedes it in a block (RMSNorm; the gate's activation times the up projection): here in
+    torch, while a kernel that fuses them (Q4Linear) overrides them. So `Block` calls the
+    same three methods on every projection and never asks which kernel it holds.
+    """
+
+    in_features: int
+    out_features: int
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        act: torch.dtype,
+        out: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm(x) · weight in `act`, then the product: x `[N, in]`. `out` is the dtype a
+        fused kernel writes its result in (its own default: `act`); an unfused layer's
+        product keeps its natural dtype."""
+        return self.forward(F.rms_norm(x, (x.shape[-1],), weight, eps).to(act))
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
+        ffn = gate_up.shape[-1] // 2
+        gate = gate_up[:, :ffn]
+        gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+        return self.forward(gate * gate_up[:, ffn:])
+
+
+class Linear(LinearLayer):
     """y = x · Wᵀ with a dense weight `[out, in]` (float32, bfloat16 or float16)."""
 
     weight: torch.Tensor
@@ -60,7 +93,7 @@ _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
 _INT8_MM = torch.ops.aten._weight_int8pack_mm
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(LinearLayer):
     """Weight-only int4 (groups of `group` inputs) through torch's CPU kernel; bf16 in and out.
 
     With `dense` (a bfloat16 copy of the weight), inputs of DENSE_MIN_ROWS rows or more take a
@@ -101,7 +134,7 @@ class Int4Linear(nn.Module):
 _PRO_NONE, _PRO_RMSNORM, _PRO_SILU, _PRO_GELU = 0, 1, 2, 3
 
 
-class Q4Linear(nn.Module):
+class Q4Linear(LinearLayer):
     """Weight-only 4-bit groups of 32 through the native kernel (`_q4kernel.c`, see
     quant.native_q4): int8 activations and integer dot products, as llama.cpp on the same CPU.
     Input and output in the input's dtype (bfloat16 or float32); CPU only.
@@ -144,9 +177,16 @@ class Q4Linear(nn.Module):
         return self._product(x, x.dtype)
 
     def normed(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        act: torch.dtype,
+        out: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """RMSNorm(x) · weight, then the product, as `out`: x `[N, in]` and weight float32."""
+        """RMSNorm(x) · weight, then the product, as `out` (default `act`): x `[N, in]` and
+        weight float32; in the kernel unless the rows are many or the dtypes are not its."""
+        out = act if out is None else out
         if (
             x.shape[0] >= NATIVE_DENSE_MIN_ROWS
             or x.dtype != torch.float32
@@ -181,7 +221,7 @@ class Q4Linear(nn.Module):
         return y
 
 
-class Q8Linear(nn.Module):
+class Q8Linear(LinearLayer):
     """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
     output head's coarse pass under "auto" (RefinedHead). Output in float32 (the coarse
     logits of the tail are then not rounded to bfloat16's steps)."""
@@ -212,7 +252,7 @@ class Q8Linear(nn.Module):
         return y
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(LinearLayer):
     """Weight-only int8 (one scale per output row) through torch's CPU kernel; bf16 in.
 
     With `dense`, inputs of DENSE_MIN_ROWS rows or more take a dense GEMM in its dtype.
@@ -349,15 +389,12 @@ class Block(nn.Module):
         # Modules and buffers straight from their dicts: nn.Module.__getattr__ costs ~0.5 us a
         # lookup, 6 per layer and step.
         mods, bufs, shape = self._modules, self._buffers, (self.dim,)
-        wqkv = mods["wqkv"]
         native_rope = at.positions is not None
-        if type(wqkv) is Q4Linear:  # the norm inside the native kernel
-            # float32 for the native RoPE: Q, K and V are then rounded to `act` once, after it
-            out = torch.float32 if native_rope else act
-            qkv = wqkv.normed(x, bufs["attn_norm"], self.eps, out)  # type: ignore[arg-type]
-        else:
-            hn = F.rms_norm(x, shape, bufs["attn_norm"], self.eps).to(act)
-            qkv = wqkv.forward(hn)  # type: ignore[union-attr]
+        # float32 for the native RoPE: Q, K and V are then rounded to `act` once, after it
+        # (where the projection's kernel can write float32 directly)
+        qkv = mods["wqkv"].normed(  # type: ignore[union-attr,operator]
+            x, bufs["attn_norm"], self.eps, act, torch.float32 if native_rope else None
+        )
         bias = bufs["qkv_bias"]
         if bias is not None:
             qkv = qkv + bias
@@ -408,19 +445,9 @@ class Block(nn.Module):
         if post is not None:  # on the whole sum: after the all-reduce
             o = F.rms_norm(o.to(x.dtype), shape, post, self.eps)
         x = x + o
-        w_gate_up, w_down = mods["w_gate_up"], mods["w_down"]
-        if type(w_gate_up) is Q4Linear:
-            gate_up = w_gate_up.normed(x, bufs["ffn_norm"], self.eps, act)  # type: ignore[arg-type]
-        else:
-            hn = F.rms_norm(x, shape, bufs["ffn_norm"], self.eps).to(act)
-            gate_up = w_gate_up.forward(hn)  # type: ignore[union-attr]  # [N, 2 · ffn]
-        if type(w_down) is Q4Linear:  # the activation inside the native kernel
-            y = w_down.gated(gate_up, self.gelu)
-        else:
-            ffn = gate_up.shape[-1] // 2
-            gate = gate_up[:, :ffn]
-            gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            y = w_down.forward(gate * gate_up[:, ffn:])  # type: ignore[union-attr]
+        # [N, 2 · ffn]
+        gate_up = mods["w_gate_up"].normed(x, bufs["ffn_norm"], self.eps, act)  # type: ignore[union-attr,operator]
+        y = mods["w_down"].gated(gate_up, self.gelu)  # type: ignore[union-attr,operator]
         if partial:
             y = yield y
         post = bufs["post_ffn_norm"]

@@ -21,7 +21,15 @@ from neuron_trio.engine.loader import (
     estimate_weight_bytes,
     load_transformer,
 )
-from neuron_trio.engine.model import Int4Linear, Int8Linear, Q8Linear, RefinedHead
+from neuron_trio.engine.model import (
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    LinearLayer,
+    Q4Linear,
+    Q8Linear,
+    RefinedHead,
+)
 from neuron_trio.engine.runner import Runner
 from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
@@ -465,3 +473,22 @@ def test_separate_output_head(tmp_path: Path, dtype: str) -> None:
     assert torch.nn.functional.cosine_similarity(got, want).min() > 0.97  # tiny random model
     est = estimate_model_bytes(path, dtype, 16, 1)
     assert est > KVCache.bytes_needed(model.config, 3, model.act_dtype)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_every_projection_has_one_interface_norm_and_gate_in_torch_by_default(gelu: bool) -> None:
+    assert all(
+        issubclass(kind, LinearLayer)
+        for kind in (Linear, Int4Linear, Int8Linear, Q4Linear, Q8Linear)
+    )
+    torch.manual_seed(0)
+    w = torch.randn(8, 6)
+    layer = Linear(w)
+    x, norm = torch.randn(3, 6), torch.rand(6) + 0.5
+    want = torch.nn.functional.rms_norm(x, (6,), norm, 1e-5) @ w.T
+    torch.testing.assert_close(layer.normed(x, norm, 1e-5, torch.float32), want)
+    gate_up = torch.randn(3, 12)
+    act = torch.nn.functional.gelu(gate_up[:, :6], approximate="tanh") if gelu else None
+    if act is None:
+        act = torch.nn.functional.silu(gate_up[:, :6])
+    torch.testing.assert_close(layer.gated(gate_up, gelu), (act * gate_up[:, 6:]) @ w.T)
