@@ -32,14 +32,15 @@ from typing import Any
 
 import torch
 
+from neuron_trio.engine.batch import decode_inputs, prefill_inputs, sampled_rows
 from neuron_trio.engine.block_pool import (
     BLOCK_TOKENS,
-    NULL_BLOCK,
     PROBE_BLOCK,
     BlockPool,
     blocks_for,
 )
 from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
+from neuron_trio.engine.finish import apply_finish_rules, is_stop_token
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.grammar import (
     GrammarCompiler,
@@ -52,7 +53,7 @@ from neuron_trio.engine.grammar import (
 from neuron_trio.engine.loader import SingleRunner, engine_sizing, load_transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
-from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
+from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.textgen import TextPipeline
 from neuron_trio.engine.tokenizer import Tokenizer
@@ -351,77 +352,74 @@ class Engine:
         """One step: a token for every decoding sequence, and a batch of prefill chunks.
 
         A sequence whose prompt is complete gets its first token in the same step. Finished
-        sequences give their blocks back before this returns.
+        sequences give their blocks back before this returns. As nano-vllm's: schedule,
+        prepare the inputs (`batch`), run the forwards and sample, then post-process.
         """
         epoch = self._epoch
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        device = self.runner.device
-        logits: list[torch.Tensor] = []
-        rows: list[Sequence] = []
-        chunks = plan.prefill
+        rows = sampled_rows(plan)
         # Structured output: the masks of the rows sampled this step depend only on the tokens
         # so far, so they are computed on a thread of their own while the forward runs
         # (llguidance releases the GIL; so do torch's kernels).
-        sampled = [*plan.decode, *(c.seq for c in chunks if c.samples)]
-        sampled += [f for seq in sampled for f in seq.forks]
-        grammars = [s.sampling.grammar for s in sampled]
+        grammars = [s.sampling.grammar for s in rows]
         masks = None
         if any(g is not None for g in grammars):
             masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
-            if plan.decode:
-                ids = torch.tensor([[s.last_token] for s in plan.decode], dtype=torch.int64)
-                pos = torch.tensor([s.decode_pos for s in plan.decode], dtype=torch.int64)
-                tables = _block_tables([s.blocks for s in plan.decode])
-                out = self.runner.forward(ids.to(device), pos, tables)  # pos, tables: host
-                logits.append(out)
-                rows.extend(plan.decode)
-            if chunks:
-                # One forward for every chunk: rows padded to the longest (with token 0: the
-                # model neither caches nor attends padding), each continuing its own blocks.
-                sizes = [c.end - c.start for c in chunks]
-                width = max(sizes)
-                tokens = [
-                    c.seq.tokens(c.start, c.end) + [0] * (width - n)
-                    for c, n in zip(chunks, sizes, strict=True)
-                ]
-                ids = torch.tensor(tokens, dtype=torch.int64)
-                pos = torch.tensor([c.start for c in chunks], dtype=torch.int64)
-                tables = _block_tables([c.seq.blocks for c in chunks])
-                lengths = None
-                if min(sizes) != width:
-                    lengths = torch.tensor(sizes, dtype=torch.int64)
-                # pos, tables, lengths: host tensors (the model reads them without a GPU sync)
-                out = self.runner.forward(ids.to(device), pos, tables, lengths=lengths)
-                done = [i for i, c in enumerate(chunks) if c.samples]
-                if done:
-                    logits.append(out if len(done) == len(chunks) else out[done])
-                    rows.extend(chunks[i].seq for i in done)
-            results = []
+            logits = self._run(plan)
             bitmask = masks.result() if masks is not None else None
-            if rows:
-                batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
-                # n choices: the others sample their first token from the same logits
-                forked = [(i, f) for i, seq in enumerate(rows) for f in seq.forks]
-                if forked:
-                    batch = torch.cat([batch, batch[[i for i, _ in forked]]], dim=0)
-                    rows.extend(f for _, f in forked)
-                states = [s.sampling for s in rows]
-                if bitmask is None:
-                    results = self.sampler.sample(batch, states)
-                else:
-                    results = self.sampler.sample(apply_masks(batch, bitmask), states, batch)
+            results = self._sample(rows, logits, bitmask) if rows else []
         # The forwards returned: only now is any sequence's state advanced.
         self._steps += 1
         if epoch != self._epoch:
             # cancel_all ran while this step was in flight (a wedged step that came back late):
             # its sequences are gone and their blocks may already hold new ones.
             return []
+        self._advance(plan)
+        return [
+            self._accept(seq, result)
+            for seq, result in zip(rows, results, strict=True)
+            if not seq.is_finished  # cancelled while the step ran
+        ]
+
+    def _run(self, plan: StepPlan) -> list[torch.Tensor]:
+        """The step's forwards (decode rows, then the prefill chunks in one batch); the logits
+        of the rows that sample, in `sampled_rows` order but for the forks."""
+        device = self.runner.device
+        logits: list[torch.Tensor] = []
+        if plan.decode:
+            at = decode_inputs(plan.decode, device)
+            logits.append(self.runner.forward(at.ids, at.start_pos, at.tables))
+        chunks = plan.prefill
+        if chunks:
+            at = prefill_inputs(chunks, device)
+            out = self.runner.forward(at.ids, at.start_pos, at.tables, lengths=at.lengths)
+            done = [i for i, c in enumerate(chunks) if c.samples]
+            if done:
+                logits.append(out if len(done) == len(chunks) else out[done])
+        return logits
+
+    def _sample(self, rows: list[Sequence], logits: list[torch.Tensor], bitmask: Any) -> list[Any]:
+        """A token for each of `rows`: forks sample their first token from their parent's
+        logits; constrained rows through their masks."""
+        batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
+        parents = {id(f): i for i, seq in enumerate(rows) for f in seq.forks}
+        forked = [parents[id(seq)] for seq in rows[len(batch) :]]
+        if forked:
+            batch = torch.cat([batch, batch[forked]], dim=0)
+        states = [s.sampling for s in rows]
+        if bitmask is None:
+            return list(self.sampler.sample(batch, states))
+        return list(self.sampler.sample(apply_masks(batch, bitmask), states, batch))
+
+    def _advance(self, plan: StepPlan) -> None:
+        """After the forwards: cache the blocks they filled, count prefilled tokens, and start
+        decoding (and fork) the sequences whose prompt is complete."""
         for seq in plan.decode:
             self.scheduler.cache_blocks(seq, seq.decode_pos + 1)
-        for chunk in chunks:
+        for chunk in plan.prefill:
             seq = chunk.seq
             seq.prefilled = chunk.end
             self.scheduler.cache_blocks(seq, chunk.end)
@@ -429,11 +427,6 @@ class Engine:
             if chunk.is_last:
                 seq.status = SequenceStatus.DECODING
                 self._fork(seq)
-        return [
-            self._accept(seq, result)
-            for seq, result in zip(rows, results, strict=True)
-            if not seq.is_finished  # cancelled while the step ran
-        ]
 
     def _mask_thread(self) -> ThreadPoolExecutor:
         if self._masks is None:
@@ -465,30 +458,10 @@ class Engine:
             prompt_tokens=seq.num_prompt,
             completion_tokens=seq.num_output,
         )
-        if self._is_stop_token(seq, token):
-            event.text = seq.text.finish()
-            event.finish_reason = "stop"
-        else:
-            event.text, stopped = seq.text.push(token)
-            if stopped:
-                event.finish_reason = "stop"
-            elif seq.sampling.grammar is not None and seq.sampling.grammar.finished:
-                event.text += seq.text.finish()  # complete: only an end of turn could follow
-                event.finish_reason = "stop"
-            elif seq.sampling.grammar is not None and seq.sampling.grammar.error:
-                # the grammar engine gave up (a resource limit): never go on unconstrained
-                event.finish_reason = "error"
-                event.error = f"structured output: {seq.sampling.grammar.error}"
-            elif seq.num_output >= params.max_tokens:
-                event.text += seq.text.finish()
-                # the held-back tail may still complete a stop string as the text is flushed
-                event.finish_reason = "stop" if seq.text.stopped else "length"
-        if seq.tool_calls is not None:
-            final = event.finish_reason is not None
-            event.text, calls = seq.tool_calls.push(event.text, final=final)
-            event.tool_calls = calls or None
-            if event.finish_reason == "stop" and seq.tool_calls.calls:
-                event.finish_reason = "tool_calls"
+        stop = is_stop_token(
+            seq, token, end_of_turn_ids=self._end_of_turn_ids, eos_ids=self._eos_ids
+        )
+        apply_finish_rules(seq, token, event, stop=stop)
         if event.finish_reason is not None:
             seq.finish_reason = event.finish_reason
             self.scheduler.release(seq)
@@ -498,13 +471,6 @@ class Engine:
                 if not event.more_choices:
                     del self._groups[seq.group_id]
         return event
-
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        if token in seq.params.stop_token_ids:
-            return True
-        if seq.params.ignore_eos:
-            return False
-        return token in (self._end_of_turn_ids if seq.chat else self._eos_ids)
 
     def probe(self) -> None:
         """One tiny forward (one token) on the probe's own KV block; touches no sequence."""
@@ -520,12 +486,6 @@ class Engine:
             # Wait for the result: CUDA returns before its kernels (and a TP step's
             # collectives) have run, and a probe must see a device or collective that hangs.
             out.reshape(-1)[0].item()
-
-
-def _block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Rows' block tables as one host tensor `[B, longest]`, padded with the null block."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int64)
 
 
 def _token_text(tokenizer: Any, token_id: int | None) -> str:

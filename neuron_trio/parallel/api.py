@@ -10,17 +10,15 @@ The executor's methods block (NCCL calls, forwards): call them on worker threads
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from neuron_trio.engine.prompt import PromptEngine
 from neuron_trio.engine.types import (
-    Constraint,
     EngineStatistics,
     SamplingParams,
     SequenceEvent,
-    ToolFunction,
 )
 
 if TYPE_CHECKING:
@@ -35,15 +33,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     kv_heads: int
 
 
-class ServingEngine(Protocol):
-    """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe)."""
+class ServingEngine(PromptEngine, Protocol):
+    """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe): prompt
+    preparation (`engine.prompt.prepare_prompt`), then sequences and steps."""
 
-    def render_chat(
-        self, messages: list[dict[str, Any]], tools: Sequence[ToolFunction] = ()
-    ) -> str: ...
-    def compile_constraint(self, constraint: Constraint) -> object: ...
-    def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
     def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int: ...
     def cancel(self, seq_id: int) -> None: ...
     def cancel_all(self) -> list[int]: ...

@@ -27,6 +27,7 @@ import trio
 
 from neuron_trio.config import ModelConfig, TpConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
+from neuron_trio.engine.prompt import PreparedPrompt, prepare_prompt
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
@@ -345,16 +346,16 @@ class ModelActor:
                 param="messages" if job.messages is not None else "prompt",
             )
 
-        def encode() -> tuple[list[int], bool]:
-            if job.prompt_ids is not None:
-                return list(job.prompt_ids), False
-            if job.params.constraint is not None:
-                engine.compile_constraint(job.params.constraint)  # cached for `add`
-            if job.messages is not None:
-                messages = [template_message(m) for m in job.messages]
-                prompt = engine.render_chat(messages, job.params.tools)
-                return engine.encode_prompt(prompt, chat=True), True
-            return engine.encode_prompt(job.prompt or "", chat=False), False
+        def prepare() -> PreparedPrompt:
+            return prepare_prompt(
+                engine,
+                job.params,
+                text=job.prompt,
+                messages=None
+                if job.messages is None
+                else [template_message(m) for m in job.messages],
+                ids=job.prompt_ids,
+            )
 
         try:
             # A grammar may take milliseconds (seconds for a huge schema) to compile, and
@@ -365,14 +366,13 @@ class ModelActor:
                 or job.params.constraint is not None
                 or job.params.tools
             ):
-                ids, chat = await trio.to_thread.run_sync(encode, abandon_on_cancel=True)
+                prepared = await trio.to_thread.run_sync(prepare, abandon_on_cancel=True)
             else:
-                ids, chat = encode()
-            engine.validate(ids, job.params)
+                prepared = prepare()
         except RequestError:
             self._count("rejected_invalid")
             raise
-        return ids, chat
+        return prepared.ids, prepared.chat
 
     def _queue_capacity(self) -> int:
         # Requests take the free slots first, then wait in a queue of max_queue.

@@ -1,0 +1,70 @@
+"""A step's inputs as tensors: the decode rows and the packed prefill chunks, no engine state.
+
+The runner's contract (`runner.Runner.forward`): token ids on the model's device; start
+positions, block tables and lengths as host tensors (the model reads them without a GPU
+sync). Block tables are padded with the null block, whose K/V stay zero, so a padded read
+never sees uninitialised memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from neuron_trio.engine.block_pool import NULL_BLOCK
+from neuron_trio.engine.scheduler import PrefillChunk, StepPlan
+from neuron_trio.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """One `runner.forward` call's arguments."""
+
+    ids: torch.Tensor  # [B, T] int64, on the model's device
+    start_pos: torch.Tensor  # [B] int64, host
+    tables: torch.Tensor  # [B, W] int64, host
+    lengths: torch.Tensor | None = None  # [B] real tokens per row when rows are padded
+
+
+def block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Rows' block tables as one host tensor `[B, longest]`, padded with the null block."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def decode_inputs(rows: list[Sequence], device: torch.device) -> ForwardInputs:
+    """One token a row: each decoding sequence's last token at its next position."""
+    ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.int64)
+    return ForwardInputs(
+        ids=ids.to(device),
+        start_pos=torch.tensor([s.decode_pos for s in rows], dtype=torch.int64),
+        tables=block_tables([s.blocks for s in rows]),
+    )
+
+
+def prefill_inputs(chunks: list[PrefillChunk], device: torch.device) -> ForwardInputs:
+    """Every chunk in one batch: rows padded to the longest with token 0 (the model neither
+    caches nor attends padding), each continuing its own blocks; `lengths` only when some
+    row is padded."""
+    sizes = [c.end - c.start for c in chunks]
+    width = max(sizes)
+    tokens = [
+        c.seq.tokens(c.start, c.end) + [0] * (width - n) for c, n in zip(chunks, sizes, strict=True)
+    ]
+    lengths = None
+    if min(sizes) != width:
+        lengths = torch.tensor(sizes, dtype=torch.int64)
+    return ForwardInputs(
+        ids=torch.tensor(tokens, dtype=torch.int64).to(device),
+        start_pos=torch.tensor([c.start for c in chunks], dtype=torch.int64),
+        tables=block_tables([c.seq.blocks for c in chunks]),
+        lengths=lengths,
+    )
+
+
+def sampled_rows(plan: StepPlan) -> list[Sequence]:
+    """The sequences that sample a token from this step's logits, in the order their logits
+    come: decode rows, prefill chunks that complete a prompt, then their forks (n choices)."""
+    sampled = [*plan.decode, *(c.seq for c in plan.prefill if c.samples)]
+    return sampled + [f for seq in sampled for f in seq.forks]

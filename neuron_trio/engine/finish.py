@@ -1,0 +1,58 @@
+"""When a sequence stops, and why: the finish rules applied to each sampled token.
+
+In order: a stop token (the request's, or end of turn / end of text unless `ignore_eos`) ends
+it with "stop" and flushes the held-back text; a stop string completed by the text ends it
+with "stop"; a constrained sequence whose grammar is complete ends with "stop", and one whose
+grammar engine gave up ends with "error" (never going on unconstrained); `max_tokens` ends it
+with "length" (or "stop" when the flushed tail completes a stop string). Tool calls are
+parsed out of the text last: a "stop" with calls becomes "tool_calls".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+from neuron_trio.engine.sequence import Sequence
+from neuron_trio.engine.types import SequenceEvent
+
+
+def is_stop_token(
+    seq: Sequence, token: int, *, end_of_turn_ids: Set[int], eos_ids: Set[int]
+) -> bool:
+    """Whether `token` ends `seq`: one of its stop tokens, else (unless `ignore_eos`) the end
+    of a turn for a chat, the end of text for a raw completion."""
+    if token in seq.params.stop_token_ids:
+        return True
+    if seq.params.ignore_eos:
+        return False
+    return token in (end_of_turn_ids if seq.chat else eos_ids)
+
+
+def apply_finish_rules(seq: Sequence, token: int, event: SequenceEvent, *, stop: bool) -> None:
+    """Fill `event`'s text, finish reason, error and tool calls for `token`, just appended
+    to `seq` (`stop`: it is a stop token, `is_stop_token`)."""
+    grammar = seq.sampling.grammar
+    if stop:
+        event.text = seq.text.finish()
+        event.finish_reason = "stop"
+    else:
+        event.text, stopped = seq.text.push(token)
+        if stopped:
+            event.finish_reason = "stop"
+        elif grammar is not None and grammar.finished:
+            event.text += seq.text.finish()  # complete: only an end of turn could follow
+            event.finish_reason = "stop"
+        elif grammar is not None and grammar.error:
+            # the grammar engine gave up (a resource limit): never go on unconstrained
+            event.finish_reason = "error"
+            event.error = f"structured output: {grammar.error}"
+        elif seq.num_output >= seq.params.max_tokens:
+            event.text += seq.text.finish()
+            # the held-back tail may still complete a stop string as the text is flushed
+            event.finish_reason = "stop" if seq.text.stopped else "length"
+    if seq.tool_calls is not None:
+        final = event.finish_reason is not None
+        event.text, calls = seq.tool_calls.push(event.text, final=final)
+        event.tool_calls = calls or None
+        if event.finish_reason == "stop" and seq.tool_calls.calls:
+            event.finish_reason = "tool_calls"
