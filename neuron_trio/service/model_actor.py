@@ -22,11 +22,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-import msgspec
 import trio
 
 from neuron_trio.config import ModelConfig, TpConfig
-from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.prompt import PreparedPrompt, prepare_prompt
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
@@ -39,11 +37,12 @@ from neuron_trio.errors import (
     StepTimeoutError,
     UnavailableError,
 )
-from neuron_trio.parallel.api import ModelExecutor, RankInfo, ServingEngine
+from neuron_trio.parallel.api import ModelExecutor, ServingEngine
 from neuron_trio.service.api import GenerationJob, template_message
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
-from neuron_trio.service.watchdog import InflightRequest, Watchdog, WatchdogStatistics
+from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
+from neuron_trio.service.watchdog import InflightRequest, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -56,56 +55,6 @@ INLINE_ENCODE_MESSAGES = 32
 # more than context x this many characters cannot fit: refused before it is rendered.
 MAX_CHARS_PER_TOKEN = 64
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
-
-
-class ModelMemory(msgspec.Struct, frozen=True):
-    """What placement estimated for a model, and the devices it chose (`/v1/node`)."""
-
-    weights_bytes: int
-    kv_cache_bytes: int
-    total_bytes: int
-    devices: list[str]
-
-
-class KVCacheInfo(msgspec.Struct, frozen=True):
-    """A model's paged KV cache in `/v1/node`: blocks of `block_tokens` tokens."""
-
-    block_tokens: int
-    blocks_total: int  # the pool (kv_cache_mb), reserved blocks not counted
-    blocks_used: int  # held by running sequences
-    blocks_cached: int  # held only by the prefix cache (evicted least recently used)
-    prefix_cache: bool
-    prefix_cache_queries_tokens: int  # prompt tokens looked up (counter)
-    prefix_cache_hits_tokens: int  # ... found, so not computed again (counter)
-    preemptions: int  # sequences paused and recomputed when the pool ran out (counter)
-
-
-class ModelInfo(msgspec.Struct, frozen=True):
-    """A model's entry in `/v1/node` (and the answer to a run-time load)."""
-
-    name: str
-    state: str  # ModelState
-    source: str
-    path: str | None
-    dtype: str  # as configured ("auto", "float32", …)
-    weights: str | None  # what that resolved to on the device, e.g. "cpu-int" (int4/int8)
-    tp: int
-    max_batch: int
-    context: int
-    slots_in_use: int
-    slots_total: int
-    kv_cache: KVCacheInfo
-    running: int
-    queued: int
-    max_queue: int
-    ranks: list[RankInfo]
-    devices: list[str]
-    memory: ModelMemory | None
-    loaded_at: float | None  # unix seconds
-    steps: int
-    step_failures: int
-    last_error: str | None
-    watchdog: WatchdogStatistics | None
 
 
 @dataclass(eq=False)
@@ -277,16 +226,7 @@ class ModelActor:
             context=self.spec.context,
             slots_in_use=stats.slots_in_use,
             slots_total=stats.slots_total,
-            kv_cache=KVCacheInfo(
-                block_tokens=BLOCK_TOKENS,
-                blocks_total=stats.kv_blocks_total,
-                blocks_used=stats.kv_blocks_used,
-                blocks_cached=stats.kv_blocks_cached,
-                prefix_cache=self.spec.prefix_cache,
-                prefix_cache_queries_tokens=stats.prefix_cache_queries_tokens,
-                prefix_cache_hits_tokens=stats.prefix_cache_hits_tokens,
-                preemptions=stats.preemptions,
-            ),
+            kv_cache=KVCacheInfo.from_statistics(stats, prefix_cache=self.spec.prefix_cache),
             running=stats.running,
             queued=stats.queued,
             max_queue=self.max_queue,

@@ -54,13 +54,15 @@ from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus,
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.event_stream import EventStream
-from neuron_trio.service.model_actor import (
-    BURST_GAP_S,
-    ModelActor,
-    ModelInfo,
-    ModelMemory,
-)
+from neuron_trio.service.model_actor import BURST_GAP_S, ModelActor
 from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
+from neuron_trio.service.node_document import (
+    FailpointsInfo,
+    LastForensics,
+    ModelMemory,
+    NodeInfo,
+    NodeWatchdog,
+)
 from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
@@ -71,7 +73,7 @@ from neuron_trio.service.placement import (
 )
 from neuron_trio.service.sources import HubLimits, resolve_source
 from neuron_trio.service.timefmt import utc_iso
-from neuron_trio.service.watchdog import Watchdog, WatchdogStatistics
+from neuron_trio.service.watchdog import Watchdog
 from neuron_trio.service.watchdog_metrics import WatchdogMetrics
 
 log = logging.getLogger(__name__)
@@ -153,48 +155,6 @@ def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEsti
     estimate = estimate_model_bytes(spec, path, on_gpu=on_gpu)
     probe_gguf_chat_template(path, str(path))
     return estimate
-
-
-class LastForensics(msgspec.Struct, frozen=True):
-    """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
-
-    path: str
-    report: Any  # as written; {"unreadable": why} if it could not be read
-
-
-class NodeWatchdog(msgspec.Struct, frozen=True):
-    """`/v1/node` `watchdog`: the deadlines, the deadman, and each model's watchdog."""
-
-    step_timeout_s: float
-    abort_deadline_s: float
-    probe_interval_s: float
-    deadman_firing: bool
-    deadman_reason: str | None
-    models: dict[str, WatchdogStatistics]
-
-
-class FailpointsInfo(msgspec.Struct, frozen=True):
-    configured: dict[str, str]  # name -> action, as NEURON_FAILPOINTS set them
-    fired: list[str]
-
-
-class NodeInfo(msgspec.Struct, frozen=True):
-    """The `/v1/node` document (docs/DESIGN.md)."""
-
-    hostname: str
-    boot_id: str
-    started_at: str
-    starts: int
-    previous_stop_clean: bool  # False: the process before this one crashed, was killed, exited 70
-    status: str
-    draining: bool
-    config: str  # the config file read, or "<built-in default>"
-    gpus: Any  # a live NVML snapshot, or {"available": false, "error": why}
-    models: list[ModelInfo]
-    generated_tokens_per_s_1m: dict[str, float | None]  # per model; None before two samples
-    watchdog: NodeWatchdog
-    last_forensics: LastForensics | None
-    failpoints: FailpointsInfo
 
 
 def find_last_forensics(state_dir: Path) -> LastForensics | None:
