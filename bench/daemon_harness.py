@@ -2,7 +2,8 @@
 started, `/health` polled until 200; its RSS read from /proc; stopped with SIGTERM.
 
 Used by bench_startup.py, bench_http.py and bench_ttft.py (run them as scripts: this file sits
-beside them on sys.path). The client side is the standard library (http.client) here and httpx
+beside them on sys.path). The child is started as the tests start it (`tests/neuron_process.py`,
+standard library only). The client side is the standard library (http.client) here and httpx
 in the HTTP/2 benches; nothing from neuron_trio is imported in the parent, so the child's
 start-up is measured from a cold interpreter.
 """
@@ -12,8 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,24 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODEL = "smollm2-135m"
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: bench/ is on the path, the repository is not
+    sys.path.insert(0, str(REPO))
 
+from tests.neuron_process import free_port, spawn_neuron, stop_neuron, wait_ready  # noqa: E402
+from tests.neuron_process import write_config as neuron_config  # noqa: E402
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))  # a TOML basic string is a JSON string
+MODEL = "smollm2-135m"
 
 
 def write_config(path: Path, state: Path, port: int, model: Mapping[str, Any]) -> None:
@@ -51,17 +40,12 @@ def write_config(path: Path, state: Path, port: int, model: Mapping[str, Any]) -
     `Daemon.start` reports with the daemon's own message.
     """
     entry = {"name": MODEL, "source": f"builtin:{MODEL}", "devices": "cpu", **model}
-    lines = [
-        "[server]",
-        f'listen = ["127.0.0.1:{port}"]',
-        "drain_timeout_s = 5",
-        "[node]",
-        f"state_dir = {_toml_value(str(state))}",
-        f"model_dirs = [{_toml_value(str(state))}]",
-        "[[default_models]]",
-        *(f"{k} = {_toml_value(v)}" for k, v in entry.items()),
-    ]
-    path.write_text("\n".join(lines) + "\n")
+    neuron_config(
+        path,
+        server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 5},
+        node={"state_dir": state, "model_dirs": [state]},
+        models=[entry],
+    )
 
 
 def rss_bytes(pid: int) -> int:
@@ -109,24 +93,6 @@ class Daemon:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _wait_ready(
-    process: subprocess.Popen[bytes], port: int, log_path: Path, timeout_s: float
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"neuron exited {process.returncode} during start-up:\n{tail}")
-        try:
-            status, _ = get_json(port, "/health")
-            if status == 200:
-                return
-        except (OSError, http.client.HTTPException, ValueError):
-            pass  # not listening yet
-        time.sleep(0.01)
-    raise RuntimeError(f"neuron was not ready within {timeout_s:g}s")
-
-
 @contextmanager
 def running_daemon(
     model: Mapping[str, Any] | None = None,
@@ -146,25 +112,11 @@ def running_daemon(
         config = root / "neuron.toml"
         write_config(config, state_dir or root / "state", port, model or {})
         log_path = root / "neuron.log"
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-        child_env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        child_env.update(env or {})
-        command = [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)]
-        with open(log_path, "wb") as log:
-            started = time.perf_counter()
-            process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=child_env, cwd=REPO,
-            )  # fmt: skip
+        started = time.perf_counter()
+        process = spawn_neuron(config, log_path, env)
         try:
-            _wait_ready(process, port, log_path, timeout_s)
+            wait_ready(process, port, log_path, timeout_s)
             ready_s = time.perf_counter() - started
             yield Daemon(process, port, ready_s, cpu_seconds(process.pid), log_path)
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_neuron(process)

@@ -17,14 +17,17 @@ import argparse
 import collections
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: bench/ is on the path, the repository is not
+    sys.path.insert(0, str(REPO))
+
+from tests.neuron_process import free_port, spawn_neuron, stop_neuron, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPTS = [
@@ -33,12 +36,6 @@ PROMPTS = [
     "Why is the sky blue?",
     "How do bees make honey?",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_bytes(pid: int) -> int:
@@ -165,36 +162,21 @@ def main() -> int:
             f'[[default_models]]\nname = "{MODEL}"\nsource = "builtin:{MODEL}"\n'
             f'devices = "cpu"\nmax_batch = {args.max_batch}\ncontext = 1024\n'
         )
-        neuron = Path(sys.executable).with_name("neuron")
-        log = open(Path(tmp) / "daemon.log", "w+")  # noqa: SIM115 (read back below)
-        proc = subprocess.Popen([str(neuron), "serve", "--config", str(config)], stderr=log)
+        log_path = Path(tmp) / "daemon.log"
+        # the log level of this environment (default WARNING): child_env drops NEURON_*
+        env = {"NEURON_LOG_LEVEL": os.environ.get("NEURON_LOG_LEVEL", "WARNING")}
+        proc = spawn_neuron(config, log_path, env)
         url = f"http://127.0.0.1:{port}"
         try:
-            import httpx
-
-            ready_by = time.monotonic() + 180
-            while time.monotonic() < ready_by:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None:
-                    raise SystemExit(f"neuron exited {proc.returncode} before it was ready")
-                time.sleep(0.5)
-            else:
-                raise SystemExit("neuron was not ready within 180 s")
+            try:
+                wait_ready(proc, port, log_path, 180)
+            except RuntimeError as exc:
+                raise SystemExit(str(exc)) from None
             result = trio.run(soak, url, args, proc.pid)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                result_exit = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                result_exit = -9
-        log.seek(0)
-        tracebacks = sum(1 for line in log if "Traceback" in line)
-        log.close()
+            result_exit = stop_neuron(proc, timeout=60)
+        log = log_path.read_text(errors="replace")
+        tracebacks = sum(1 for line in log.splitlines() if "Traceback" in line)
     result |= {
         "streams": args.streams,
         "minutes": args.minutes,
@@ -207,5 +189,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NEURON_LOG_LEVEL", "WARNING")
     sys.exit(main())

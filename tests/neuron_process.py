@@ -1,13 +1,31 @@
-"""A real `neuron serve` in a child process, as the slow end-to-end tests start it."""
+"""A real `neuron` in a child process: the one way tests and benchmarks start the daemon.
+
+Only the standard library is imported here, so a benchmark that measures the child's start-up
+(`bench/daemon_harness.py`) imports nothing of neuron_trio in the parent.
+
+    port = free_port()
+    config = write_config(tmp / "neuron.toml", server={"listen": [f"127.0.0.1:{port}"]},
+                          node={"state_dir": tmp / "state"}, models=[{"name": …}])
+    proc = spawn_neuron(config, log_path)    # `neuron serve --config CONFIG`
+    wait_ready(proc, port, log_path)         # /health 200, or the log's tail in the error
+    ...
+    stop_neuron(proc)                        # SIGTERM, then SIGKILL; the exit status
+    done = run_neuron("serve", "--config", str(config))  # to its exit: code, stdout, stderr
+"""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,23 +36,122 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def toml_value(value: Any) -> str:
+    """`value` (bool, number, string, path, list of them) as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
+
+
+def write_config(
+    path: Path,
+    *,
+    models: Sequence[Mapping[str, Any]] = (),
+    **sections: Mapping[str, Any],
+) -> Path:
+    """A neuron.toml: each keyword a `[section]` of keys (server, node, tp, …), then each of
+    `models` a `[[default_models]]` entry. Returns `path`."""
+    lines: list[str] = []
+    for name, keys in sections.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in keys.items())
+    for model in models:
+        lines.append("[[default_models]]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in model.items())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def neuron_command(*args: str) -> list[str]:
+    """`neuron ARGS…` as this interpreter runs it (the tree's package, not an installed one)."""
+    return [sys.executable, "-m", "neuron_trio.cli", *args]
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment without any NEURON_* override (the test's config is the whole
+    configuration), offline for the hub, unbuffered, the repository on the path; plus `env`."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
+    out.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    out.update(env or {})
+    return out
+
+
 def spawn_neuron(
     config: Path, log_path: Path, env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """`neuron serve --config CONFIG`, stdout and stderr to `log_path`.
-
-    The environment is this one without any NEURON_* override (the test's config is the whole
-    configuration), offline for the hub, plus `env`.
-    """
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    child_env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    child_env.update(env or {})
+    """`neuron serve --config CONFIG` (environment: `child_env(env)`), stdout and stderr to
+    `log_path`."""
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
+            neuron_command("serve", "--config", str(config)),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=child_env,
+            env=child_env(env),
             cwd=REPO,
         )
+
+
+def run_neuron(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`neuron ARGS…` to its exit (environment: `child_env(env)`), output captured as text."""
+    return subprocess.run(
+        neuron_command(*args),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(env),
+        cwd=REPO,
+        check=False,
+    )
+
+
+def health_status(port: int, timeout: float = 5) -> int:
+    """The status of `GET /health` on 127.0.0.1:`port`; OSError while nothing listens."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except http.client.HTTPException as exc:
+        raise OSError(f"/health: {exc!r}") from exc
+    finally:
+        conn.close()
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes], port: int, log_path: Path, timeout_s: float = 120
+) -> None:
+    """Poll `/health` until it answers 200. RuntimeError, with the log's tail, if the daemon
+    exits first or is not ready within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"neuron exited {proc.returncode} during start-up:\n{tail}")
+        try:
+            if health_status(port) == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.01)
+    tail = log_path.read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"neuron was not ready within {timeout_s:g}s:\n{tail}")
+
+
+def stop_neuron(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    """SIGTERM (a drain), then SIGKILL after `timeout`; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()

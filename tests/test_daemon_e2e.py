@@ -8,11 +8,9 @@ the first step of the first request for S seconds, the window in which the drain
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,17 +21,11 @@ import httpx
 import pytest
 
 from tests.engine.tiny_gguf import write_tiny_llama
+from tests.neuron_process import free_port, run_neuron, spawn_neuron
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 READY_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -67,7 +59,7 @@ def neuron(tmp_path: Path) -> Iterator[Running]:
     state = tmp_path / "state"
     (state / "models").mkdir(parents=True)
     model = write_tiny_llama(state / "models" / "tiny.gguf", seed=1)
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "neuron.toml"
     config.write_text(
         f"""
@@ -91,20 +83,11 @@ def neuron(tmp_path: Path) -> Iterator[Running]:
     sock.setblocking(False)
     log_path = tmp_path / "neuron.log"
     env = {
-        **os.environ,
         "NOTIFY_SOCKET": str(tmp_path / "notify"),
         "WATCHDOG_USEC": "2000000",
         "NEURON_FAILPOINTS": "engine.step=sleep(6)",
-        "PYTHONPATH": str(REPO),
     }
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-        )
+    proc = spawn_neuron(config, log_path, env)
     running = Running(proc, f"http://127.0.0.1:{port}", sock, log_path)
     try:
         deadline = time.monotonic() + READY_S
@@ -234,16 +217,10 @@ def test_a_hostile_default_model_is_exit_69_naming_the_problem(
     raw_gguf(models / name, kvs, llama_tensors())
     config = tmp_path / "neuron.toml"
     config.write_text(
-        f'[server]\nlisten = ["127.0.0.1:{_free_port()}"]\n'
+        f'[server]\nlisten = ["127.0.0.1:{free_port()}"]\n'
         f'[node]\nstate_dir = "{tmp_path / "state"}"\nmodel_dirs = ["{models}"]\n'
         f'[[default_models]]\nname = "m"\nsource = "{name}"\ndevices = "cpu"\n'
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "NEURON_FAILPOINTS": ""},
-    )
+    done = run_neuron("serve", "--config", str(config))
     assert done.returncode == 69, done.stderr[-2000:]
     assert problem in done.stderr and "Traceback" not in done.stderr

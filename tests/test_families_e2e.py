@@ -4,10 +4,6 @@ start, naming the architecture."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -22,16 +18,9 @@ from neuron_trio.http import BoundAddress, create_app, serve_http
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.gemma_model import gemma_path
 from tests.http.http_harness import run
+from tests.neuron_process import free_port, run_neuron
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager
@@ -100,7 +89,7 @@ def test_unsupported_default_model_exits_69_naming_it(tmp_path: Path) -> None:
     config.write_text(
         f"""
         [server]
-        listen = ["127.0.0.1:{_free_port()}"]
+        listen = ["127.0.0.1:{free_port()}"]
         [node]
         state_dir = "{state}"
         [[default_models]]
@@ -109,14 +98,7 @@ def test_unsupported_default_model_exits_69_naming_it(tmp_path: Path) -> None:
         devices = "cpu"
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        cwd=REPO,
-    )
+    proc = run_neuron("serve", "--config", str(config))
     assert proc.returncode == 69, proc.stderr[-2000:]
     assert "architecture 'mamba' is not supported" in proc.stderr
     assert "Traceback" not in proc.stderr

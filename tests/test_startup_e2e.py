@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.engine.tiny_gguf import write_tiny_llama
-from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import free_port, spawn_neuron, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -24,24 +23,11 @@ CHAT = {
 }
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"not ready in {READY_S}s:\n{log.read_text()[-3000:]}")
-
-
 def _start_chat_stop(config: Path, log: Path, port: int) -> str:
     proc = spawn_neuron(config, log)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, base, log)
+        wait_ready(proc, port, log, READY_S)
         response = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=60)
         assert response.status_code == 200, response.text
         text: str = response.json()["choices"][0]["message"]["content"]

@@ -3,11 +3,11 @@ for a default model (systemd will not restart it), 400 for a run-time load."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.neuron_process import run_neuron
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,7 @@ tp = 2
 devices = "cpu"
 """
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "neuron_trio.cli", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_neuron("serve", "--config", str(config))
     assert done.returncode == 78, done.stderr
     # the built-in model has 9 attention heads and 3 KV heads
     message = "model 'two': tp = 2 does not divide 9 attention heads / 3 KV heads"

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import free_port, spawn_neuron, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -120,28 +120,21 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     def start(*, tp: int, failpoints: str) -> Daemon:
         port = free_port()
         state_dir = tmp_path / "state"
-        config = tmp_path / "neuron.toml"
-        config.write_text(
-            f"""
-[server]
-listen = ["127.0.0.1:{port}"]
-
-[node]
-state_dir = "{state_dir}"
-
-[tp]
-step_timeout_s = {STEP_S}
-abort_deadline_s = {ABORT_S}
-probe_interval_s = 3600
-
-[[default_models]]
-name = "{MODEL}"
-source = "builtin:smollm2-135m"
-tp = {tp}
-devices = "cpu"
-max_batch = 2
-context = 512
-"""
+        config = write_config(
+            tmp_path / "neuron.toml",
+            server={"listen": [f"127.0.0.1:{port}"]},
+            node={"state_dir": state_dir},
+            tp={"step_timeout_s": STEP_S, "abort_deadline_s": ABORT_S, "probe_interval_s": 3600},
+            models=[
+                {
+                    "name": MODEL,
+                    "source": "builtin:smollm2-135m",
+                    "tp": tp,
+                    "devices": "cpu",
+                    "max_batch": 2,
+                    "context": 512,
+                }
+            ],
         )
         log_path = tmp_path / "neuron.log"
         proc = spawn_neuron(

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +31,7 @@ import pytest
 import yaml
 
 from tests.drills.test_drills import READY_S
-from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import free_port, run_neuron, spawn_neuron, write_config
 from tests.promql_names import (
     dashboard_exprs,
     exported_names,
@@ -84,21 +83,7 @@ class Node:
         return self.log_path.read_text(errors="replace")[-8000:]
 
     def status(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "neuron_trio.cli",
-                "status",
-                "--config",
-                str(self.config),
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        return run_neuron("status", "--config", str(self.config), *args, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -107,29 +92,21 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     port = free_port()
     key_file = tmp / "api-key"
     key_file.write_text(KEY + "\n")
-    config = tmp / "neuron.toml"
-    config.write_text(
-        f"""
-[server]
-listen = ["127.0.0.1:{port}"]
-api_key_file = "{key_file}"
-
-[node]
-state_dir = "{tmp / "state"}"
-
-[tp]
-step_timeout_s = {STEP_S}
-abort_deadline_s = {ABORT_S}
-probe_interval_s = 3600
-
-[[default_models]]
-name = "{MODEL}"
-source = "builtin:smollm2-135m"
-tp = 1
-devices = "cpu"
-max_batch = 2
-context = 512
-"""
+    config = write_config(
+        tmp / "neuron.toml",
+        server={"listen": [f"127.0.0.1:{port}"], "api_key_file": key_file},
+        node={"state_dir": tmp / "state"},
+        tp={"step_timeout_s": STEP_S, "abort_deadline_s": ABORT_S, "probe_interval_s": 3600},
+        models=[
+            {
+                "name": MODEL,
+                "source": "builtin:smollm2-135m",
+                "tp": 1,
+                "devices": "cpu",
+                "max_batch": 2,
+                "context": 512,
+            }
+        ],
     )
     log_path = tmp / "neuron.log"
     proc = spawn_neuron(config, log_path, {"NEURON_FAILPOINTS": "engine.step=hang"})

@@ -12,6 +12,7 @@ from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
 from neuron_trio.errors import RequestError
+from tests.engine.drain import drain
 from tests.engine.tiny_gguf import BOS_ID, EOS_ID, write_tiny_llama
 
 PROMPTS = [
@@ -45,14 +46,6 @@ def _engine(
     )
 
 
-def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
-    events: dict[int, list[SequenceEvent]] = {}
-    while engine.has_work:
-        for event in engine.step():
-            events.setdefault(event.seq_id, []).append(event)
-    return events
-
-
 def _tokens(events: list[SequenceEvent]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
@@ -66,7 +59,7 @@ def test_batching_invariance_alone_vs_eight(tiny_path: Path) -> None:
     alone = []
     for prompt in prompts:
         seq_id = engine.add(prompt, GREEDY, chat=False)
-        alone.append(_tokens(_run(engine)[seq_id]))
+        alone.append(_tokens(drain(engine)[seq_id]))
     # all eight together, joining at different steps, long prompt prefilled in chunks
     ids = {}
     for i, prompt in enumerate(prompts):
@@ -93,7 +86,7 @@ def test_prompts_submitted_at_once_are_prefilled_together_like_alone(tiny_path: 
     alone = []
     for prompt in prompts:
         seq_id = engine.add(prompt, params, chat=False)
-        alone.append(_run(engine)[seq_id])
+        alone.append(drain(engine)[seq_id])
     ids = {engine.add(prompt, params, chat=False): i for i, prompt in enumerate(prompts)}
     first_steps = 0
     together: dict[int, list[SequenceEvent]] = {i: [] for i in range(8)}
@@ -114,7 +107,7 @@ def test_text_is_the_decoded_tokens(tiny_path: Path) -> None:
     engine = _engine(tiny_path, max_batch=4)
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
     ids = [engine.add(engine.encode_prompt(p, chat=False), params, chat=False) for p in PROMPTS[:4]]
-    events = _run(engine)
+    events = drain(engine)
     for seq_id in ids:
         text = "".join(e.text for e in events[seq_id])
         assert text == engine.tokenizer.decode(_tokens(events[seq_id]))
@@ -127,12 +120,12 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_path: Path) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
     prompt = engine.encode_prompt(PROMPTS[0], chat=False)
     first = engine.add(prompt, params, chat=False)
-    alone = _tokens(_run(engine)[first])
+    alone = _tokens(drain(engine)[first])
     others = [
         engine.add(engine.encode_prompt(p, chat=False), GREEDY, chat=False) for p in PROMPTS[1:4]
     ]
     again = engine.add(prompt, params, chat=False)
-    events = _run(engine)
+    events = drain(engine)
     assert _tokens(events[again]) == alone
     assert all(seq_id in events for seq_id in others)
 
@@ -150,13 +143,13 @@ def test_chat_prompt_and_stop_string(tiny_path: Path) -> None:
     assert prompt[0] == BOS_ID  # <|im_start|> is a control token here, parsed whole
     assert prompt.count(EOS_ID) == 2
     seq_id = engine.add(prompt, GREEDY, chat=True)
-    full = "".join(e.text for e in _run(engine)[seq_id])
+    full = "".join(e.text for e in drain(engine)[seq_id])
     assert len(full) >= 4
     stop = full[2:4]
     seq_id = engine.add(
         prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)), chat=True
     )
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == full[: full.index(stop)]
     assert events[-1].finish_reason == "stop"
 
@@ -165,7 +158,7 @@ def test_probe_does_not_disturb_sequences(tiny_path: Path) -> None:
     engine = _engine(tiny_path, max_batch=2)
     prompt = engine.encode_prompt(PROMPTS[3], chat=False)
     seq_id = engine.add(prompt, GREEDY, chat=False)
-    alone = _tokens(_run(engine)[seq_id])
+    alone = _tokens(drain(engine)[seq_id])
     seq_id = engine.add(prompt, GREEDY, chat=False)
     got: list[int] = []
     while engine.has_work:
@@ -203,7 +196,7 @@ def test_n_choices_share_one_prefill_and_continue_as_if_alone(tiny_path: Path) -
     assert all(t[:full] == tables[0][:full] for t in tables)
     assert len({t[full] for t in tables}) == 3
     assert engine.statistics().kv_blocks_used == full + 3
-    events += _run(engine).get(seq_id, [])
+    events += drain(engine).get(seq_id, [])
     assert engine.statistics().prompt_tokens_total - prefilled_before == len(prompt)  # once
     assert _choices(events) == {0: alone, 1: alone, 2: alone}  # forked K/V = a fresh prefill
     finishes = [e for e in events if e.finish_reason is not None]
@@ -240,7 +233,7 @@ def test_n_cancel_frees_every_choice_and_n_is_bounded(tiny_path: Path) -> None:
 
 def _run_one(engine: Engine, prompt: list[int], params: SamplingParams) -> list[SequenceEvent]:
     seq_id = engine.add(prompt, params, chat=False)
-    return _run(engine)[seq_id]
+    return drain(engine)[seq_id]
 
 
 def test_tools_go_through_a_template_that_knows_them_else_as_text(tiny_path: Path) -> None:

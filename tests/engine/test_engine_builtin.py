@@ -7,8 +7,9 @@ import torch
 
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.types import SamplingParams, SequenceEvent
+from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import SourceError
+from tests.engine.drain import drain
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,6 @@ def _model_path():
         pytest.skip(str(e))
 
 
-def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
-    events: dict[int, list[SequenceEvent]] = {}
-    while engine.has_work:
-        for event in engine.step():
-            events.setdefault(event.seq_id, []).append(event)
-    return events
-
-
 def _chat(engine: Engine, question: str) -> list[int]:
     text = engine.render_chat([{"role": "user", "content": question}])
     return engine.encode_prompt(text, chat=True)
@@ -51,7 +44,7 @@ def test_capital_of_france(dtype: str) -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=24)
     seq_id = engine.add(_chat(engine, QUESTIONS[0]), params, chat=True)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     answer = "".join(e.text for e in events)
     assert "Paris" in answer, answer
     assert events[-1].finish_reason in ("stop", "length")
@@ -68,9 +61,9 @@ def test_batch_of_eight_gives_the_same_greedy_tokens() -> None:
     alone = []
     for prompt in prompts:
         seq_id = engine.add(prompt, params, chat=True)
-        alone.append([t for e in _run(engine)[seq_id] for t in e.token_ids])
+        alone.append([t for e in drain(engine)[seq_id] for t in e.token_ids])
     ids = {engine.add(prompt, params, chat=True): i for i, prompt in enumerate(prompts)}
-    events = _run(engine)
+    events = drain(engine)
     for seq_id, i in ids.items():
         assert [t for e in events[seq_id] for t in e.token_ids] == alone[i], QUESTIONS[i]
 
@@ -89,7 +82,7 @@ def _answers(engine: Engine, questions: list[str], max_tokens: int) -> list[list
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         ids = engine.encode_prompt(engine.render_chat(messages), chat=True)
         seq_id = engine.add(ids, params, chat=True)
-        out.append([t for e in _run(engine)[seq_id] for t in e.token_ids])
+        out.append([t for e in drain(engine)[seq_id] for t in e.token_ids])
     return out
 
 

@@ -21,6 +21,7 @@ from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
 from neuron_trio.errors import ContextLengthError, RequestError
+from tests.engine.drain import drain
 
 
 def _seq(seq_id: int, n_prompt: int) -> Sequence:
@@ -269,18 +270,10 @@ def _engine(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _run(engine: Engine) -> dict[int, list[SequenceEvent]]:
-    events: dict[int, list[SequenceEvent]] = {}
-    while engine.has_work:
-        for event in engine.step():
-            events.setdefault(event.seq_id, []).append(event)
-    return events
-
-
 def _alone(prompt: list[int], params: SamplingParams) -> list[int]:
     engine, _ = _engine()
     seq_id = engine.add(prompt, params, chat=False)
-    return [t for e in _run(engine)[seq_id] for t in e.token_ids]
+    return [t for e in drain(engine)[seq_id] for t in e.token_ids]
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -299,7 +292,7 @@ def test_slots_fill_and_free_through_the_engine() -> None:
     engine.cancel(a)
     assert engine.free_slots == 1
     engine.add(_prompt(3, 2), GREEDY, chat=False)
-    _run(engine)
+    drain(engine)
     assert engine.free_slots == 2
     assert not engine.has_work
 
@@ -317,7 +310,7 @@ def test_chunked_prefill_interleaves_with_decode_and_matches_alone() -> None:
     # 13 prompt tokens in chunks of 4: four steps, each also decoding the running sequence
     assert runner.calls == [(1, 1), (1, 4)] * 3 + [(1, 1), (1, 1)]
     assert steps == [{first}, {first}, {first}, {first, second}]
-    events = _run(engine)
+    events = drain(engine)
     assert [t for e in events[second] for t in e.token_ids][-7:] == _alone(long, GREEDY)[1:]
     assert len(_alone(short, GREEDY)) == 8
 
@@ -353,7 +346,7 @@ def test_cancel_between_any_two_steps_frees_the_slot() -> None:
         assert engine.step() == []
         # the slot is reusable and the new sequence is unaffected by the old one
         again = engine.add(_prompt(4, 3), GREEDY, chat=False)
-        got = [t for e in _run(engine)[again] for t in e.token_ids]
+        got = [t for e in drain(engine)[again] for t in e.token_ids]
         assert got == _alone(_prompt(4, 3), GREEDY)
     engine.cancel(12345)  # unknown: ignored
 
@@ -374,7 +367,7 @@ def test_a_failed_forward_advances_nothing() -> None:
     runner.fail_next = True
     with pytest.raises(RuntimeError):
         engine.step()
-    got = [t for e in _run(engine)[seq_id] for t in e.token_ids]
+    got = [t for e in drain(engine)[seq_id] for t in e.token_ids]
     assert got == _alone(_prompt(5), GREEDY)
 
 
@@ -398,7 +391,7 @@ def test_kv_never_grows_past_context() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     a = engine.add(_prompt(8), params, chat=False)
     b = engine.add(_prompt(8, 1), params, chat=False)
-    events = _run(engine)
+    events = drain(engine)
     assert [e.finish_reason for e in events[a]][-1] == "length"
     assert sum(len(e.token_ids) for e in events[b]) == 4
     assert runner.longest == 11  # 8 + 3 fed back (the 4th is not); FakeRunner checks 12
@@ -411,7 +404,7 @@ def _scripted(prompt_len: int, script: list[int]):
 def test_length_finish_and_usage_counts() -> None:
     engine, _ = _engine()
     seq_id = engine.add(_prompt(5), SamplingParams(temperature=0.0, max_tokens=3), chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert [e.finish_reason for e in events] == [None, None, "length"]
     assert [(e.prompt_tokens, e.completion_tokens) for e in events] == [(5, 1), (5, 2), (5, 3)]
     stats = engine.statistics()
@@ -423,7 +416,7 @@ def test_eos_stops_unless_ignored_and_is_not_shown() -> None:
     words = [TOKEN[" the"], TOKEN[" cat"], EOS, TOKEN[" sat"]]
     engine, _ = _engine(rule=_scripted(3, words))
     seq_id = engine.add(_prompt(3), SamplingParams(temperature=0.0, max_tokens=8), chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == " the cat"
     assert events[-1].finish_reason == "stop"
     assert events[-1].completion_tokens == 3
@@ -431,7 +424,7 @@ def test_eos_stops_unless_ignored_and_is_not_shown() -> None:
     engine, _ = _engine(rule=_scripted(3, words))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     seq_id = engine.add(_prompt(3), params, chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == " the cat sat sat"
     assert events[-1].finish_reason == "length"
 
@@ -442,12 +435,12 @@ def test_end_of_turn_stops_chat_only_and_stop_token_ids_always() -> None:
     for chat, reason, count in ((True, "stop", 2), (False, "length", 4)):
         engine, _ = _engine(rule=_scripted(3, words))
         seq_id = engine.add(_prompt(3), params, chat=chat)
-        events = _run(engine)[seq_id]
+        events = drain(engine)[seq_id]
         assert (events[-1].finish_reason, events[-1].completion_tokens) == (reason, count)
     engine, _ = _engine(rule=_scripted(3, words))
     stop_at_cat = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(TOKEN[" cat"],))
     seq_id = engine.add(_prompt(3), stop_at_cat, chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert events[-1].finish_reason == "stop"
     assert events[-1].completion_tokens == 3
 
@@ -457,7 +450,7 @@ def test_stop_string_across_tokens_is_cut_exactly() -> None:
     engine, _ = _engine(rule=_scripted(3, words))
     params = SamplingParams(temperature=0.0, max_tokens=8, stop=("eSTO",))
     seq_id = engine.add(_prompt(3), params, chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == " th"
     assert events[-1].finish_reason == "stop"
     assert events[-1].completion_tokens == 3
@@ -468,7 +461,7 @@ def test_never_half_a_utf8_character() -> None:
     words = [TOKEN["!"], TOKEN["\xc3"], TOKEN["\xa9"], TOKEN["!"]]
     engine, _ = _engine(rule=_scripted(3, words))
     seq_id = engine.add(_prompt(3), SamplingParams(temperature=0.0, max_tokens=4), chat=False)
-    texts = [e.text for e in _run(engine)[seq_id]]
+    texts = [e.text for e in drain(engine)[seq_id]]
     assert texts == ["!", "", "é", "!"]
 
 
@@ -476,7 +469,7 @@ def test_logprobs_ride_on_events() -> None:
     engine, _ = _engine()
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=True, top_logprobs=2)
     seq_id = engine.add(_prompt(3), params, chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     for event in events:
         assert event.logprobs is not None and len(event.logprobs) == 1
         assert event.logprobs[0].token_id == event.token_ids[0]
@@ -489,7 +482,7 @@ def test_probe_uses_the_scratch_row_only() -> None:
     engine.step()
     engine.probe()
     assert runner.store[PROBE_BLOCK][:2] == [BOS, None]  # its own block, nothing else
-    got = [t for e in _run(engine)[seq_id] for t in e.token_ids]
+    got = [t for e in drain(engine)[seq_id] for t in e.token_ids]
     assert got == _alone(_prompt(3), GREEDY)[1:]
 
 
@@ -513,7 +506,7 @@ def test_a_step_in_flight_during_cancel_all_is_void() -> None:
     runner.forward = inner  # type: ignore[method-assign]
     assert engine.free_slots == 2
     seq_id = engine.add(_prompt(4, 1), GREEDY, chat=False)
-    assert [t for e in _run(engine)[seq_id] for t in e.token_ids] == _alone(_prompt(4, 1), GREEDY)
+    assert [t for e in drain(engine)[seq_id] for t in e.token_ids] == _alone(_prompt(4, 1), GREEDY)
 
 
 def test_text_held_back_for_a_stop_string_comes_out_at_the_end() -> None:
@@ -521,7 +514,7 @@ def test_text_held_back_for_a_stop_string_comes_out_at_the_end() -> None:
     engine, _ = _engine(rule=_scripted(3, words))
     params = SamplingParams(temperature=0.0, max_tokens=2, stop=(" catX",))
     seq_id = engine.add(_prompt(3), params, chat=False)
-    events = _run(engine)[seq_id]
+    events = drain(engine)[seq_id]
     assert [e.text for e in events] == [" the", " cat"]
     assert events[-1].finish_reason == "length"
 
@@ -538,11 +531,11 @@ def test_a_repeated_prompt_prefills_only_past_its_cached_prefix() -> None:
     system = _prompt(40, 7)  # two full blocks and 8 tokens
     first = system + [TOKEN[" cat"]] * 5
     a = engine.add(first, _greedy(4), chat=False)
-    got_a = [t for e in _run(engine)[a] for t in e.token_ids]
+    got_a = [t for e in drain(engine)[a] for t in e.token_ids]
     runner.calls.clear()
     second = system + [TOKEN[" mat"]] * 9  # the same system prompt, another question
     b = engine.add(second, _greedy(4), chat=False)
-    got_b = [t for e in _run(engine)[b] for t in e.token_ids]
+    got_b = [t for e in drain(engine)[b] for t in e.token_ids]
     # the first two blocks came from the cache: 49 - 32 = 17 tokens prefilled, not 49
     assert runner.calls[0] == (1, len(second) - 2 * BLOCK_TOKENS)
     stats = engine.statistics()
@@ -558,19 +551,19 @@ def test_a_chat_turn_reuses_the_previous_answer_and_never_its_own_last_token() -
     engine, runner = _engine(prefill_chunk=64)
     prompt = _prompt(30, 3)
     a = engine.add(prompt, _greedy(20), chat=False)
-    answer = [t for e in _run(engine)[a] for t in e.token_ids]
+    answer = [t for e in drain(engine)[a] for t in e.token_ids]
     # The next turn resends prompt + answer: blocks filled while decoding were cached too.
     turn = prompt + answer + [TOKEN[" the"]]  # 51 tokens: three full blocks
     runner.calls.clear()
     b = engine.add(turn, _greedy(3), chat=False)
-    got = [t for e in _run(engine)[b] for t in e.token_ids]
+    got = [t for e in drain(engine)[b] for t in e.token_ids]
     assert runner.calls[0] == (1, len(turn) - 3 * BLOCK_TOKENS)
     assert got == _alone(turn, _greedy(3))
     # A prompt of whole blocks only, all cached: its last block is computed again (logits).
     whole = turn[: 3 * BLOCK_TOKENS]
     runner.calls.clear()
     c = engine.add(whole, _greedy(2), chat=False)
-    assert [t for e in _run(engine)[c] for t in e.token_ids] == _alone(whole, _greedy(2))
+    assert [t for e in drain(engine)[c] for t in e.token_ids] == _alone(whole, _greedy(2))
     assert runner.calls[0] == (1, BLOCK_TOKENS)
 
 
@@ -580,7 +573,7 @@ def test_without_the_prefix_cache_every_prompt_is_computed() -> None:
     for _ in range(2):
         runner.calls.clear()
         seq = engine.add(prompt, _greedy(3), chat=False)
-        assert [t for e in _run(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(3))
+        assert [t for e in drain(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(3))
         assert runner.calls[0] == (1, 40)
     stats = engine.statistics()
     assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (0, 0)
@@ -591,7 +584,7 @@ def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
     engine, _ = _engine(prefill_chunk=64)
     system = _prompt(32, 9)
     warm = engine.add([*system, 5], _greedy(1), chat=False)
-    _run(engine)
+    drain(engine)
     assert warm and engine.statistics().kv_blocks_cached == 2
     a = engine.add([*system, 6, 7], _greedy(6), chat=False)
     b = engine.add([*system, 8], _greedy(6), chat=False)
@@ -601,7 +594,7 @@ def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
     assert seq_a.blocks[:2] == seq_b.blocks[:2]  # one copy of the system prompt
     assert seq_a.blocks[2] != seq_b.blocks[2]
     assert engine.statistics().kv_blocks_used == 4
-    events = _run(engine)
+    events = drain(engine)
     got_a = first[a] + [t for e in events[a] for t in e.token_ids]
     assert got_a == _alone([*system, 6, 7], _greedy(6))
     got_b = first[b] + [t for e in events[b] for t in e.token_ids]
@@ -703,7 +696,7 @@ def test_n_choices_in_a_full_pool_recompute_their_partial_block() -> None:
     for fork in forks:
         assert fork.blocks == parent.blocks[:1]  # shared; the rest is theirs to recompute
         assert fork.status is SequenceStatus.PREFILLING and fork.num_output == 1
-    events = first + _run(engine)[group]
+    events = first + drain(engine)[group]
     alone = _alone(prompt, _greedy(8))
     by_choice: dict[int, list[int]] = {}
     for e in events:
@@ -715,7 +708,7 @@ def test_cancel_all_forgets_the_prefix_cache() -> None:
     engine, runner = _engine(prefill_chunk=64)
     prompt = _prompt(40, 7)
     engine.add(prompt, _greedy(2), chat=False)
-    _run(engine)
+    drain(engine)
     assert engine.statistics().kv_blocks_cached == 2
     engine.add(prompt, _greedy(2), chat=False)
     engine.cancel_all()
@@ -723,5 +716,5 @@ def test_cancel_all_forgets_the_prefix_cache() -> None:
     assert (stats.kv_blocks_used, stats.kv_blocks_cached) == (0, 0)
     runner.calls.clear()
     seq = engine.add(prompt, _greedy(2), chat=False)
-    assert [t for e in _run(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(2))
+    assert [t for e in drain(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(2))
     assert runner.calls[0] == (1, 40)
