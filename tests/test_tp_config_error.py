@@ -1,5 +1,5 @@
-"""A tp that does not divide the model's heads is a config error naming both numbers: exit 78
-for a default model (systemd will not restart it), 400 for a run-time load."""
+"""A default model whose tp does not divide its heads: exit 78 (systemd will not restart it),
+naming both numbers (the executor's ConfigError behind it: tests/parallel/test_executor.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The native 4-bit kernel (`engine/_q4kernel.c`) against a dequantised float32 matmul.
+"""The native CPU kernel (`engine/_q4kernel.c`): its products, attention, RoPE and refinement
+against float32 torch.
 
 Both instruction sets this CPU has are checked (a VNNI CPU also runs the AVX2 path), every
 batch size the kernel splits differently (1, 2, 3, 4, 5, 8, 16 rows), bfloat16 and float32

@@ -1,4 +1,5 @@
-"""The scheduler's bookkeeping alone: slots, chunked prefill plans, release."""
+"""Continuous batching, the scheduler alone and through the engine on a tiny model: admission,
+chunked prefill, cancellation, stops, the prefix cache, preemption."""
 
 from __future__ import annotations
 

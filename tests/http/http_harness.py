@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import httpx
@@ -37,7 +36,8 @@ def make_config(**server: Any) -> NeuronConfig:
 @dataclass
 class Running:
     bound: list[BoundAddress]
-    stop: trio.Event
+    stop: trio.Event  # set: the server drains and stops
+    done: trio.Event  # set once serve_http has returned
 
     @property
     def url(self) -> str:
@@ -46,13 +46,21 @@ class Running:
 
 @asynccontextmanager
 async def serving(node: Any, config: NeuronConfig | None = None) -> AsyncIterator[Running]:
+    """The real app over `node`, served until the block ends or the test sets `stop`."""
     config = config or make_config()
     app = create_app(node, config)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        bound = await nursery.start(partial(serve_http, app, config, shutdown_trigger=stop.wait))
+    stop, done = trio.Event(), trio.Event()
+
+    async def serve(task_status: trio.TaskStatus[list[BoundAddress]]) -> None:
         try:
-            yield Running(bound, stop)
+            await serve_http(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+        finally:
+            done.set()
+
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(serve)
+        try:
+            yield Running(bound, stop, done)
         finally:
             stop.set()
 

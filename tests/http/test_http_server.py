@@ -8,7 +8,7 @@ import httpx
 import pytest
 import trio
 
-from neuron_trio.http import BoundAddress, create_app, serve_http
+from neuron_trio.http import BoundAddress
 from neuron_trio.http.server import hypercorn_config
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import (
@@ -123,24 +123,14 @@ def test_stop_lets_a_stream_in_flight_finish_and_refuses_new_connections(http2: 
                 await release.wait()
 
         node.gate = gate
-        config = make_config(drain_timeout_s=30.0)
-        app = create_app(node, config)
-        stop = trio.Event()
-        done = trio.Event()
-
-        async def serve(task_status: trio.TaskStatus[list[BoundAddress]]) -> None:
-            try:
-                await serve_http(app, config, shutdown_trigger=stop.wait, task_status=task_status)
-            finally:
-                done.set()
 
         async def refused(url: str) -> None:
             async with h1_client(url) as other:
                 with pytest.raises(httpx.ConnectError):
                     await other.get("/health")
 
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(serve)
+        async with serving(node, make_config(drain_timeout_s=30.0)) as server:
+            bound, stop, done = server.bound, server.stop, server.done
             if http2:
                 async with RawH2.connect(bound[0]) as raw:
                     sid = await raw.post("/v1/chat/completions", chat_body(stream=True))

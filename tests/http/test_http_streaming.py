@@ -9,7 +9,6 @@ import httpx
 import pytest
 import trio
 
-from neuron_trio.http import BoundAddress, create_app, serve_http
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import (
     RawH2,
@@ -159,19 +158,8 @@ def test_stop_with_idle_connections_after_streams_is_fast() -> None:
 
     async def body() -> None:
         node = FakeNode()
-        config = make_config(drain_timeout_s=60.0)
-        app = create_app(node, config)
-        stop = trio.Event()
-        done = trio.Event()
-
-        async def serve(task_status: trio.TaskStatus[list[BoundAddress]]) -> None:
-            try:
-                await serve_http(app, config, shutdown_trigger=stop.wait, task_status=task_status)
-            finally:
-                done.set()
-
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(serve)
+        async with serving(node, make_config(drain_timeout_s=60.0)) as server:
+            bound, stop, done = server.bound, server.stop, server.done
             async with h2_client(bound[0].url) as c2, h1_client(bound[0].url) as c1:
                 for client in (c2, c1):
                     r = await client.post("/v1/chat/completions", json=chat_body(stream=True))
