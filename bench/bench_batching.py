@@ -15,21 +15,11 @@ import argparse
 import time
 
 import torch
+from prompts import PROMPTS
 
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.types import SamplingParams
-
-PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how a bicycle stays upright.",
-    "List some facts about the moon.",
-    "Describe the water cycle.",
-    "What makes a good cup of tea?",
-    "Tell me about the history of Paris.",
-    "How do bees make honey?",
-    "Why is the sky blue?",
-]
 
 
 def time_to_first_token(engine: Engine, texts: list[str]) -> tuple[float, float]:

@@ -26,17 +26,7 @@ import time
 from typing import Any
 
 from daemon_harness import MODEL, running_daemon
-
-PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how a bicycle stays upright.",
-    "List some facts about the moon.",
-    "Describe the water cycle.",
-    "What makes a good cup of tea?",
-    "Tell me about the history of Paris.",
-    "How do bees make honey?",
-    "Why is the sky blue?",
-]
+from prompts import PROMPTS
 
 
 async def http_rate(url: str, streams: int, tokens: int) -> dict[str, Any]:
