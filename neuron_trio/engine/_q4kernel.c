@@ -1081,7 +1081,7 @@ static PyObject *q4_rope_write(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* ---- the output head's refinement (model.RefinedHead): each row's k best coarse logits
+/* ---- the output head's refinement (linear.RefinedHead): each row's k best coarse logits
    recomputed exactly, in float32, from the dense table ----
 
    torch's topk, gather and bmm cost ~1 ms a decode step at batch 8 (mostly the topk over the

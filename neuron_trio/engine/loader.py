@@ -34,18 +34,16 @@ import torch
 from neuron_trio.engine import quant
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
-from neuron_trio.engine.llama_config import LlamaConfig
-from neuron_trio.engine.model import (
-    Block,
+from neuron_trio.engine.linear import (
     Int4Linear,
     Int8Linear,
     Linear,
     Q4Linear,
     Q8Linear,
     RefinedHead,
-    Transformer,
-    run_to_end,
 )
+from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.engine.model import Block, Transformer, run_to_end
 from neuron_trio.errors import ConfigError, ModelLoadError
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -54,7 +52,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto" on CPU: the output head's coarse pass is int8 (near-exact against the file's Q8_0
 # head), then each row's HEAD_REFINE best logits are recomputed exactly from the float32
-# table (model.RefinedHead; +0.24 ms a step at batch 1 on 2 cores, for exact top logits and
+# table (linear.RefinedHead; +0.24 ms a step at batch 1 on 2 cores, for exact top logits and
 # logprobs instead of bfloat16 ties). An int4 coarse pass decodes ~6% faster on the built-in
 # model (one step 10.9 vs 11.6 ms) with the same top-1 agreement, but its int4 tail triples
 # the KL divergence from float32 (mean 0.0068 vs 0.0025 nats per token; bfloat16: 0.0018),

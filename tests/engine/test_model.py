@@ -14,14 +14,7 @@ import torch
 from neuron_trio.engine import loader, quant
 from neuron_trio.engine.gguf_file import GGUFFile
 from neuron_trio.engine.kv_cache import KVCache
-from neuron_trio.engine.loader import (
-    ShardFn,
-    SingleRunner,
-    estimate_kv_bytes,
-    estimate_weight_bytes,
-    load_transformer,
-)
-from neuron_trio.engine.model import (
+from neuron_trio.engine.linear import (
     Int4Linear,
     Int8Linear,
     Linear,
@@ -29,6 +22,13 @@ from neuron_trio.engine.model import (
     Q4Linear,
     Q8Linear,
     RefinedHead,
+)
+from neuron_trio.engine.loader import (
+    ShardFn,
+    SingleRunner,
+    estimate_kv_bytes,
+    estimate_weight_bytes,
+    load_transformer,
 )
 from neuron_trio.engine.runner import Runner
 from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables

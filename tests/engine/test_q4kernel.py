@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from neuron_trio.engine import quant
-from neuron_trio.engine.model import NATIVE_DENSE_MIN_ROWS, Q4Linear, Q8Linear
+from neuron_trio.engine.linear import NATIVE_DENSE_MIN_ROWS, Q4Linear, Q8Linear
 
 KERNEL = quant.native_q4()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
@@ -287,8 +287,8 @@ def test_decode_attention_has_the_same_bits_on_either_instruction_set(
 def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
     """4-bit weights take Q4Linear; weights beyond float16's range (its scales) or with rows
     not a multiple of its tile take torch's int4 kernel."""
+    from neuron_trio.engine.linear import Int4Linear
     from neuron_trio.engine.loader import make_linear
-    from neuron_trio.engine.model import Int4Linear
 
     cpu = torch.device("cpu")
     w = torch.randn(32, 64)
