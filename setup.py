@@ -1,8 +1,8 @@
-"""The optional native kernel (neuron_trio/engine/_q4kernel.c); everything else is in pyproject.toml.
+"""The optional native kernel (neuron_trio/engine/model/_cpu_kernel.c); everything else is in pyproject.toml.
 
 `optional=True`: where it cannot be built (no C compiler, another architecture) the install
-goes on without it and the engine uses torch's int4 kernel (see `native_q4()` in
-neuron_trio/engine/quant.py). It needs
+goes on without it and the engine uses torch's int4 kernel (see `native_kernel()` in
+neuron_trio/engine/gguf/quant.py). It needs
 only Python's headers, never torch's, so build isolation pulls nothing but setuptools.
 """
 
@@ -15,8 +15,8 @@ kernels = []
 if x86:
     kernels.append(
         Extension(
-            "neuron_trio.engine._q4kernel",
-            ["neuron_trio/engine/_q4kernel.c"],
+            "neuron_trio.engine.model._cpu_kernel",
+            ["neuron_trio/engine/model/_cpu_kernel.c"],
             extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
             extra_link_args=["-fopenmp"],
             optional=True,

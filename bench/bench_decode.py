@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_trio.engine import quant
 from neuron_trio.engine.builtin import builtin_model_path
-from neuron_trio.engine.gguf_file import GGUFFile
-from neuron_trio.engine.loader import load_transformer
-from neuron_trio.engine.model import Transformer
+from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.transformer import Transformer
 from tests.engine.slot_runner import SlotRunner
 
 PROMPTS = [
@@ -248,7 +248,7 @@ def main() -> None:
         step_times(path, ["float32", "bfloat16", "auto"], [1, args.batch])
         return
     n = args.tokens
-    kernel = quant.native_q4()
+    kernel = packing.native_kernel()
     print(
         f"model {path.name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"native 4-bit kernel: {kernel.isa() if kernel else 'none (torch int4)'}"

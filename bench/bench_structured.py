@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import neuron_trio.engine.engine as engine_module
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.grammar import GrammarState
+from neuron_trio.engine.text.grammar import GrammarState
 from neuron_trio.engine.types import Constraint, SamplingParams
 
 SCHEMA = json.dumps(

@@ -6,8 +6,8 @@ neuron against transformers, float32, and tp = 2 against tp = 1.
 Per family: the largest logit difference over a 20-token prompt (absolute, and relative to
 the largest logit), how many of 32 greedy tokens agree, whether the prompt token ids equal
 transformers' on the test texts, and the largest difference of tp = 2 (in-process, CPU)
-against one model. The tests assert the same (tests/engine/test_families.py,
-tests/parallel/test_family_tp.py); this prints the numbers.
+against one model. The tests assert the same (tests/engine/gguf/test_families.py,
+tests/executor/tp/test_family_tp.py); this prints the numbers.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_trio.engine.loader import load_transformer
+from neuron_trio.engine.model.loader import load_transformer
+from tests.engine.gguf.test_families import TEXTS, greedy, hf_model, prompt_ids, tokenizer_of
 from tests.engine.slot_runner import SlotRunner
-from tests.engine.test_families import TEXTS, greedy, hf_model, prompt_ids, tokenizer_of
 from tests.engine.tiny_families import FAMILIES, write_tiny_family
-from tests.parallel.test_family_tp import run_both
+from tests.executor.tp.test_family_tp import run_both
 
 
 def main() -> None:

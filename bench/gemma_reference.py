@@ -2,7 +2,7 @@
 
 transformers takes minutes on a small machine to load this file (its tokenizer conversion
 alone ~30 s on 2 busy cores) and decodes at ~10 tokens/s, so the slow test
-(tests/engine/test_gemma_real.py) compares neuron with this recording instead of running
+(tests/engine/model/test_gemma_real.py) compares neuron with this recording instead of running
 transformers each time. Rerun it after a transformers upgrade and commit the result:
 
     .venv/bin/python bench/gemma_reference.py   # writes tests/engine/data/gemma3_270m_reference.json

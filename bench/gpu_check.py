@@ -93,7 +93,7 @@ def info(name: str, detail: Any) -> None:
 
 
 def environment() -> None:
-    from neuron_trio.parallel import nccl_lib
+    from neuron_trio.executor.tp import nccl_lib
 
     info("torch", torch.__version__)
     info("cuda", {"available": torch.cuda.is_available(), "devices": torch.cuda.device_count()})
@@ -106,7 +106,7 @@ def environment() -> None:
 
 def plan_ranks() -> list[torch.device]:
     """3 GPUs; or 3 ranks on GPU 0 where NCCL allows it; or 1 rank."""
-    from neuron_trio.parallel.nccl_lib import load_nccl
+    from neuron_trio.executor.tp.nccl_lib import load_nccl
 
     n = torch.cuda.device_count()
     if n >= 3:
@@ -119,7 +119,7 @@ def plan_ranks() -> list[torch.device]:
 
 
 def init_comm(devices: list[torch.device], failpoints: Any = None) -> Any:
-    from neuron_trio.parallel.nccl_comm import NcclCommunicator
+    from neuron_trio.executor.tp.nccl_comm import NcclCommunicator
 
     return NcclCommunicator.init_all(devices, failpoints=failpoints)
 
@@ -327,7 +327,7 @@ def _both_logits(a: Any, b: Any, prompt: list[int]) -> tuple[torch.Tensor, torch
 def model_phase(base: torch.device, devices: list[torch.device] | None, dtype: str) -> None:
     from neuron_trio.config import ModelConfig
     from neuron_trio.engine.builtin import builtin_model_path
-    from neuron_trio.parallel.executor import build_executor
+    from neuron_trio.executor.executor import build_executor
 
     try:
         path = builtin_model_path()

@@ -26,8 +26,8 @@ print("python:", __import__("sys").version.split()[0], "| missing packages:", ",
 PY
 
 status=0
-echo "==== pytest -m gpu tests/parallel ===="
-timeout 60 "$PYTHON" -m pytest -q -m gpu tests/parallel -p no:cacheprovider || status=$?
+echo "==== pytest -m gpu tests/executor ===="
+timeout 60 "$PYTHON" -m pytest -q -m gpu tests/executor -p no:cacheprovider || status=$?
 echo "pytest exit: $status"
 
 echo "==== bench/gpu_check.py ===="

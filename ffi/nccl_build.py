@@ -1,7 +1,7 @@
 """cffi builder for the NCCL binding: out-of-line ABI mode, no headers, no compiler.
 
-`python ffi/nccl_build.py` regenerates `neuron_trio/parallel/_nccl_cffi.py`. That generated
-module is committed (tests/parallel/test_nccl_cffi_module.py regenerates it into a temporary
+`python ffi/nccl_build.py` regenerates `neuron_trio/executor/tp/_nccl_cffi.py`. That generated
+module is committed (tests/executor/tp/test_nccl_cffi_module.py regenerates it into a temporary
 folder and checks it is byte-identical), so installing neuron needs no build step: ABI mode
 writes a plain Python file, and `nccl.h` (which includes `cuda_runtime.h`) is never read.
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from cffi import FFI
 
-MODULE_NAME = "neuron_trio.parallel._nccl_cffi"
+MODULE_NAME = "neuron_trio.executor.tp._nccl_cffi"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODULE_PATH = REPO_ROOT / "neuron_trio" / "parallel" / "_nccl_cffi.py"
+MODULE_PATH = REPO_ROOT / "neuron_trio" / "executor" / "tp" / "_nccl_cffi.py"
 
 CDEF = """
 typedef int ncclResult_t;

@@ -22,7 +22,7 @@ from neuron_trio.config import NeuronConfig, exposed_listeners, load_config, par
 from neuron_trio.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, EX_USAGE, ConfigError, NeuronError
 from neuron_trio.failpoints import ENV_VAR as FAILPOINTS_ENV
 from neuron_trio.failpoints import parse as parse_failpoints
-from neuron_trio.service.signals import flush_logs
+from neuron_trio.service.process.signals import flush_logs
 
 log = logging.getLogger("neuron")
 
@@ -190,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def nccl_status() -> dict[str, Any]:
     try:
-        from neuron_trio.parallel.nccl_lib import describe
+        from neuron_trio.executor.tp.nccl_lib import describe
 
         return dict(describe())
     except Exception as exc:

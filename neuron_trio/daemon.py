@@ -11,7 +11,7 @@
 The first SIGTERM/SIGINT drains: health says draining (new requests 503), STOPPING=1,
 in-flight requests finish (at most `server.drain_timeout_s`), the listener closes, every
 model is unloaded, exit 0. A signal during start-up stops the start-up the same way.
-A second signal stops at once (`service.signals`). The deadman exits 70 by itself.
+A second signal stops at once (`service.process.signals`). The deadman exits 70 by itself.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from neuron_trio.errors import (
 from neuron_trio.gpu.actor import GpuActor
 from neuron_trio.gpu.metrics import GpuCollector
 from neuron_trio.gpu.nvml import GpuProbe
-from neuron_trio.service.identity import Identity
-from neuron_trio.service.notifier import Notifier
-from neuron_trio.service.signals import SignalWatcher, die_by_signal, flush_logs
+from neuron_trio.service.process.identity import Identity
+from neuron_trio.service.process.notifier import Notifier
+from neuron_trio.service.process.signals import SignalWatcher, die_by_signal, flush_logs
 
 log = logging.getLogger(__name__)
 

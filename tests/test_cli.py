@@ -92,7 +92,7 @@ def test_gpus_hanging_nvml_is_69(
 
 
 def test_nccl_import_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "neuron_trio.parallel.nccl_lib", None)
+    monkeypatch.setitem(sys.modules, "neuron_trio.executor.tp.nccl_lib", None)
     assert "error" in cli.nccl_status()
 
 

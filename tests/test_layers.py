@@ -1,4 +1,5 @@
-"""The layers of docs/DESIGN.md import one way only."""
+"""The layers of docs/ARCHITECTURE.md import one way only, the engine's and the service's
+sub-packages included."""
 
 import ast
 from pathlib import Path
@@ -6,53 +7,107 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "neuron_trio"
+NEURON = {"config", "errors", "failpoints", "gpu", "engine", "executor", "service", "http"}
+TOP = NEURON | {"daemon", "cli", "status"}
 
-# layer -> modules (top-level names under neuron_trio, or third-party roots) it must not import
-FORBIDDEN = {
-    "config": {"gpu", "engine", "parallel", "service", "http", "daemon", "cli", "torch", "trio"},
-    "errors": {"config", "gpu", "engine", "parallel", "service", "http", "daemon", "cli"},
-    "failpoints": {"gpu", "engine", "parallel", "service", "http", "daemon", "cli", "trio"},
-    "gpu": {"engine", "parallel", "service", "http", "daemon", "cli", "torch"},
-    "engine": {"parallel", "service", "http", "daemon", "cli", "trio", "starlette", "hypercorn"},
-    "parallel": {"service", "http", "daemon", "cli", "starlette", "hypercorn"},
-    "service": {"http", "daemon", "cli", "starlette", "hypercorn"},
-    "http": {"engine", "parallel", "daemon", "cli", "torch"},
+# The engine's shared vocabulary, which its sub-packages may use: plain data, no torch.
+ENGINE_CORE = {"engine.types", "engine.block_pool"}
+# The engine's own modules beside its sub-packages: they join gguf, model and text together.
+ENGINE_TOP = {
+    f"engine.{p.stem}"
+    for p in (PACKAGE / "engine").glob("*.py")
+    if p.stem != "__init__" and f"engine.{p.stem}" not in ENGINE_CORE
+}
+SERVICE_ACTORS = {"service.node", "service.model_actor"}
+
+# unit (a module or package under neuron_trio) -> what it must not import: modules or packages
+# under neuron_trio (a name forbids everything below it), or third-party roots.
+FORBIDDEN: dict[str, set[str]] = {
+    "config": TOP - {"config", "errors"} | {"torch", "trio"},
+    "errors": TOP - {"errors"},
+    "failpoints": TOP - {"failpoints", "errors"} | {"trio"},
+    "gpu": {"engine", "executor", "service", "http", "daemon", "cli", "status", "torch"},
+    "engine": {"executor", "service", "http", "daemon", "cli", "trio", "starlette", "hypercorn"},
+    "engine.types": {"engine", "torch"} - {"engine.types"},
+    "engine.block_pool": {"torch", "engine.gguf", "engine.model", "engine.text"} | ENGINE_TOP,
+    "engine.gguf": {"engine.model", "engine.text"} | ENGINE_TOP,
+    "engine.model": {"engine.text"} | ENGINE_TOP,
+    "engine.text": {"engine.model"} | ENGINE_TOP,
+    "executor": {"service", "http", "daemon", "cli", "status", "starlette", "hypercorn"},
+    "executor.tp": {"executor.executor", "executor.api"},
+    "service": {"http", "daemon", "cli", "status", "starlette", "hypercorn"},
+    "service.wedge": SERVICE_ACTORS,
+    "service.process": SERVICE_ACTORS | {"service.wedge", "service.metrics", "torch"},
+    "service.metrics": SERVICE_ACTORS | {"service.wedge", "service.process"},
+    "http": {"engine", "executor", "daemon", "cli", "status", "torch"},
 }
 
 
 def _imports(path: Path) -> set[str]:
+    """What `path` imports: modules under neuron_trio without the prefix (`engine.gguf.file`,
+    and for `from neuron_trio.engine.gguf import quant` also `engine.gguf.quant`), or the
+    top-level names of other packages."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
+            if node.module.startswith("neuron_trio"):
+                names += [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue
         for name in names:
             parts = name.split(".")
-            found.add(parts[1] if parts[0] == "neuron_trio" and len(parts) > 1 else parts[0])
+            if parts[0] == "neuron_trio":
+                if len(parts) > 1:
+                    found.add(".".join(parts[1:]))
+            else:
+                found.add(parts[0])
     return found
 
 
-def _layer_files(layer: str) -> list[Path]:
-    if (PACKAGE / layer).is_dir():
-        return sorted((PACKAGE / layer).rglob("*.py"))
-    return [PACKAGE / f"{layer}.py"]
+def _forbids(forbidden: set[str], name: str) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in forbidden)
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layer_imports_point_one_way(layer: str) -> None:
+def _unit_files(unit: str) -> list[Path]:
+    base = PACKAGE.joinpath(*unit.split("."))
+    if base.is_dir():
+        return sorted(base.rglob("*.py"))
+    return [base.with_suffix(".py")]
+
+
+@pytest.mark.parametrize("unit", sorted(FORBIDDEN))
+def test_layer_imports_point_one_way(unit: str) -> None:
+    files = _unit_files(unit)
+    assert files and all(f.exists() for f in files), f"{unit}: no such module or package"
     violations = [
         f"{path.relative_to(PACKAGE)} imports {name}"
-        for path in _layer_files(layer)
-        if path.exists() and "_nccl_cffi" not in path.name
-        for name in _imports(path) & FORBIDDEN[layer]
+        for path in files
+        if "_nccl_cffi" not in path.name
+        for name in sorted(_imports(path))
+        if _forbids(FORBIDDEN[unit], name)
     ]
     assert not violations, violations
 
 
+def test_every_package_is_in_a_layer() -> None:
+    """A new package (or a renamed one) must be given its place in the table."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= NEURON, packages - NEURON
+    for parent in ("engine", "executor", "service"):
+        subs = {f"{parent}.{p.name}" for p in (PACKAGE / parent).iterdir() if p.is_dir()}
+        subs = {s for s in subs if (PACKAGE.joinpath(*s.split(".")) / "__init__.py").exists()}
+        assert subs <= set(FORBIDDEN), subs - set(FORBIDDEN)
+
+
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch\nfrom neuron_trio.http import app\n")
-    assert {"torch", "http"} <= _imports(bad)
+    bad.write_text(
+        "import torch\nfrom neuron_trio.http import app\nfrom neuron_trio.engine.model import loader\n"
+    )
+    found = _imports(bad)
+    assert {"torch", "http", "http.app", "engine.model", "engine.model.loader"} <= found
+    assert _forbids(FORBIDDEN["engine.text"], "engine.model.loader")
+    assert not _forbids(FORBIDDEN["engine.text"], "engine.types")

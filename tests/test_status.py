@@ -1,7 +1,7 @@
 """`neuron status` against a real app: the HTTP server and the real Node (fake executor),
 served on 127.0.0.1 from a trio thread; the command runs in the test's thread as a user would.
 
-The slow drill in tests/drills/test_operator_pack.py runs it against a real daemon too.
+The slow drill in tests/e2e/test_operator_pack.py runs it against a real daemon too.
 """
 
 from __future__ import annotations

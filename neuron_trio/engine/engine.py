@@ -39,10 +39,15 @@ from neuron_trio.engine.block_pool import (
     BlockPool,
     blocks_for,
 )
-from neuron_trio.engine.chat import ChatTemplate, end_of_turn_ids
 from neuron_trio.engine.finish import apply_finish_rules, is_stop_token
-from neuron_trio.engine.gguf_file import GGUFFile
-from neuron_trio.engine.grammar import (
+from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
+from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.sampling import Sampler, SamplingState
+from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
+from neuron_trio.engine.sequence import Sequence, SequenceStatus
+from neuron_trio.engine.text.chat import ChatTemplate, end_of_turn_ids
+from neuron_trio.engine.text.grammar import (
     GrammarCompiler,
     GrammarState,
     ToolCallFormat,
@@ -50,14 +55,13 @@ from neuron_trio.engine.grammar import (
     detect_tool_format,
     fill_masks,
 )
-from neuron_trio.engine.loader import SingleRunner, engine_sizing, load_transformer
-from neuron_trio.engine.runner import Runner
-from neuron_trio.engine.sampling import Sampler, SamplingState
-from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
-from neuron_trio.engine.sequence import Sequence, SequenceStatus
-from neuron_trio.engine.textgen import TextPipeline
-from neuron_trio.engine.tokenizer import Tokenizer
-from neuron_trio.engine.tool_calls import ToolCallParser, render_tools_as_text, template_tools
+from neuron_trio.engine.text.textgen import TextPipeline
+from neuron_trio.engine.text.tokenizer import Tokenizer
+from neuron_trio.engine.text.tool_calls import (
+    ToolCallParser,
+    render_tools_as_text,
+    template_tools,
+)
 from neuron_trio.engine.types import (
     Constraint,
     EngineStatistics,

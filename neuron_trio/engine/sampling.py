@@ -53,7 +53,7 @@ class SamplingState:
         self.seed = seed & 0xFFFF_FFFF_FFFF_FFFF
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_unique: dict[torch.device, torch.Tensor] = {}
-        # structured output: the grammar the tokens must follow (engine.grammar.GrammarState)
+        # structured output: the grammar the tokens must follow (engine.text.grammar.GrammarState)
         self.grammar: Any = None
 
     @property

@@ -37,12 +37,12 @@ from neuron_trio.errors import (
     StepTimeoutError,
     UnavailableError,
 )
-from neuron_trio.parallel.api import ModelExecutor, ServingEngine
+from neuron_trio.executor.api import ModelExecutor, ServingEngine
 from neuron_trio.service.api import GenerationJob, template_message
 from neuron_trio.service.event_stream import EventStream
-from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
+from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
-from neuron_trio.service.watchdog import InflightRequest, Watchdog
+from neuron_trio.service.wedge.watchdog import InflightRequest, Watchdog
 
 log = logging.getLogger(__name__)
 

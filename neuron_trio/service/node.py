@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
-from neuron_trio.engine.chat_probe import probe_gguf_chat_template
+from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
 from neuron_trio.errors import (
     ApiError,
     ConfigError,
@@ -49,13 +49,13 @@ from neuron_trio.errors import (
     RequestError,
     UnavailableError,
 )
-from neuron_trio.parallel.api import ModelExecutor
+from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
-from neuron_trio.service.deadman import Deadman
-from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.metrics.model import ModelActorStatistics, NodeMetrics
+from neuron_trio.service.metrics.node import NodeCollector, NodeStatistics, RateWindow
+from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.model_actor import BURST_GAP_S, ModelActor
-from neuron_trio.service.model_metrics import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.node_document import (
     FailpointsInfo,
     LastForensics,
@@ -63,7 +63,6 @@ from neuron_trio.service.node_document import (
     NodeInfo,
     NodeWatchdog,
 )
-from neuron_trio.service.node_metrics import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,
@@ -71,10 +70,11 @@ from neuron_trio.service.placement import (
     host_memory_available,
     place,
 )
+from neuron_trio.service.process.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.sources import HubLimits, resolve_source
 from neuron_trio.service.timefmt import utc_iso
-from neuron_trio.service.watchdog import Watchdog
-from neuron_trio.service.watchdog_metrics import WatchdogMetrics
+from neuron_trio.service.wedge.deadman import Deadman
+from neuron_trio.service.wedge.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class GpuSource(Protocol):
 
 
 class StatusSink(Protocol):
-    """What the node needs of `service.notifier.Notifier`: STATUS= lines, and more time for
+    """What the node needs of `service.process.notifier.Notifier`: STATUS= lines, and more time for
     the start while a default model downloads (EXTEND_TIMEOUT_USEC=)."""
 
     def status(self, text: str) -> Any: ...
@@ -144,7 +144,7 @@ def _ephemeral_identity() -> _Identity:
 def _default_factory(
     spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
 ) -> ModelExecutor:
-    from neuron_trio.parallel.executor import build_executor
+    from neuron_trio.executor.executor import build_executor
 
     return build_executor(spec, path, devices, failpoints=failpoints)
 
@@ -452,7 +452,7 @@ class Node:
         )
 
     def node_statistics(self) -> NodeStatistics:
-        """For `/metrics` (service.node_metrics): identity, health, the last deadman exit."""
+        """For `/metrics` (service.metrics.node): identity, health, the last deadman exit."""
         try:
             started = datetime.fromisoformat(str(self.identity.started_at)).timestamp()
         except ValueError:

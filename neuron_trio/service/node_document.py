@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.parallel.api import RankInfo
-from neuron_trio.service.model_metrics import ModelActorStatistics
-from neuron_trio.service.watchdog import WatchdogStatistics
+from neuron_trio.executor.api import RankInfo
+from neuron_trio.service.metrics.model import ModelActorStatistics
+from neuron_trio.service.wedge.watchdog import WatchdogStatistics
 
 
 class ModelMemory(msgspec.Struct, frozen=True):

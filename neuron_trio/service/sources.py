@@ -19,7 +19,7 @@ from pathlib import Path
 from neuron_trio.config import NeuronConfig
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
-from neuron_trio.service.download_progress import ByteProgress, reporting_tqdm
+from neuron_trio.service.process.download_progress import ByteProgress, reporting_tqdm
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def resolve_hub(
 
     With `limits` (a runtime load), the repo must be allowed and the file small enough,
     both checked before the download starts. `on_bytes(done, total)` follows the download
-    (service.download_progress).
+    (service.process.download_progress).
     """
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub import errors as hub_errors

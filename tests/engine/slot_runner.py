@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, RESERVED_BLOCKS, blocks_for
-from neuron_trio.engine.loader import SingleRunner
-from neuron_trio.engine.model import Transformer
+from neuron_trio.engine.model.loader import SingleRunner
+from neuron_trio.engine.model.transformer import Transformer
 
 
 def slot_pool_blocks(slots: int, context: int) -> int:
@@ -98,7 +98,7 @@ class SlotRows:
 
 def slot_tp_runner(models: Any, comm: Any, *, slots: int, context: int, **kw: Any) -> Any:
     """A TPRunner over a pool of `slots` rows of `context` tokens, addressed by slot."""
-    from neuron_trio.parallel.tp_runner import TPRunner
+    from neuron_trio.executor.tp.runner import TPRunner
 
     runner = TPRunner(models, comm, blocks=slot_pool_blocks(slots, context), context=context, **kw)
     return SlotRows(runner, slots=slots, context=context)

@@ -207,7 +207,7 @@ def test_n_choices_share_one_prefill_and_continue_as_if_alone(tiny_path: Path) -
 
 def test_n_seeded_choices_repeat_and_each_has_its_own_seed(tiny_path: Path) -> None:
     # (the tiny random model repeats itself whatever the seed: the built-in model's test in
-    # tests/http/test_structured_daemon.py shows seeded choices that differ)
+    # tests/e2e/test_structured_daemon.py shows seeded choices that differ)
     engine = _engine(tiny_path, max_batch=4)
     prompt = engine.encode_prompt(PROMPTS[0], chat=False)
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True, n=3)
@@ -237,7 +237,7 @@ def _run_one(engine: Engine, prompt: list[int], params: SamplingParams) -> list[
 
 
 def test_tools_go_through_a_template_that_knows_them_else_as_text(tiny_path: Path) -> None:
-    from neuron_trio.engine.chat import ChatTemplate
+    from neuron_trio.engine.text.chat import ChatTemplate
     from neuron_trio.engine.types import ToolFunction
 
     engine = _engine(tiny_path)

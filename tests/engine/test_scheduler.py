@@ -17,7 +17,7 @@ from neuron_trio.engine.block_pool import (
     blocks_for,
 )
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.llama_config import LlamaConfig
+from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.types import SamplingParams, SequenceEvent

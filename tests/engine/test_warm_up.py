@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.linear import NATIVE_DENSE_MIN_ROWS
+from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.engine.warm_up import warm_up
 from tests.engine.tiny_gguf import write_tiny_llama

@@ -85,8 +85,8 @@ def test_openai_client_and_disconnect_against_the_real_node(tmp_path: Path) -> N
 
                 # the same prompt as token ids: the same greedy completion
                 from neuron_trio.engine.builtin import builtin_model_path
-                from neuron_trio.engine.gguf_file import GGUFFile
-                from neuron_trio.engine.tokenizer import Tokenizer
+                from neuron_trio.engine.gguf.file import GGUFFile
+                from neuron_trio.engine.text.tokenizer import Tokenizer
 
                 with GGUFFile(builtin_model_path()) as gguf:
                     tokenizer = Tokenizer.from_gguf(gguf)

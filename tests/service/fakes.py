@@ -20,8 +20,8 @@ import trio
 
 from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
 from neuron_trio.errors import CommAbortedError, CommError, ContextLengthError, RequestError
-from neuron_trio.parallel.api import RankInfo
-from neuron_trio.service.deadman import DeadmanExit
+from neuron_trio.executor.api import RankInfo
+from neuron_trio.service.wedge.deadman import DeadmanExit
 
 
 class FakeThreads:

@@ -26,10 +26,10 @@ from neuron_trio.errors import (
 )
 from neuron_trio.service.api import ChatMessage, GenerationJob
 from neuron_trio.service.event_stream import EventStream, merge_events
+from neuron_trio.service.metrics.model import NodeMetrics
+from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.model_actor import ModelActor
-from neuron_trio.service.model_metrics import NodeMetrics
-from neuron_trio.service.watchdog import Watchdog
-from neuron_trio.service.watchdog_metrics import WatchdogMetrics
+from neuron_trio.service.wedge.watchdog import Watchdog
 
 from .fakes import FakeDeadman, FakeExecutor, FakeThreads
 

@@ -34,7 +34,7 @@ from neuron_trio.failpoints import Failpoints, parse
 from neuron_trio.service.api import ChatMessage, GenerationJob
 from neuron_trio.service.node import ModelExistsError, Node, find_last_forensics
 from neuron_trio.service.placement import ModelEstimate
-from neuron_trio.service.watchdog import Watchdog
+from neuron_trio.service.wedge.watchdog import Watchdog
 
 from .fakes import FakeDeadman, FakeExecutor, FakeThreads
 

@@ -1,0 +1,311 @@
+"""The projections of a transformer: one interface (`LinearLayer`), one class per kernel.
+
+`Linear` (a dense weight), torch's weight-only `Int4Linear`/`Int8Linear`, the native kernel's
+`Q4Linear` (4-bit, with RMSNorm or the gate's activation fused in at decode) and `Q8Linear`
+(the output head's coarse pass), and `RefinedHead` (a coarse pass, then each row's best logits
+exact). The loader (`engine.model.loader`) picks one per weight; `Block` calls the interface only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neuron_trio.engine.model import packing
+
+
+class LinearLayer(nn.Module):
+    """The one interface of a projection, whichever kernel holds its weight.
+
+    `forward(x)` is the product. `normed` and `gated` are the product after the op that always
+    precedes it in a block (RMSNorm; the gate's activation times the up projection): here in
+    torch, while a kernel that fuses them (Q4Linear) overrides them. So `Block` calls the
+    same three methods on every projection and never asks which kernel it holds.
+    """
+
+    in_features: int
+    out_features: int
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        act: torch.dtype,
+        out: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm(x) · weight in `act`, then the product: x `[N, in]`. `out` is the dtype a
+        fused kernel writes its result in (its own default: `act`); an unfused layer's
+        product keeps its natural dtype."""
+        return self.forward(F.rms_norm(x, (x.shape[-1],), weight, eps).to(act))
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
+        ffn = gate_up.shape[-1] // 2
+        gate = gate_up[:, :ffn]
+        gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+        return self.forward(gate * gate_up[:, ffn:])
+
+
+class Linear(LinearLayer):
+    """y = x · Wᵀ with a dense weight `[out, in]` (float32, bfloat16 or float16)."""
+
+    weight: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._buffers["weight"])  # type: ignore[arg-type]
+
+
+# At or above this many rows (prefill chunks), the int kernels lose to a dense GEMM: layers
+# that keep a dense copy use it (measured on 2 CPU cores: int4 at 256 rows ~4x slower).
+DENSE_MIN_ROWS = 16
+# The native kernel (Q4Linear) holds out longer: on 2 cores it beat the dense bfloat16 copy
+# by 1.5x at 16 rows and 1.2x at 32-48, and lost from 64-96 rows on (bench: the products of
+# the built-in model's 30 layers at N rows, both ways).
+NATIVE_DENSE_MIN_ROWS = 48
+
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+_INT8_MM = torch.ops.aten._weight_int8pack_mm
+
+
+class Int4Linear(LinearLayer):
+    """Weight-only int4 (groups of `group` inputs) through torch's CPU kernel; bf16 in and out.
+
+    With `dense` (a bfloat16 copy of the weight), inputs of DENSE_MIN_ROWS rows or more take a
+    dense GEMM instead.
+    """
+
+    dense: torch.Tensor | None
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        out_f: int,
+        in_f: int,
+        group: int,
+        dense: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)  # [in/group, out, 2]
+        self.register_buffer("dense", dense)
+        self.out_features, self.in_features, self.group = out_f, in_f, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Buffers straight from `_buffers` (nn.Module.__getattr__ costs ~0.5 us a lookup, and
+        # a decode step makes 120 of these calls); 2-D input, as Block passes, needs no reshape.
+        buffers = self._buffers
+        dense = buffers["dense"]
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        return _INT4_MM(x, buffers["packed"], self.group, buffers["scales_zeros"])
+
+
+# The native kernel's prologues (see _cpu_kernel.c): what it does to x before the product.
+_PRO_NONE, _PRO_RMSNORM, _PRO_SILU, _PRO_GELU = 0, 1, 2, 3
+
+
+class Q4Linear(LinearLayer):
+    """Weight-only 4-bit groups of 32 through the native kernel (`_cpu_kernel.c`, see
+    packing.native_kernel): int8 activations and integer dot products, as llama.cpp on the same CPU.
+    Input and output in the input's dtype (bfloat16 or float32); CPU only.
+
+    `normed` and `gated` also run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
+    saves a decode step ~16 torch ops a layer. With `dense` (a bfloat16 copy of the weight),
+    inputs of NATIVE_DENSE_MIN_ROWS rows or more take a dense GEMM instead (after the same ops
+    in torch).
+    """
+
+    dense: torch.Tensor | None
+
+    def __init__(
+        self,
+        kernel: Any,
+        nibbles: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        dense: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
+        # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's tiles
+        nibbles, scale, minimum = packing.tile_q4(nibbles, scale, minimum)
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        self.register_buffer("dense", dense)
+        self._matmul = kernel.matmul
+        # The buffers never move (CPU only, never reassigned): their addresses once, not per call.
+        self._pointers = (nibbles.data_ptr(), scale.data_ptr(), minimum.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        dense = self._buffers["dense"]
+        if dense is not None and x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        return self._product(x, x.dtype)
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        act: torch.dtype,
+        out: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm(x) · weight, then the product, as `out` (default `act`): x `[N, in]` and
+        weight float32; in the kernel unless the rows are many or the dtypes are not its."""
+        out = act if out is None else out
+        if (
+            x.shape[0] >= NATIVE_DENSE_MIN_ROWS
+            or x.dtype != torch.float32
+            or weight.dtype != x.dtype
+        ):
+            return self.forward(F.rms_norm(x, (self.in_features,), weight, eps).to(out))
+        return self._product(x, out, _PRO_RMSNORM, weight.data_ptr(), eps)
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
+        if gate_up.shape[0] >= NATIVE_DENSE_MIN_ROWS:
+            gate, up = gate_up[:, : self.in_features], gate_up[:, self.in_features :]
+            gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+            return self.forward(gate * up)
+        return self._product(gate_up, gate_up.dtype, _PRO_GELU if gelu else _PRO_SILU)
+
+    def _product(
+        self, x: torch.Tensor, out: torch.dtype, prologue: int = 0, aux: int = 0, eps: float = 0.0
+    ) -> torch.Tensor:
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.contiguous()
+        n = x.shape[0]
+        y = torch.empty(n, self.out_features, dtype=out)
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32)
+        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16)
+        qs, scale, minimum = self._pointers
+        self._matmul(
+            x.data_ptr(), n, self.in_features, qs, scale, minimum, self.out_features,
+            y.data_ptr(), flags, prologue, aux, eps,
+        )  # fmt: skip
+        return y
+
+
+class Q8Linear(LinearLayer):
+    """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
+    output head's coarse pass under "auto" (RefinedHead). Output in float32 (the coarse
+    logits of the tail are then not rounded to bfloat16's steps)."""
+
+    def __init__(self, kernel: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        tiled, scale = packing.tile_q8(weight), scale.float().contiguous()
+        sums = packing.q8_group_sums(weight)
+        self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
+        self.register_buffer("scale", scale)  # [out]
+        self.register_buffer("group_sums", sums)
+        self.kernel = kernel  # RefinedHead's refinement runs in it too
+        self._matmul = kernel.matmul
+        self._pointers = (tiled.data_ptr(), scale.data_ptr(), sums.data_ptr())  # as in Q4Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        weight, scale, sums = self._pointers
+        flags = 1 if x.dtype == torch.bfloat16 else 0  # bfloat16 in, float32 out
+        self._matmul(
+            x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
+            y.data_ptr(), flags, _PRO_NONE, sums, 0.0,
+        )  # fmt: skip
+        return y
+
+
+class Int8Linear(LinearLayer):
+    """Weight-only int8 (one scale per output row) through torch's CPU kernel; bf16 in.
+
+    With `dense`, inputs of DENSE_MIN_ROWS rows or more take a dense GEMM in its dtype.
+    """
+
+    dense: torch.Tensor | None
+
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # int8 [out, in]
+        self.register_buffer("scales", scales)  # [out]
+        self.register_buffer("dense", dense)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers  # as in Int4Linear.forward
+        dense = buffers["dense"]
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense)
+        return _INT8_MM(x, buffers["weight"], buffers["scales"])
+
+
+class RefinedHead(nn.Module):
+    """The output head under "auto" on CPU: a coarse pass over the whole vocabulary through a
+    weight-only int kernel, then the `refine` best of each row recomputed exactly (float32)
+    from the dense table `[V, dim]`.
+
+    The int kernels return bfloat16 logits: steps of 1/16 at typical magnitudes, so close
+    candidates tie and logprobs come out coarse. The candidates that decide greedy picks, the
+    reported logprobs and most of the sampled mass get exact logits; the tail keeps the
+    coarse ones. Rows of DENSE_MIN_ROWS or more (prefill with all logits) take the table.
+    """
+
+    table: torch.Tensor
+
+    def __init__(self, coarse: nn.Module, table: torch.Tensor, refine: int) -> None:
+        super().__init__()
+        self.coarse = coarse  # Q8Linear, Int8Linear or Int4Linear without a dense copy
+        self.register_buffer("table", table)  # [V, dim], shared with the embedding when tied
+        self.refine = refine
+        self.out_features, self.in_features = table.shape
+        # With a native coarse pass (and a float32 table on the CPU), the kernel's `refine`:
+        # the k best and their exact logits in one call, ~1 ms less a step at batch 8 than
+        # topk, gather and bmm.
+        fits = table.dtype == torch.float32 and table.is_contiguous() and table.device.type == "cpu"
+        self._kernel = coarse.kernel if fits and isinstance(coarse, Q8Linear) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        table = self.table
+        x2 = x.reshape(-1, self.in_features)  # [N, dim]
+        if x2.shape[0] >= DENSE_MIN_ROWS:
+            return F.linear(x.to(table.dtype), table).float()
+        logits = self.coarse(x2).float()  # [N, V]
+        kernel = self._kernel
+        if kernel is not None and x2.dtype in (torch.bfloat16, torch.float32):
+            x2, logits = x2.contiguous(), logits.contiguous()
+            n, (vocab, dim) = x2.shape[0], table.shape
+            bf16 = int(x2.dtype == torch.bfloat16)
+            kernel.refine(
+                logits.data_ptr(), n, vocab, x2.data_ptr(), bf16, table.data_ptr(), dim, self.refine
+            )
+            return logits.reshape(*lead, self.out_features)
+        top = logits.topk(self.refine, dim=-1).indices  # [N, k]
+        rows = table[top]  # [N, k, dim]
+        exact = torch.bmm(rows, x2.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [N, k]
+        logits.scatter_(1, top, exact.float())
+        return logits.reshape(*lead, self.out_features)

@@ -1,0 +1,384 @@
+"""GGUF file → `Transformer` on a device; `SingleRunner`; size estimates for placement.
+
+The model is built on the meta device, then each weight is dequantised from the memory-mapped
+file, sliced for this rank by `shard` (tensor parallelism), converted and assigned: no weight
+is ever held twice in full. Each GGUF weight reaches `shard` by name (e.g.
+"blk.0.attn_q.weight") as a logical float32 tensor `[out, in]` (Q/K un-permuted) or `[n]`
+for norms; the shard returns this rank's slice (norms, token_embd and output whole).
+
+dtype:
+- "float32": every weight dequantised to float32; the reference numerics.
+- "bfloat16", "float16": dense weights and activations in that type.
+- "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weights stay
+  quantised, bfloat16 activations and a float32 residual stream. Where the native kernel
+  (`_cpu_kernel.c`, packing.native_kernel) was built: 4-bit groups of 32 (weights stored in 4-bit
+  formats) and the output head's coarse pass (int8, one scale per row) run in it with int8
+  activations, RMSNorm and SwiGLU fused in, and so do RoPE with the K/V write and decode
+  attention; elsewhere torch's int4 (groups of 32) and int8 (one scale per row) kernels. The
+  head's best candidates are recomputed exactly (see AUTO_INT4_HEAD). Weights in other
+  formats take int8. Each such layer also keeps a bfloat16 copy for long prefill chunks,
+  where a dense GEMM beats the int kernels (from 16 rows for torch's, 48 for the native one:
+  model.py's thresholds). bench/bench_decode.py measures it (against llama.cpp too) and
+  prints auto's top-1 agreement with float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from neuron_trio.engine.gguf import quant
+from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.gguf.llama_config import LlamaConfig
+from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.kv_cache import KVCache
+from neuron_trio.engine.model.linear import (
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    Q4Linear,
+    Q8Linear,
+    RefinedHead,
+)
+from neuron_trio.engine.model.transformer import Block, Transformer, run_to_end
+from neuron_trio.errors import ConfigError, ModelLoadError
+
+ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto" on CPU: the output head's coarse pass is int8 (near-exact against the file's Q8_0
+# head), then each row's HEAD_REFINE best logits are recomputed exactly from the float32
+# table (linear.RefinedHead; +0.24 ms a step at batch 1 on 2 cores, for exact top logits and
+# logprobs instead of bfloat16 ties). An int4 coarse pass decodes ~6% faster on the built-in
+# model (one step 10.9 vs 11.6 ms) with the same top-1 agreement, but its int4 tail triples
+# the KL divergence from float32 (mean 0.0068 vs 0.0025 nats per token; bfloat16: 0.0018),
+# which sampling at temperature 1 would feel: off by default.
+AUTO_INT4_HEAD = False
+HEAD_REFINE = 64  # candidates per row recomputed exactly
+# Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
+# every other format (Q5_x, Q6_K, Q8_0, floats) takes the int8 kernel.
+_FOUR_BIT = frozenset(
+    {
+        quant.QType.Q4_0,
+        quant.QType.Q4_1,
+        quant.QType.Q4_K,
+        quant.QType.IQ4_NL,
+        quant.QType.IQ4_XS,
+        quant.QType.Q3_K,
+        quant.QType.Q2_K,
+    }
+)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """The concrete scheme for `dtype` on `device`: float32 | bfloat16 | float16 | cpu-int."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    if device.type == "cpu" and packing.int4_available():
+        return "cpu-int"
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def _dtypes(scheme: str) -> tuple[torch.dtype, torch.dtype]:
+    """(activation dtype, residual dtype) of a scheme."""
+    if scheme == "cpu-int":
+        return torch.bfloat16, torch.float32
+    dt = _DENSE[scheme]
+    return dt, (torch.float32 if dt == torch.float32 else dt)
+
+
+def load_transformer(
+    source: str | os.PathLike[str] | GGUFFile,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    shard: ShardFn | None = None,
+    tp: int = 1,
+) -> Transformer:
+    """Build the model of a GGUF file on `device` (one TP shard of it when `tp > 1`).
+
+    With `tp > 1` the model has `config.shard(tp)`'s shape and `partial_sums=True`; `shard`
+    must then slice each weight for this rank. Raises ModelLoadError (UnsupportedModelError
+    for an unsupported file) naming the file and the tensor.
+    """
+    if isinstance(source, GGUFFile):
+        return _load(source, dtype, torch.device(device), shard, tp)
+    with GGUFFile(source) as gf:
+        return _load(gf, dtype, torch.device(device), shard, tp)
+
+
+def _load(
+    gf: GGUFFile, dtype: str, device: torch.device, shard: ShardFn | None, tp: int
+) -> Transformer:
+    if tp > 1 and shard is None:
+        raise ModelLoadError(f"tp = {tp} needs a shard function")
+    scheme = resolve_dtype(dtype, device)
+    act, residual = _dtypes(scheme)
+    full = gf.config
+    local = full.shard(tp) if tp > 1 else full
+    model = Transformer(local, partial_sums=tp > 1, act_dtype=act, residual_dtype=residual)
+    model.scheme = scheme
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = gf.weight(name)
+        if shard is not None:
+            w = shard(name, w)
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(
+                f"{gf.path}: tensor {name} has shape {tuple(w.shape)} for this rank, "
+                f"expected {shape}"
+            )
+        return w
+
+    def vector(name: str) -> torch.Tensor:
+        return get(name, (local.dim,)).to(device=device, dtype=residual)
+
+    def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+        w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
+        four_bit = all(gf.tensors[gf.storage_name(n)].qtype in _FOUR_BIT for n in names)
+        return make_linear(w, scheme, device, four_bit=four_bit)
+
+    c, hd = local, local.head_dim
+    qkv_shapes = [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)]
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        layer.attn_norm = vector(p + "attn_norm.weight")
+        layer.ffn_norm = vector(p + "ffn_norm.weight")
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        layer.wqkv = linear(qkv, qkv_shapes)
+        if c.qkv_bias:  # qwen2
+            biases = [
+                get(n.replace(".weight", ".bias"), (s[0],))
+                for n, s in zip(qkv, qkv_shapes, strict=True)
+            ]
+            layer.qkv_bias = torch.cat(biases).to(device=device, dtype=act)
+        if c.qk_norm:  # one weight per head dim, the same for every head: [H + KV, D]
+            q_norm = get(p + "attn_q_norm.weight", (hd,)).expand(c.n_heads, hd)
+            k_norm = get(p + "attn_k_norm.weight", (hd,)).expand(c.n_kv_heads, hd)
+            layer.qk_norm = torch.cat((q_norm, k_norm)).to(device=device, dtype=act)
+        if c.post_norms:  # gemma
+            layer.post_attn_norm = vector(p + "post_attention_norm.weight")
+            layer.post_ffn_norm = vector(p + "post_ffw_norm.weight")
+        layer.wo = linear([p + "attn_output.weight"], [(c.dim, c.n_heads * hd)])
+        layer.w_gate_up = linear(
+            [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
+        )
+        layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+    # the native kernel ("auto" on the CPU): decode attention (see Block), the head's passes
+    kernel = packing.native_kernel() if scheme == "cpu-int" and device.type == "cpu" else None
+    for layer in model.layers:
+        cast(Block, layer).attend_kernel = kernel
+    model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
+    model.norm = vector("output_norm.weight")
+    embed = get("token_embd.weight", (c.vocab_size, c.dim))
+    # The embedding table keeps float32 unless the whole model is a dense half type.
+    table_dtype = act if scheme in ("bfloat16", "float16") else torch.float32
+    model.tok_embeddings = embed.to(device=device, dtype=table_dtype)
+    if c.tied_output and scheme != "cpu-int":
+        model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
+    else:
+        head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
+        if scheme == "cpu-int":
+            # a coarse int pass + exact top candidates (tied: from the embedding table itself)
+            table = model.tok_embeddings if c.tied_output else head.to(device)
+            int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+            coarse: torch.nn.Module
+            if AUTO_INT4_HEAD and int4_ok:
+                packed, scales_zeros = packing.pack_int4(head)
+                coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)
+            elif kernel is not None and c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 8 == 0:
+                coarse = Q8Linear(kernel, *packing.pack_q8(head))
+            else:
+                coarse = Int8Linear(*packing.pack_int8(head))
+            model.output = RefinedHead(coarse, table, HEAD_REFINE)
+        else:
+            model.output = make_linear(head, scheme, device, four_bit=False)
+    model.init_rope(min(full.context_length, 4096))
+    model.eval()
+    return model
+
+
+def make_linear(
+    weight: torch.Tensor,
+    scheme: str,
+    device: torch.device,
+    *,
+    four_bit: bool,
+) -> torch.nn.Module:
+    """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`).
+
+    Under "cpu-int" the layer also keeps a bfloat16 copy for prefill chunks.
+    """
+    if scheme != "cpu-int":
+        return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
+    dense = weight.to(device=device, dtype=torch.bfloat16)
+    out_f, in_f = weight.shape
+    kernel = packing.native_kernel() if device.type == "cpu" else None
+    fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
+    # (its float16 scales: weights beyond float16's range take torch's kernel)
+    if four_bit and kernel is not None and fits and float(weight.abs().max()) < 6e4:
+        return Q4Linear(kernel, *packing.pack_q4(weight), dense)
+    if four_bit and in_f % packing.INT4_GROUP == 0 and out_f % 16 == 0:
+        packed, scales_zeros = packing.pack_int4(weight)
+        return Int4Linear(packed, scales_zeros, out_f, in_f, packing.INT4_GROUP, dense)
+    q, scales = packing.pack_int8(weight)
+    return Int8Linear(q, scales, dense)
+
+
+class SingleRunner:
+    """The `Runner` of one unsharded model: owns its KV pool, runs each forward to the end.
+
+    `blocks` is the pool's size in blocks, the reserved null and probe blocks included
+    (`KVCache.blocks_for_budget`); `context` the positions RoPE is precomputed for.
+    `kv_dtype` defaults to the model's activation dtype.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        blocks: int,
+        context: int,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.config: LlamaConfig = model.config
+        self.blocks = blocks
+        self.context = context
+        self.device = model.device
+        self.kv = KVCache.allocate(model.config, blocks, kv_dtype or model.act_dtype, self.device)
+        model.init_rope(context)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        tables: torch.Tensor,
+        *,
+        lengths: torch.Tensor | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Write the rows' K/V into their blocks; return float32 logits ([B, V] or [B, T, V])."""
+        with torch.inference_mode():
+            steps = self.model.forward_steps(
+                input_ids, start_pos, tables, self.kv, lengths=lengths, all_logits=all_logits
+            )
+            return run_to_end(steps)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        with torch.inference_mode():
+            self.kv.copy_blocks(src, dst)
+
+
+def kv_dtype_for(dtype: str, device: torch.device | str) -> torch.dtype:
+    """The dtype a runner keeps K/V in for the weights' `dtype` on `device` (its activations')."""
+    act, _ = _dtypes(resolve_dtype(dtype, torch.device(device)))
+    return act
+
+
+def kv_pool_blocks(
+    config: LlamaConfig,
+    dtype: str,
+    device: torch.device | str,
+    *,
+    kv_cache_mb: int,
+    max_batch: int,
+    context: int,
+) -> int:
+    """Blocks of the KV pool a model's config asks for (reserved ones included): `kv_cache_mb`
+    MiB of K/V in the activation dtype, or with 0, `max_batch` × `context` tokens' worth
+    (`context` capped at the model's own). ConfigError if the budget holds no block."""
+    try:
+        return KVCache.blocks_for_budget(
+            config,
+            kv_dtype_for(dtype, device),
+            budget_mb=kv_cache_mb,
+            max_batch=max_batch,
+            context=min(context, config.context_length),
+        )
+    except ValueError as exc:
+        raise ConfigError(f"kv_cache_mb: {exc}") from None
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    """How big one loaded model's engine is: the one computation every builder shares."""
+
+    context: int  # tokens per sequence: as configured, capped at the model's own
+    kv_blocks: int  # the KV pool (reserved blocks included), the same on every TP rank
+
+
+def engine_sizing(
+    config: LlamaConfig,
+    dtype: str,
+    device: torch.device | str,
+    *,
+    kv_cache_mb: int,
+    max_batch: int,
+    context: int,
+) -> EngineSizing:
+    """The context cap and the KV pool's blocks (`kv_pool_blocks`) of a model's engine.
+
+    The pool follows the whole model's shape: every TP rank holds all its blocks, each for its
+    own KV heads (so each rank holds 1/tp of kv_cache_mb).
+    """
+    capped = min(context, config.context_length)
+    blocks = kv_pool_blocks(
+        config, dtype, device, kv_cache_mb=kv_cache_mb, max_batch=max_batch, context=capped
+    )
+    return EngineSizing(context=capped, kv_blocks=blocks)
+
+
+def estimate_kv_bytes(
+    config: LlamaConfig,
+    dtype: str,
+    device: torch.device | str,
+    *,
+    kv_cache_mb: int,
+    max_batch: int,
+    context: int,
+) -> int:
+    """Bytes of the KV pool (`kv_pool_blocks`), as a runner reserves it."""
+    blocks = kv_pool_blocks(
+        config, dtype, device, kv_cache_mb=kv_cache_mb, max_batch=max_batch, context=context
+    )
+    return KVCache.bytes_needed(config, blocks, kv_dtype_for(dtype, device))
+
+
+def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) -> int:
+    """Bytes the weights of `gf` take on `device` under `dtype`, as `load_transformer` stores
+    them (int copies, dense copies and tables included), for the whole unsharded model."""
+    c = gf.config
+    scheme = resolve_dtype(dtype, torch.device(device))
+    act, _ = _dtypes(scheme)
+    total = 0
+    for name, info in gf.tensors.items():
+        n = info.n_elements
+        if scheme != "cpu-int" or len(info.shape) == 1:
+            size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
+            total += n * size
+        elif name == "output.weight":  # the coarse pass + its float32 table (candidates)
+            total += _coarse_head_bytes(n, c.vocab_size) + 4 * n
+        elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
+            total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
+        elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
+            scales = 4  # float16 scale and minimum (native), or bfloat16 scale and zero (torch)
+            total += n // 2 + n // packing.INT4_GROUP * scales + 2 * n
+        else:  # int8 + bf16 scales + bf16 dense copy
+            total += n + 2 * info.shape[0] + 2 * n
+    return total
+
+
+def _coarse_head_bytes(n: int, vocab: int) -> int:
+    """Bytes of RefinedHead's coarse pass over `n` weights: int4 + scales/zeros, or int8 +
+    scales (+ the native kernel's int32 group sums)."""
+    if AUTO_INT4_HEAD:
+        return n // 2 + n // packing.INT4_GROUP * 4
+    return n + 2 * vocab + n // packing.INT4_GROUP * 4

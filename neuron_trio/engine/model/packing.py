@@ -1,0 +1,135 @@
+"""Weight-only int4/int8 packing for `dtype = "auto"`: the operands of the CPU kernels.
+
+Packing (`pack_int4`, `pack_int8`) turns a float32 weight `[out, in]` into the operands of
+torch's CPU weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), which
+take bfloat16 activations. int4 is asymmetric per group of 32 inputs (min/max), which
+reproduces Q4_0/Q4_1 blocks up to rounding of their scales; int8 is symmetric per output row.
+`pack_q4`/`tile_q4` and `pack_q8`/`tile_q8` lay weights out for the native kernel
+(`_cpu_kernel.c`), which `native_kernel()` finds.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+# ---- weight-only packing for torch's CPU kernels ----------------------------------------
+
+INT4_GROUP = 32
+
+
+def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (packed weight, scales_and_zeros `[in/group, out, 2]` bfloat16).
+
+    Asymmetric per group: w ≈ (q - 8) · scale + zero with q in 0..15, the layout of
+    `torch.ops.aten._weight_int4pack_mm_for_cpu`. `in` must be a multiple of `group`.
+    """
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    lo = w.amin(dim=-1, keepdim=True)
+    hi = w.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)  # [out, groups, 1]
+    q = torch.round((w - lo) / scale).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    zero = lo + 8.0 * scale
+    scales_zeros = torch.stack((scale.squeeze(-1), zero.squeeze(-1)), dim=-1)  # [out, groups, 2]
+    scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed, scales_zeros
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (int8 `[out, in]`, bfloat16 scales `[out]`), symmetric per row."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16)
+
+
+def pack_q4(
+    weight: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (nibbles uint8 `[out, in/2]`, scale, minimum float16
+    `[out, in/group]`) for the native kernel (`_cpu_kernel.c`): w ≈ scale · q + minimum, q in
+    0..15 (min/max per group, rounded to float16 as Q4_1 stores them, so Q4_1 blocks come
+    back exactly). In each group's 16 bytes, the low nibbles hold elements 0..15 and the high
+    nibbles 16..31 (ggml's order).
+    """
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    lo = w.amin(dim=-1, keepdim=True).half().float()
+    hi = w.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round((w - lo) * inv).clamp(0, 15).to(torch.uint8)  # [out, groups, group]
+    half = group // 2
+    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2)
+    scale16, lo16 = scale.reshape(out_f, -1).half(), lo.reshape(out_f, -1).half()
+    return nibbles.contiguous(), scale16, lo16
+
+
+Q4_TILE = 8  # output rows the native kernel computes together
+
+
+def tile_q4(
+    nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_q4`'s output → the native kernel's layout, tiles of Q4_TILE rows (`out` must be a
+    multiple): per tile and group, 4 steps x 8 rows x 4 bytes of nibbles (step k's weights in
+    the low nibbles, step k + 4's in the high ones), then 8 scales and 8 minimums."""
+    out_f, groups = scale.shape
+    tiles, rows = out_f // Q4_TILE, Q4_TILE
+    tiled = nibbles.reshape(tiles, rows, groups, 4, 4).permute(0, 2, 3, 1, 4)
+
+    def per_group(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(tiles, rows, groups).transpose(1, 2).contiguous()
+
+    return tiled.contiguous(), per_group(scale), per_group(minimum)
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (int8 `[out, in]`, float32 scales `[out]`), symmetric per row
+    (pack_int8's grid, with its scales kept in float32) for the native kernel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def tile_q8(weight: torch.Tensor) -> torch.Tensor:
+    """pack_q8's int8 `[out, in]` → the native kernel's tiles: per tile of Q4_TILE rows and
+    group of 32, 8 steps x 8 rows x 4 bytes."""
+    out_f, in_f = weight.shape
+    tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
+    tiled = weight.reshape(tiles, Q4_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    return tiled.contiguous()
+
+
+def q8_group_sums(weight: torch.Tensor) -> torch.Tensor:
+    """pack_q8's int8 `[out, in]` → 128 x each row's sum over each group of 32, int32 in the
+    tiles' layout `[tiles, groups, Q4_TILE]`: the AVX-512 kernel feeds it x + 128 (an unsigned
+    operand) and takes this back out."""
+    out_f, in_f = weight.shape
+    sums = weight.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP).sum(-1, dtype=torch.int32) * 128
+    return sums.reshape(out_f // Q4_TILE, Q4_TILE, -1).transpose(1, 2).contiguous()
+
+
+def native_kernel() -> ModuleType | None:
+    """The native 4-bit kernel (`_cpu_kernel.c`, built at install), or None where it was not
+    built or this CPU has neither AVX2 nor AVX-512 VNNI; then "auto" uses torch's int4 kernel.
+    `NEURON_NATIVE_KERNEL=0` turns it off (to compare, or to rule it out).
+    """
+    if os.environ.get("NEURON_NATIVE_KERNEL", "1") == "0":
+        return None
+    try:
+        from neuron_trio.engine.model import _cpu_kernel  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _cpu_kernel if _cpu_kernel.isa() else None
+
+
+def int4_available() -> bool:
+    """Whether this torch build has the CPU int4 weight-only kernels."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )

@@ -1,0 +1,462 @@
+"""The tokenizer stored in a GGUF file, rebuilt as a Hugging Face `tokenizers.Tokenizer`.
+
+A GGUF file has no `tokenizer.json`: it holds llama.cpp's description of the tokenizer
+(`tokenizer.ggml.*`): the vocabulary, the merges, each token's type, the special token ids and
+the name of the pre-tokenizer (`tokenizer.ggml.pre`), which llama.cpp maps to a chain of split
+regexes. `Tokenizer.from_metadata` turns that into a fast BPE tokenizer:
+
+- `tokenizer.ggml.model = "gpt2"`: byte-level BPE with the merges from the file, and the split
+  regexes of `tokenizer.ggml.pre` (`_PRE_SPLITS`, the same chains as llama.cpp's
+  `llama_vocab::impl::load`), then the GPT-2 byte alphabet.
+- `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE with byte fallback, merges derived
+  from the token scores (llama.cpp's SPM tokenizer), "▁" for spaces.
+
+Control tokens (token type 3, e.g. `<|im_start|>`) and user-defined tokens (type 4) are added
+tokens: they are matched whole in any text, never cut into pieces.
+
+Decoding does not go through the backend: every token id has its exact bytes (`token_bytes`),
+so `decode` and `IncrementalDetokenizer` join bytes and decode UTF-8, which is what the
+byte-level decoder does, and lets the incremental decoder hold back half a character.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from neuron_trio.errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from neuron_trio.engine.gguf.file import GGUFFile
+
+# llama.cpp's token types (llama_token_type / gguf.TokenType).
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+# The split regexes behind llama.cpp's pre-tokenizer names. llama.cpp applies them in order,
+# each one splitting the pieces the previous one left (matches and the text between them both
+# become pieces): a `Split(..., "isolated")` per regex does the same.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT (also what a file without `pre` gets)
+    "default": _DEFAULT,
+    # LLAMA_VOCAB_PRE_TYPE_GPT2 and the names llama.cpp gives the same regex
+    "gpt2": (_GPT2,),
+    "mpt": (_GPT2,),
+    "olmo": (_GPT2,),
+    "jais": (_GPT2,),
+    "trillion": (_GPT2,),
+    # LLAMA_VOCAB_PRE_TYPE_LLAMA3
+    "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "llama-bpe": (_LLAMA3,),
+    "falcon3": (_LLAMA3,),
+    "pixtral": (_LLAMA3,),
+    "dbrx": (_LLAMA3,),
+    "smaug-bpe": (_LLAMA3,),
+    # "smollm" is split as transformers' GGUF loader splits it (plain GPT-2), because token
+    # counts must equal transformers' for the same file: a router's accounting and the
+    # parity references use it. llama.cpp's recipe (digits alone first) is "smollm-digits".
+    "smollm": (_GPT2,),
+    # LLAMA_VOCAB_PRE_TYPE_STARCODER and friends: every digit alone, then the GPT-2 regex
+    "smollm-digits": (r"\p{N}", _GPT2),
+    "starcoder": (r"\p{N}", _GPT2),
+    "refact": (r"\p{N}", _GPT2),
+    "command-r": (r"\p{N}", _GPT2),
+    "codeshell": (r"\p{N}", _GPT2),
+    "exaone": (r"\p{N}", _GPT2),
+    "minerva-7b": (r"\p{N}", _GPT2),
+    # LLAMA_VOCAB_PRE_TYPE_QWEN2
+    "qwen2": (_QWEN2,),
+    "deepseek-r1-qwen": (_QWEN2,),
+}
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's map from each byte to the printable character that spells it in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_TO_CHAR = _byte_alphabet()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+class Tokenizer:
+    """Text to token ids and back, for one model. Build it with `from_gguf` or `from_metadata`.
+
+    Thread-safe for concurrent `encode`/`decode` (the backend is immutable once built).
+    """
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        tokens: Sequence[str],
+        token_bytes: Sequence[bytes],
+        special_ids: Iterable[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+        strip_leading_space: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.tokens = list(tokens)
+        self.token_bytes = list(token_bytes)
+        self.special_ids = frozenset(special_ids)
+        self._bos_id = bos_id
+        self._eos_id = eos_id
+        self.pad_id = pad_id
+        self._add_bos = add_bos
+        self.add_eos = add_eos
+        self._chat_template = chat_template
+        # sentencepiece: the space added in front of the text is dropped again when decoding
+        self.strip_leading_space = strip_leading_space
+        self._ids_by_text = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, *, pre: str | None = None) -> Tokenizer:
+        """The tokenizer of a GGUF file already parsed (its metadata is not read again);
+        ModelLoadError naming the file if it has none we support.
+
+        `pre` overrides the file's pre-tokenizer name (`tokenizer.ggml.pre`), e.g. "gpt2" to
+        split as transformers' GGUF loader does for names it does not know (see from_metadata).
+        """
+        metadata = dict(gguf.metadata)
+        if pre is not None:
+            metadata["tokenizer.ggml.pre"] = pre
+        try:
+            return cls.from_metadata(metadata)
+        except ModelLoadError as e:
+            raise type(e)(f"{gguf.path}: {e}") from None
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata as plain values (keys as in the file: `tokenizer.ggml.tokens`...).
+
+        The pre-tokenizer follows llama.cpp's meaning of `tokenizer.ggml.pre`, except "smollm",
+        which is split as transformers' GGUF loader splits it (plain GPT-2) so that token counts
+        equal transformers' for the same file; llama.cpp's digits-first recipe for it (also the
+        model's original `tokenizer.json`) is pre="smollm-digits". The two differ only around
+        digits: "a  12" is ["a", "Ġ", "Ġ", "1", "2"] by default, ["a", "ĠĠ", "1", "2"] with
+        smollm-digits (on 1000 random texts: 923 identical, every difference at a digit).
+        """
+        model = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise UnsupportedModelError("the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+        types = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise UnsupportedModelError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+            )
+        if model == "gpt2":
+            backend, token_bytes, strip = _build_byte_level(metadata, tokens, types)
+            add_bos_default = False
+        elif model == "llama":
+            backend, token_bytes, strip = _build_sentencepiece(metadata, tokens, types)
+            add_bos_default = True
+        else:
+            raise UnsupportedModelError(
+                f"unsupported tokenizer model tokenizer.ggml.model={model!r}; "
+                f"supported: {', '.join(SUPPORTED_MODELS)}"
+            )
+
+        special: list[int] = []
+        added: list[AddedToken] = []
+        for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+            if kind == TOKEN_CONTROL:
+                special.append(i)
+                added.append(AddedToken(text, special=True, normalized=False))
+            elif kind == TOKEN_USER_DEFINED:
+                added.append(AddedToken(text, special=False, normalized=False))
+        if added:
+            backend.add_special_tokens([t for t in added if t.special])
+            backend.add_tokens([t for t in added if not t.special])
+        # Fewer entries is fine (a token spelled twice: encoding uses its first id). More would
+        # mean an added token got an id past the model's vocabulary.
+        if backend.get_vocab_size(with_added_tokens=True) > len(tokens):
+            raise UnsupportedModelError(
+                f"tokenizer vocabulary of {len(tokens)} tokens rebuilt with "
+                f"{backend.get_vocab_size(with_added_tokens=True)} entries"
+            )
+
+        def opt_id(key: str) -> int | None:
+            value = metadata.get(key)
+            if value is None:
+                return None
+            value = int(value)
+            return value if 0 <= value < len(tokens) else None
+
+        return cls(
+            backend,
+            tokens=tokens,
+            token_bytes=token_bytes,
+            special_ids=special,
+            bos_id=opt_id("tokenizer.ggml.bos_token_id"),
+            eos_id=opt_id("tokenizer.ggml.eos_token_id"),
+            pad_id=opt_id("tokenizer.ggml.padding_token_id"),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+            strip_leading_space=strip,
+        )
+
+    # ---- properties ---------------------------------------------------------------------
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether `encode(..., add_special_tokens=True)` puts BOS in front (the file says)."""
+        return self._add_bos and self._bos_id is not None
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` in the vocabulary (e.g. "<|im_end|>"), or None."""
+        return self._ids_by_text.get(text)
+
+    # ---- encode / decode ------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) are
+        recognised as such; `add_special_tokens` adds BOS (and EOS) where the file asks for it."""
+        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos:
+                assert self._bos_id is not None
+                ids = [self._bos_id, *ids]
+            if self.add_eos and self._eos_id is not None:
+                ids.append(self._eos_id)
+        return ids
+
+    def ids_to_bytes(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> bytes:
+        special = self.special_ids if skip_special_tokens else frozenset()
+        tb = self.token_bytes
+        n = len(tb)
+        return b"".join(tb[i] for i in ids if i not in special and 0 <= i < n)
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
+        text = self.ids_to_bytes(ids, skip_special_tokens=skip_special_tokens).decode(
+            "utf-8", errors="replace"
+        )
+        if self.strip_leading_space and text.startswith(" "):
+            text = text[1:]
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs; a token that is not valid UTF-8 on its own is shown as
+        OpenAI does, e.g. "bytes:\\xe2\\x80"."""
+        if not 0 <= token_id < len(self.token_bytes):
+            return ""  # a padded row of the model's output, past the vocabulary
+        raw = self.token_bytes[token_id]
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def __repr__(self) -> str:
+        return f"<Tokenizer vocab={self.vocab_size} bos={self._bos_id} eos={self._eos_id}>"
+
+
+def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    name = pre if pre is not None else "default"
+    splits = _PRE_SPLITS.get(name)
+    if splits is None:
+        raise UnsupportedModelError(
+            f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+            f"supported: {', '.join(sorted(_PRE_SPLITS))}"
+        )
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits
+    ]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+def _build_byte_level(
+    metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]
+) -> tuple[HFTokenizer, list[bytes], bool]:
+    pre = _pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
+    merges_raw = metadata.get("tokenizer.ggml.merges")
+    if not merges_raw:
+        raise UnsupportedModelError("byte-level BPE tokenizer without tokenizer.ggml.merges")
+    alphabet = set(_CHAR_TO_BYTE)
+    vocab: dict[str, int] = {}
+    token_bytes: list[bytes] = []
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
+            # stored as raw text, matched whole and printed as it is (as llama.cpp does)
+            raw = text.encode("utf-8")
+            key = text
+        elif set(text) <= alphabet:
+            raw = bytes(_CHAR_TO_BYTE[c] for c in text)
+            key = text
+        else:
+            # a normal token stored as raw text: spell it in the byte alphabet like the rest
+            raw = text.encode("utf-8")
+            key = "".join(_BYTE_TO_CHAR[b] for b in raw)
+        vocab.setdefault(key, i)
+        token_bytes.append(raw)
+    merges: list[tuple[str, str]] = []
+    for m in merges_raw:
+        left, sep, right = m.partition(" ")
+        if not sep:
+            raise UnsupportedModelError(f"malformed merge {m!r} in tokenizer.ggml.merges")
+        merges.append((left, right))
+    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=False)
+    backend = HFTokenizer(model)
+    backend.pre_tokenizer = pre  # type: ignore[assignment]
+    backend.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    return backend, token_bytes, False
+
+
+def _build_sentencepiece(
+    metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]
+) -> tuple[HFTokenizer, list[bytes], bool]:
+    """llama.cpp's SPM vocabulary: BPE over "▁"-spelled text with byte fallback (<0xXX>)."""
+    scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab: dict[str, int] = {}
+    token_bytes: list[bytes] = []
+    unk_token: str | None = None
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        vocab.setdefault(text, i)
+        if kind == TOKEN_BYTE and len(text) == 6 and text.startswith("<0x"):
+            token_bytes.append(bytes([int(text[3:5], 16)]))
+        elif kind == TOKEN_UNKNOWN:
+            unk_token = unk_token or text
+            token_bytes.append("\N{REPLACEMENT CHARACTER}".encode())
+        elif kind == TOKEN_CONTROL:
+            token_bytes.append(text.encode("utf-8"))
+        else:
+            token_bytes.append(text.replace("\u2581", " ").encode("utf-8"))
+    merges_raw = metadata.get("tokenizer.ggml.merges")
+    if merges_raw:
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    else:
+        merges = _merges_from_scores(tokens, types, scores, vocab)
+    model = models.BPE(
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]
+        unk_token=unk_token,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = HFTokenizer(model)
+    add_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    if add_space and metadata.get("general.architecture") != "phi3":
+        # As transformers' GGUF loader builds Llama 2 / Mistral vocabularies (Metaspace, so
+        # that token counts equal its own): "▁" in front of the text's first piece unless it
+        # already starts with a space ("  hi" is ▁▁hi; llama.cpp and phi3 say ▁▁▁hi).
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(  # type: ignore[assignment]
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
+        return backend, token_bytes, add_space
+    norm: list[normalizers.Normalizer] = []
+    if add_space:
+        norm.append(normalizers.Prepend("\u2581"))
+    norm.append(normalizers.Replace(" ", "\u2581"))
+    backend.normalizer = normalizers.Sequence(norm)  # type: ignore[assignment]
+    return backend, token_bytes, add_space
+
+
+def _merges_from_scores(
+    tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], vocab: Mapping[str, int]
+) -> list[tuple[str, str]]:
+    """Every way to split a normal token into two tokens, best merged score first (llama.cpp
+    merges the pair whose joined token scores highest)."""
+    found: list[tuple[float, int, str, str]] = []
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind != TOKEN_NORMAL or len(text) < 2:
+            continue
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in vocab and right in vocab:
+                found.append((-float(scores[i]), i, left, right))
+    found.sort()
+    return [(left, right) for _, _, left, right in found]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text, a piece at a time.
+
+    `push` returns only new, complete text: a UTF-8 character split over several byte-level or
+    byte-fallback tokens comes out whole, with the token that completes it. Special tokens
+    (EOS, `<|im_end|>`...) produce no text unless `skip_special_tokens=False`. `flush` returns
+    what is left at the end (an incomplete character becomes U+FFFD).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
+        # sentencepiece drops the space it put in front of the text, only at its very start
+        self._strip_pending = tokenizer.strip_leading_space and not prompt_ids
+
+    def push(self, token_id: int) -> str:
+        token_bytes = self._tokenizer.token_bytes
+        if token_id in self._skip or not 0 <= token_id < len(token_bytes):
+            return ""
+        out = self._decoder.decode(token_bytes[token_id])
+        return self._emit(out)
+
+    def flush(self) -> str:
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    def _emit(self, out: str) -> str:
+        if self._strip_pending and out:
+            self._strip_pending = False
+            if out.startswith(" "):
+                out = out[1:]
+        return out

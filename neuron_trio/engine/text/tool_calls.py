@@ -1,0 +1,187 @@
+"""Tool calls: offering tools to a model whose template cannot, and reading calls back out.
+
+Rendering: a template that knows tools (its source mentions `tools`) gets them as
+transformers passes them (`tools=[{"type": "function", "function": {...}}]`, assistant
+`tool_calls` with arguments as objects, `tool` messages). For a template that does not (the
+built-in SmolLM2's ChatML), neuron renders them itself, Hermes-style as Qwen 2.5's template
+does: a system message listing the functions in `<tools></tools>` and asking for
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>`; earlier calls become that text in
+the assistant's turn, and tool results become `<tool_response>` user turns.
+
+Parsing (`ToolCallParser`): Hermes-style `<tool_call>` blocks anywhere in the output (the text
+around them stays content), or Llama 3.x's format, an answer that is one JSON object with
+"name" and "parameters" (or "arguments"), possibly after `<|python_tag|>`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from neuron_trio.engine.text.grammar import ToolCallFormat
+from neuron_trio.engine.types import ToolCall, ToolFunction
+
+__all__ = ["ToolCallParser", "render_tools_as_text", "template_tools"]
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+HERMES_SYSTEM = (
+    "You are a function calling AI model. You may call one or more functions to assist with "
+    "the user query. Here are the available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call, return a JSON object with the function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def template_tools(tools: Sequence[ToolFunction]) -> list[dict[str, Any]]:
+    """`tools` as transformers passes them to a chat template."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": json.loads(t.parameters),
+            },
+        }
+        for t in tools
+    ]
+
+
+def render_tools_as_text(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolFunction]
+) -> list[dict[str, Any]]:
+    """Plain-text messages (roles system/user/assistant, string content) that carry `tools`
+    and any tool calls and results of the history, for a template that knows no tools."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [
+                OPEN
+                + "\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                )
+                + "\n"
+                + CLOSE
+                for c in m["tool_calls"]
+            ]
+            out.append({"role": "assistant", "content": "\n".join([content, *calls]).strip()})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        listing = "\n".join(json.dumps(t) for t in template_tools(tools))
+        system = HERMES_SYSTEM.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ToolCallParser:
+    """Separates one sequence's output into content text and tool calls, as it streams.
+
+    `push(text)` returns the content that is safe to show and the calls completed so far; text
+    that may be the start of a call is held back until it is known.
+    """
+
+    def __init__(
+        self, fmt: ToolCallFormat, tools: Sequence[ToolFunction], *, parallel: bool = True
+    ) -> None:
+        self.format = fmt
+        self.names = {t.name for t in tools}
+        self.parallel = parallel  # False: a call after the first is left as text
+        self.calls: list[ToolCall] = []
+        self._pending = ""  # held back: maybe (part of) a call
+        self._started = False  # llama3: content seen (a call must come first)
+
+    def push(self, text: str, *, final: bool) -> tuple[str, list[ToolCall]]:
+        self._pending += text
+        if self.format.style == "llama3":
+            return self._push_llama3(final)
+        return self._push_hermes(final)
+
+    def _push_hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        new: list[ToolCall] = []
+        while True:
+            start = self._pending.find(OPEN)
+            if start < 0:
+                break
+            end = self._pending.find(CLOSE, start)
+            if end < 0:
+                break
+            content.append(self._pending[:start])
+            body = self._pending[start + len(OPEN) : end]
+            call = self._call(body, "arguments")
+            if call is not None and not self.parallel and (self.calls or new):
+                call = None
+            if call is None:
+                content.append(self._pending[start : end + len(CLOSE)])  # not a call after all
+            else:
+                new.append(call)
+            self._pending = self._pending[end + len(CLOSE) :]
+        if final:
+            content.append(self._pending)
+            self._pending = ""
+        else:
+            start = self._pending.find(OPEN)
+            keep = start if start >= 0 else _partial_suffix(self._pending, OPEN)
+            content.append(self._pending[:keep])
+            self._pending = self._pending[keep:]
+        self.calls.extend(new)
+        return "".join(content), new
+
+    def _push_llama3(self, final: bool) -> tuple[str, list[ToolCall]]:
+        if not self._started:
+            stripped = self._pending.lstrip().removeprefix("<|python_tag|>").lstrip()
+            if stripped and not stripped.startswith("{"):
+                self._started = True  # plain content: stream it
+            elif not final:
+                return "", []
+            else:
+                call = self._call(stripped, "parameters") if stripped else None
+                if call is not None:
+                    self._pending = ""
+                    self.calls.append(call)
+                    return "", [call]
+                self._started = True
+        text, self._pending = self._pending, ""
+        return text, []
+
+    def _call(self, body: str, arguments_key: str) -> ToolCall | None:
+        """A call from its JSON text, or None if it is not one (or names no known tool)."""
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self.names:
+            return None
+        args = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(_new_id(), value["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Where a suffix of `text` that is a proper prefix of `marker` begins (len(text) if none)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return len(text)

@@ -1,0 +1,294 @@
+"""`Executor`: one loaded model: its engine, rank models, devices and communicator.
+
+Everything here is synchronous and may block; the service layer calls it from worker threads
+(`trio.to_thread.run_sync`) with its own deadlines and limiters:
+
+- `step()` / `probe()`: one engine step / one tiny forward; block their thread for a step
+  (for ever if a collective wedges, until `abort_comm()` unblocks them).
+- `abort_comm()`: `ncclCommAbort` on every rank; may block for ever itself, so it runs on a
+  thread of its own under the abort deadline.
+- `recreate_comm()`, `close()`: NCCL init and destroy; may block too.
+
+None of these may run on an event loop thread: a blocked NCCL call would take the loop with
+it. With `tp = 1` there is no communicator: `abort_comm()` and `recreate_comm()` do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from neuron_trio import failpoints as fp
+from neuron_trio.config import ModelConfig
+from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
+from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.gguf.llama_config import LlamaConfig
+from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
+from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.model.transformer import Transformer
+from neuron_trio.engine.text.tokenizer import Tokenizer
+from neuron_trio.engine.types import SequenceEvent
+from neuron_trio.engine.warm_up import WarmUpReport, warm_up
+from neuron_trio.errors import CommError, ConfigError
+from neuron_trio.executor.api import ModelExecutor, RankInfo
+from neuron_trio.executor.comm import Communicator
+from neuron_trio.executor.tp.runner import TPRunner
+from neuron_trio.executor.tp.sharding import check_tp, rank_shapes, shard_fn
+
+log = logging.getLogger(__name__)
+
+CommFactory = Callable[[], Communicator]
+
+
+class Executor:
+    """Owns the engine and what it runs on; its methods are meant for worker threads."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        models: list[Transformer],
+        devices: list[torch.device],
+        comm: Communicator | None,
+        comm_factory: CommFactory | None,
+        dtype: str,
+        ranks: list[RankInfo],
+        failpoints: fp.Failpoints | None = None,
+    ) -> None:
+        self.engine = engine
+        self.models = models
+        self.devices = devices
+        self.comm = comm
+        self._comm_factory = comm_factory
+        self.dtype = dtype
+        self.ranks = ranks
+        self.tp = len(models)
+        self._failpoints = fp.REGISTRY if failpoints is None else failpoints
+        self._lock = threading.Lock()  # recreate/close against each other
+        self.closed = False
+
+    @property
+    def runner(self) -> Runner:
+        return self.engine.runner
+
+    def step(self) -> list[SequenceEvent]:
+        """The `engine.step` failpoint (hang: for ever), then one engine step."""
+        self._failpoints.reach("engine.step")
+        return list(self.engine.step())
+
+    def probe(self) -> None:
+        """One tiny forward on the scratch KV row; touches no sequence."""
+        self.engine.probe()
+
+    def warm_up(self) -> WarmUpReport:
+        """A few tiny requests through the engine (`engine.warm_up`), before serving, so that
+        the first request pays no one-time cost. Blocks like a few steps."""
+        return warm_up(self.engine)
+
+    def abort_comm(self) -> None:
+        """Abort the communicator (unblocks a wedged step with CommAbortedError).
+
+        May block for ever (NCCL's abort can hang): call it on a thread of its own. With
+        `tp = 1`, nothing to abort: returns at once.
+        """
+        comm = self.comm
+        if comm is not None:
+            comm.abort()
+
+    def recreate_comm(self) -> None:
+        """Destroy (or, if that fails, drop) the old communicator; init a new one; rebind.
+
+        Blocks (NCCL init and destroy); raises CommError if the new one cannot be made.
+        """
+        with self._lock:
+            if self.comm is None or self._comm_factory is None:
+                return
+            old, self.comm = self.comm, None
+            try:
+                old.destroy()  # a no-op after a real abort (the handles are already freed)
+            except Exception as exc:
+                log.warning("dropping the old communicator: destroy failed: %s", exc)
+            try:
+                new = self._comm_factory()
+            except BaseException:
+                self.comm = old  # aborting it again is harmless; a step must not see None
+                raise
+            runner = self.runner
+            assert isinstance(runner, TPRunner)  # a communicator exists only with tp > 1
+            runner.rebind(new)
+            self.comm = new
+
+    def close(self) -> None:
+        """Cancel every sequence, destroy the communicator, free the models. May block."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.engine.cancel_all()
+            except Exception as exc:
+                log.warning("cancel_all on close failed: %s", exc)
+            comm, self.comm = self.comm, None
+            if comm is not None:
+                try:
+                    comm.destroy()
+                except Exception as exc:
+                    log.warning("destroying the communicator on close failed: %s", exc)
+            self.models = []
+            if any(d.type == "cuda" for d in self.devices) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def _rank_devices(devices: list[torch.device], tp: int) -> list[torch.device]:
+    if len(devices) == tp:
+        return list(devices)
+    if len(devices) == 1:
+        # CPU ranks; or several ranks on one GPU (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1).
+        return list(devices) * tp
+    raise ConfigError(f"tp = {tp} needs {tp} devices (or one), got {len(devices)}")
+
+
+def make_comm_factory(
+    devices: list[torch.device], failpoints: fp.Failpoints | None = None
+) -> CommFactory:
+    """How to (re-)create the communicator of these rank devices: NCCL or in-process."""
+    if all(d.type == "cuda" for d in devices):
+
+        def nccl() -> Communicator:
+            from neuron_trio.executor.tp.nccl_comm import NcclCommunicator
+
+            return NcclCommunicator.init_all(devices, failpoints=failpoints)
+
+        return nccl
+    if all(d.type == "cpu" for d in devices):
+
+        def in_process() -> Communicator:
+            from neuron_trio.executor.tp.inprocess import InProcessCommunicator
+
+            return InProcessCommunicator(len(devices), devices, failpoints=failpoints)
+
+        return in_process
+    raise ConfigError(f"tensor parallelism over {[str(d) for d in devices]}: mixed device types")
+
+
+def build_executor(
+    spec: ModelConfig,
+    model_path: str | Path,
+    devices: list[torch.device],
+    *,
+    failpoints: fp.Failpoints | None = None,
+) -> Executor:
+    """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
+
+    Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
+    thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
+    ConfigError if `tp` does not split the model, ModelLoadError if it cannot be loaded,
+    CommError (NcclError) if the communicator cannot be made.
+    """
+    failpoints = fp.REGISTRY if failpoints is None else failpoints
+    tp = spec.tp
+    rank_devices = _rank_devices(devices, tp)
+    # One mapping for every rank's load; with tp > 1 each weight is dequantised once and
+    # sliced per rank (dequantising is most of a load's time).
+    with _SharedWeights(model_path) if tp > 1 else GGUFFile(model_path) as gguf:
+        config = gguf.config
+        try:
+            check_tp(config, tp)
+        except ConfigError as exc:
+            raise ConfigError(f"model {spec.name!r}: {exc}") from None
+        sizing = engine_sizing(
+            config,
+            spec.dtype,
+            rank_devices[0],
+            kv_cache_mb=spec.kv_cache_mb,
+            max_batch=spec.max_batch,
+            context=spec.context,
+        )
+        models = [
+            load_transformer(
+                gguf,
+                dtype=spec.dtype,
+                device=rank_devices[rank],
+                shard=shard_fn(config, rank, tp) if tp > 1 else None,
+                tp=tp,
+            )
+            for rank in range(tp)
+        ]
+        tokenizer = Tokenizer.from_gguf(gguf)
+    comm: Communicator | None = None
+    factory: CommFactory | None = None
+    runner: Runner
+    if tp == 1:
+        runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
+    else:
+        factory = make_comm_factory(rank_devices, failpoints)
+        comm = factory()
+        try:
+            runner = TPRunner(
+                models, comm, blocks=sizing.kv_blocks, context=sizing.context, config=config
+            )
+        except BaseException:
+            _destroy_quietly(comm)
+            raise
+    engine = Engine(
+        runner,
+        tokenizer,
+        max_batch=spec.max_batch,
+        context=sizing.context,
+        prefill_chunk=PREFILL_CHUNK,
+        prefix_cache=spec.prefix_cache,
+    )
+    return Executor(
+        engine=engine,
+        models=models,
+        devices=rank_devices,
+        comm=comm,
+        comm_factory=factory,
+        dtype=models[0].scheme,
+        ranks=_ranks(config, rank_devices),
+        failpoints=failpoints,
+    )
+
+
+def _ranks(config: LlamaConfig, rank_devices: list[torch.device]) -> list[RankInfo]:
+    shapes = rank_shapes(config, len(rank_devices))
+    return [RankInfo(device=str(d), **shape) for d, shape in zip(rank_devices, shapes, strict=True)]
+
+
+class _SharedWeights(GGUFFile):
+    """A GGUF file whose weights are dequantised once and reused by every rank's load.
+
+    Holds the whole model in float32 until closed; shards are copies (sharding.shard_fn), and
+    replicated tensors are read-only, so sharing them between ranks is safe.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self._weights: dict[str, torch.Tensor] = {}
+
+    def weight(self, name: str) -> torch.Tensor:
+        w = self._weights.get(name)
+        if w is None:
+            w = self._weights[name] = super().weight(name)
+        return w
+
+    def close(self) -> None:
+        self._weights.clear()
+        super().close()
+
+
+def _destroy_quietly(comm: Communicator) -> None:
+    try:
+        comm.destroy()
+    except CommError as exc:
+        log.warning("destroying a communicator after a failed load: %s", exc)
+
+
+if TYPE_CHECKING:
+    # mypy checks the real class against the one protocol the service layer uses.
+    _: type[ModelExecutor] = Executor

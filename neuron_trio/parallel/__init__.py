@@ -1,1 +1,0 @@
-"""Tensor parallelism: communicators (NCCL through cffi, in-process), sharding, the executor."""

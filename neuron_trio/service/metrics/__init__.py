@@ -1,0 +1,1 @@
+"""Prometheus series of the service layer: per model, per node, and the watchdog's."""

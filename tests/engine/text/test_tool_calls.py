@@ -1,0 +1,91 @@
+"""Tool calls read out of streamed text, and tools rendered for templates that know none."""
+
+from __future__ import annotations
+
+import json
+
+from neuron_trio.engine.text.grammar import ToolCallFormat
+from neuron_trio.engine.text.tool_calls import ToolCallParser, render_tools_as_text
+from neuron_trio.engine.types import ToolFunction
+
+WEATHER = ToolFunction("get_weather", "Weather in a city", '{"type":"object"}')
+TIME = ToolFunction("get_time", "", '{"type":"object"}')
+
+
+def _feed(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[str]]:
+    text, names = "", []
+    for i, piece in enumerate(pieces):
+        shown, calls = parser.push(piece, final=i == len(pieces) - 1)
+        text += shown
+        names += [f"{c.name}{c.arguments}" for c in calls]
+    return text, names
+
+
+def test_hermes_calls_split_across_pieces_are_held_back_then_parsed() -> None:
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME])
+    pieces = ["Let me check.", "<tool", '_call>\n{"name": "get_weather", "argu', 'ments": {"city"']
+    pieces += [': "Paris"}}\n</tool_', "call>\n<tool_call>", '{"name":"get_time","arguments":{}}']
+    pieces += ["</tool_call>", ""]
+    shown = []
+    for i, piece in enumerate(pieces):
+        text, _ = parser.push(piece, final=i == len(pieces) - 1)
+        shown.append(text)
+        assert "<" not in text, shown  # never half a tag
+    assert "".join(shown).strip() == "Let me check."
+    assert [c.name for c in parser.calls] == ["get_weather", "get_time"]
+    assert json.loads(parser.calls[0].arguments) == {"city": "Paris"}
+    assert parser.calls[0].id.startswith("call_") and parser.calls[0].id != parser.calls[1].id
+
+
+def test_hermes_blocks_that_are_not_calls_stay_text() -> None:
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    text, calls = _feed(parser, ['<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', ""])
+    assert calls == [] and "rm_rf" in text
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    text, calls = _feed(parser, ["a < b, and <tool_call>{not json", ""])
+    assert calls == [] and text == "a < b, and <tool_call>{not json"
+
+
+def test_llama3_answer_that_is_one_json_object_is_a_call() -> None:
+    parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])
+    text, calls = _feed(
+        parser, ['<|python_tag|>{"name": "get_weather", ', '"parameters": {"x": 1}}', ""]
+    )
+    assert text == "" and calls == ['get_weather{"x": 1}']
+    parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])
+    text, calls = _feed(parser, ["It is ", "sunny.", ""])
+    assert text == "It is sunny." and calls == []
+
+
+def test_tools_and_tool_history_become_text_for_a_plain_template() -> None:
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "18 C", "tool_call_id": "c1"},
+    ]
+    out = render_tools_as_text(history, [WEATHER])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert "<tools>" in out[0]["content"] and '"get_weather"' in out[0]["content"]
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in out[2]["content"]
+    )
+    assert out[3]["content"] == "<tool_response>\n18 C\n</tool_response>"
+    with_system = render_tools_as_text([{"role": "system", "content": "Be brief."}], [WEATHER])
+    assert len(with_system) == 1 and with_system[0]["content"].startswith("Be brief.")
+
+
+def test_without_parallel_calls_only_the_first_counts() -> None:
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME], parallel=False)
+    one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    text, calls = _feed(parser, [one, "\n" + one, ""])
+    assert calls == ["get_time{}"] and text == "\n" + one

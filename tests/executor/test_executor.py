@@ -1,0 +1,176 @@
+"""The executor on a tiny random GGUF model (6 heads / 3 KV heads): tp = 1 and tp = 3 on CPU,
+a wedged collective aborted and the communicator re-created, the failpoints it honours."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_trio.config import ModelConfig
+from neuron_trio.engine.engine import PREFILL_CHUNK
+from neuron_trio.engine.types import Constraint, SamplingParams
+from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
+from neuron_trio.executor.api import RankInfo
+from neuron_trio.executor.executor import Executor, build_executor
+from neuron_trio.executor.tp.inprocess import InProcessCommunicator
+from tests.engine.tiny_gguf import write_tiny_llama
+from tests.executor.tp.test_communicators import TIMEOUT, SignallingFailpoints, Worker
+
+CPU = [torch.device("cpu")]
+PROMPTS = [[5, 70, 80, 90, 100], [7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    return write_tiny_llama(path, n_layers=2, dim=96, n_heads=6, n_kv_heads=3, ffn_dim=192)
+
+
+def _spec(tp: int, dtype: str = "float32") -> ModelConfig:
+    return ModelConfig(name="tiny", source="tiny.gguf", tp=tp, dtype=dtype, max_batch=2, context=64)  # type: ignore[arg-type]
+
+
+def _generate(executor: Executor, prompts: list[list[int]], n: int = 6) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    ids = [executor.engine.add(p, params, chat=False) for p in prompts]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while executor.engine.has_work:
+        for event in executor.step():
+            out[event.seq_id].extend(event.token_ids)
+    return [out[i] for i in ids]
+
+
+def _build(tiny: Path, tp: int, spec: str = "") -> tuple[Executor, SignallingFailpoints]:
+    failpoints = SignallingFailpoints(spec)
+    failpoints.configure(failpoints.configured)  # disarmed while loading, as in the daemon
+    executor = build_executor(_spec(tp), tiny, CPU, failpoints=failpoints)
+    failpoints.arm()
+    return executor, failpoints
+
+
+def test_tp1(tiny: Path) -> None:
+    executor, _ = _build(tiny, 1)
+    assert executor.tp == 1 and executor.comm is None
+    assert executor.ranks == [RankInfo(device="cpu", heads=6, kv_heads=3)]
+    assert executor.dtype == "float32"
+    executor.abort_comm()  # nothing to abort
+    executor.recreate_comm()
+    assert all(len(t) == 6 for t in _generate(executor, PROMPTS))
+    executor.probe()
+    executor.close()
+    executor.close()
+
+
+def test_tp3_matches_tp1_and_reports_its_ranks(tiny: Path) -> None:
+    one, _ = _build(tiny, 1)
+    three, _ = _build(tiny, 3)
+    assert three.tp == 3
+    assert isinstance(three.comm, InProcessCommunicator)
+    assert three.ranks == [RankInfo(device="cpu", heads=2, kv_heads=1)] * 3
+    assert three.comm.describe()["kind"] == "in-process"
+    assert _generate(three, PROMPTS) == _generate(one, PROMPTS)
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_config_error(tiny: Path) -> None:
+    with pytest.raises(ConfigError, match="tp = 2 does not divide 6 attention heads / 3 KV heads"):
+        build_executor(_spec(2), tiny, CPU)
+
+
+def test_wedged_collective_abort_recreate_probe_serve(tiny: Path) -> None:
+    executor, failpoints = _build(tiny, 3, "tp.allreduce=hang")
+    expected = _generate(_build(tiny, 3)[0], PROMPTS[:1])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    executor.engine.add(PROMPTS[0], params, chat=False)
+    step = Worker(executor.step, "step")
+    assert failpoints.reached["tp.allreduce"].wait(TIMEOUT)
+    assert not step.done.wait(0.05)
+    abort = Worker(executor.abort_comm, "nccl-abort")
+    abort.join()
+    step.join()
+    assert abort.error is None
+    assert isinstance(step.error, CommAbortedError)
+    executor.engine.cancel_all()
+    old = executor.comm
+    executor.recreate_comm()
+    assert executor.comm is not old
+    assert executor.runner.comm is executor.comm
+    executor.probe()
+    assert _generate(executor, PROMPTS[:1]) == expected  # serves again, same tokens
+
+
+def test_abort_error_comes_back_and_the_communicator_is_recreated(tiny: Path) -> None:
+    executor, failpoints = _build(tiny, 3, "tp.allreduce=hang;tp.abort=error")
+    executor.engine.add(PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0), chat=False)
+    step = Worker(executor.step, "step")
+    assert failpoints.reached["tp.allreduce"].wait(TIMEOUT)
+    with pytest.raises(FailpointError):
+        executor.abort_comm()
+    step.join()
+    assert isinstance(step.error, CommAbortedError)
+    executor.engine.cancel_all()
+    executor.recreate_comm()
+    executor.probe()
+
+
+def test_engine_step_hang_blocks_the_step_for_ever_with_tp1(tiny: Path) -> None:
+    executor, failpoints = _build(tiny, 1, "engine.step=hang")
+    step = Worker(executor.step, "step")  # a daemon thread, left blocked
+    assert failpoints.reached["engine.step"].wait(TIMEOUT)
+    executor.abort_comm()  # returns at once: nothing to abort
+    assert not step.done.wait(0.1)
+
+
+def test_engine_step_error(tiny: Path) -> None:
+    executor, _ = _build(tiny, 1, "engine.step=error")
+    with pytest.raises(FailpointError):
+        executor.step()
+    assert executor.step() == []  # fired once; nothing to do
+
+
+def test_rank_devices_and_communicator_kinds() -> None:
+    from neuron_trio.executor.executor import _rank_devices, make_comm_factory
+
+    assert _rank_devices(CPU, 3) == CPU * 3
+    with pytest.raises(ConfigError):
+        _rank_devices(CPU * 2, 3)
+    assert isinstance(make_comm_factory(CPU * 3)(), InProcessCommunicator)
+    with pytest.raises(ConfigError, match="mixed"):
+        make_comm_factory([torch.device("cpu"), torch.device("cuda", 0)])
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_one_builder_sizes_every_tp_the_same(tiny: Path, tp: int) -> None:
+    spec = ModelConfig(
+        name="tiny", source="tiny.gguf", tp=tp, dtype="float32", max_batch=1, context=1000
+    )
+    executor = build_executor(spec, tiny, CPU)
+    assert executor.engine.context == 256  # capped at the tiny file's context_length
+    assert executor.runner.context == 256
+    # the pool: max_batch x 256 tokens in blocks of 16, plus the null and probe blocks
+    assert executor.runner.blocks == 256 // 16 + 2
+    assert executor.engine.prefill_chunk == PREFILL_CHUNK
+
+
+def test_tp3_forks_n_choices_and_masks_the_gathered_logits(tiny: Path) -> None:
+    """n = 2 forks every rank's K/V rows; a grammar masks the logits all ranks computed."""
+    schema = '{"enum":["yes","no"]}'
+    outputs = []
+    for tp in (1, 3):
+        executor, _ = _build(tiny, tp)
+        engine = executor.engine
+        params = SamplingParams(
+            max_tokens=8, temperature=0.0, n=2, constraint=Constraint("json", schema=schema)
+        )
+        seq_id = engine.add(PROMPTS[0], params, chat=False)
+        texts: dict[int, str] = {0: "", 1: ""}
+        while engine.has_work:
+            for event in executor.step():
+                assert event.seq_id == seq_id
+                texts[event.index] += event.text
+        outputs.append(texts)
+        plain = _generate(executor, PROMPTS, n=4)
+        assert plain == _generate(executor, PROMPTS, n=4)  # forked slots left nothing behind
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0] == outputs[0][1] and outputs[0][0] in ('"yes"', '"no"'), outputs
