@@ -56,7 +56,13 @@ from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.textgen import TextPipeline
 from neuron_trio.engine.tokenizer import Tokenizer
-from neuron_trio.engine.tool_calls import ToolCallParser, render_tools_as_text, template_tools
+from neuron_trio.engine.tool_call_start import CallStartWatcher, begin_call_grammar
+from neuron_trio.engine.tool_calls import (
+    ToolCallParser,
+    render_tools_as_text,
+    template_tools,
+    tool_marker_ids,
+)
 from neuron_trio.engine.types import (
     Constraint,
     EngineStatistics,
@@ -277,13 +283,16 @@ class Engine:
     def _new_sequence(self, prompt: list[int], params: SamplingParams, chat: bool) -> Sequence:
         seq = Sequence(next(self._ids), prompt, params, chat=chat)
         seq.sampling = SamplingState(params, prompt)
-        seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt)
+        markers = tool_marker_ids(self.tokenizer) if params.tools else ()
+        seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt, markers)
         if params.constraint is not None:
             seq.sampling.grammar = self.compile_constraint(params.constraint)  # a cache hit
         if params.tools:
             seq.tool_calls = ToolCallParser(
                 self.tool_format, params.tools, parallel=params.parallel_tool_calls
             )
+            if params.constraint is None:  # auto: constrain a call once it begins
+                seq.tool_calls.watcher = CallStartWatcher(self.tool_format, self.tokenizer)
         return seq
 
     def cancel(self, seq_id: int) -> None:
@@ -482,7 +491,13 @@ class Engine:
                 event.finish_reason = "stop" if seq.text.stopped else "length"
         if seq.tool_calls is not None:
             final = event.finish_reason is not None
-            event.text, calls = seq.tool_calls.push(event.text, final=final)
+            watcher = seq.tool_calls.watcher
+            if watcher is not None and not final and (start := watcher.push(token)) is not None:
+                seq.sampling.grammar = begin_call_grammar(
+                    self.grammar, self.tool_format, params.tools, params.parallel_tool_calls, start
+                )
+            cut = event.finish_reason == "length"
+            event.text, calls = seq.tool_calls.push(event.text, final=final, cut=cut)
             event.tool_calls = calls or None
             if event.finish_reason == "stop" and seq.tool_calls.calls:
                 event.finish_reason = "tool_calls"
