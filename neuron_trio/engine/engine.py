@@ -200,10 +200,16 @@ class Engine:
         """Refuse, before any work, a request that cannot run (RequestError, ContextLengthError)."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
-        if params.max_tokens < 1:
+        if params.max_tokens is not None and params.max_tokens < 1:
             raise RequestError(
                 f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
             )
+        for t, _bias in params.logit_bias:
+            if not 0 <= t < self.vocab_size:
+                raise RequestError(
+                    f"logit_bias: token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    param="logit_bias",
+                )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(
@@ -220,11 +226,20 @@ class Engine:
                 f"n must be between 1 and this model's {self.max_batch} slots, got {params.n}",
                 param="n",
             )
-        needed = len(prompt_ids) + params.max_tokens
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # to the end of the context
+            max_tokens = self._room(len(prompt_ids))
+            if max_tokens < 1:
+                raise ContextLengthError(
+                    f"this model's context is {self.context} tokens; the prompt has "
+                    f"{len(prompt_ids)}, which leaves no room for an answer",
+                    param="messages",
+                )
+        needed = len(prompt_ids) + max_tokens
         if needed > self.context:
             raise ContextLengthError(
                 f"this model's context is {self.context} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
+                f"{len(prompt_ids)} and max_tokens is {max_tokens} ({needed} in all)"
             )
         # A sequence must fit in the KV pool alone: then the oldest always progresses
         # (younger ones are preempted for it), and nothing is refused half-way.
@@ -232,8 +247,13 @@ class Engine:
         if blocks_for(needed) > self.pool.total:
             raise ContextLengthError(
                 f"this model's KV cache (kv_cache_mb) holds {capacity} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
+                f"{len(prompt_ids)} and max_tokens is {max_tokens} ({needed} in all)"
             )
+
+    def _room(self, prompt_tokens: int) -> int:
+        """The most tokens an answer to a prompt of `prompt_tokens` may have: to the end of the
+        context, or of the KV pool when it holds less (a sequence must fit it alone)."""
+        return min(self.context, self.pool.total * BLOCK_TOKENS) - prompt_tokens
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -260,6 +280,8 @@ class Engine:
         (queue, retry); `can_admit` says whether to add now.
         """
         self.validate(prompt_ids, params)
+        if params.max_tokens is None:  # to the end of the context
+            params = replace(params, max_tokens=self._room(len(prompt_ids)))
         if self.scheduler.free_slots < params.n:
             raise NoFreeSlotError(f"{params.n} slots needed, {self.scheduler.free_slots} free")
         group: list[Sequence] = []
@@ -485,7 +507,7 @@ class Engine:
                 # the grammar engine gave up (a resource limit): never go on unconstrained
                 event.finish_reason = "error"
                 event.error = f"structured output: {seq.sampling.grammar.error}"
-            elif seq.num_output >= params.max_tokens:
+            elif seq.num_output >= (params.max_tokens or 0):  # resolved by `add`
                 event.text += seq.text.finish()
                 # the held-back tail may still complete a stop string as the text is flushed
                 event.finish_reason = "stop" if seq.text.stopped else "length"

@@ -40,7 +40,7 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.parallel.api import ModelExecutor, RankInfo, ServingEngine
-from neuron_trio.service.api import GenerationJob, template_message
+from neuron_trio.service.api import GenerationJob, template_message, with_default_max_tokens
 from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.watchdog import InflightRequest, Watchdog, WatchdogStatistics
 
@@ -446,7 +446,7 @@ class ModelActor:
                 ids, chat = await trio.to_thread.run_sync(encode, abandon_on_cancel=True)
             else:
                 ids, chat = encode()
-            engine.validate(ids, job.params)
+            engine.validate(ids, with_default_max_tokens(job, len(ids), self.spec).params)
         except RequestError:
             self._count("rejected_invalid")
             raise
@@ -466,6 +466,7 @@ class ModelActor:
         """
         self._refuse_unless_accepting()
         ids, chat = await self._encode(job)
+        job = with_default_max_tokens(job, len(ids), self.spec)
         self._refuse_unless_accepting()  # the state may have changed while encoding
         if len(self._queue) >= self._queue_capacity():
             self._count("rejected_queue_full")
