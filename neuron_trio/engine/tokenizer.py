@@ -443,9 +443,7 @@ class IncrementalDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # `show_special`: specials shown even so (a tool-call marker such as [TOOL_CALLS])
         self._skip = (
-            tokenizer.special_ids - frozenset(show_special)
-            if skip_special_tokens
-            else frozenset()
+            tokenizer.special_ids - frozenset(show_special) if skip_special_tokens else frozenset()
         )
         # sentencepiece drops the space it put in front of the text, only at its very start
         self._strip_pending = tokenizer.strip_leading_space and not prompt_ids

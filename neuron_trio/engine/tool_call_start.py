@@ -108,11 +108,10 @@ class CallStartWatcher:
             return None
         self.done = True
         # the first token of the tail: the one the marker begins in
-        offset = 0
-        for first, piece in enumerate(pieces):
-            if offset + len(piece) > at:
-                break
-            offset += len(piece)
+        first, offset = 0, 0
+        while offset + len(pieces[first]) <= at:
+            offset += len(pieces[first])
+            first += 1
         return self._start(pieces[first:], first, at - offset + len(self._marker))
 
     def _start(self, pieces: list[bytes], first: int, prefix_len: int) -> CallStart | None:
@@ -164,9 +163,7 @@ def rest_of_call_lark(
         rest = f'call (";" {_WS} call){more}' if parallel else "call"
     else:
         opening = (
-            f"<[{fmt.open_token_id}]>"
-            if fmt.open_token_id is not None
-            else json.dumps(fmt.marker)
+            f"<[{fmt.open_token_id}]>" if fmt.open_token_id is not None else json.dumps(fmt.marker)
         )
         after = f'{_WS} call_json {_WS} "</tool_call>"'
         rest = f"{after} ({_WS} {opening} {after}){more}" if parallel else after

@@ -88,7 +88,9 @@ class GenerationJob:
     prompt_ids: tuple[int, ...] | None = None
 
 
-def with_default_max_tokens(job: GenerationJob, prompt_tokens: int, spec: ModelConfig) -> GenerationJob:
+def with_default_max_tokens(
+    job: GenerationJob, prompt_tokens: int, spec: ModelConfig
+) -> GenerationJob:
     """`job` with the model's `default_max_tokens` where the client gave no max_tokens (a
     chat), cut to the room the context leaves after the prompt. Without a configured default
     (0), `max_tokens` stays None: the engine runs the answer to the end of the context."""

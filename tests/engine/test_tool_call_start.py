@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -177,7 +177,16 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup(family_dir: Path, max_tokens:
 
 def test_the_watcher_returns_the_tail_from_the_token_the_marker_begins_in() -> None:
     class Vocab:
-        token_bytes = [b"<eos>", b"Sure", b" <", b"tool", b"_call", b">\n", b'{"', b"[TOOL_CALLS]"]
+        token_bytes: ClassVar = [
+            b"<eos>",
+            b"Sure",
+            b" <",
+            b"tool",
+            b"_call",
+            b">\n",
+            b'{"',
+            b"[TOOL_CALLS]",
+        ]
         special_ids = frozenset({0, 7})
 
     watcher = CallStartWatcher(ToolCallFormat("hermes"), Vocab())

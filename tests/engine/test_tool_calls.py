@@ -63,7 +63,12 @@ def test_a_marker_cut_by_max_tokens_is_dropped_but_a_finished_answer_keeps_its_t
 
 def test_mistral_tool_calls_list_is_parsed_and_held_back() -> None:
     parser = ToolCallParser(ToolCallFormat("mistral"), [WEATHER, TIME])
-    pieces = ["Sure", ". [TOOL", "_CALLS] [", '{"name": "get_weather", "arguments": {"city": "Oslo"}}']
+    pieces = [
+        "Sure",
+        ". [TOOL",
+        "_CALLS] [",
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+    ]
     pieces += [', {"name": "get_time", "arguments": {}}', "]", ""]
     shown = [parser.push(p, final=i == len(pieces) - 1)[0] for i, p in enumerate(pieces)]
     assert "".join(shown) == "Sure. " and all("[" not in s for s in shown)

@@ -455,7 +455,12 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         400,
         "logit_bias[...]",
     ),
-    (COMP, {"model": "fake-model", "prompt": "x", "logit_bias": {"5": -101}}, 400, "logit_bias[...]"),
+    (
+        COMP,
+        {"model": "fake-model", "prompt": "x", "logit_bias": {"5": -101}},
+        400,
+        "logit_bias[...]",
+    ),
     (
         CHAT,
         {"model": "fake-model", "messages": MSGS, "stream_options": {"include_usage": True}},
@@ -468,7 +473,12 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         400,
         "stream_options",
     ),
-    (CHAT, {"model": "fake-model", "messages": MSGS, "modalities": ["audio"]}, 400, "modalities[0]"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "modalities": ["audio"]},
+        400,
+        "modalities[0]",
+    ),
     (CHAT, {"model": "fake-model", "messages": MSGS, "functions": []}, 400, "functions"),
     (
         CHAT,
