@@ -19,7 +19,7 @@ import torch
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.grammar import ToolCallFormat
 from neuron_trio.engine.tool_call_start import CallStartWatcher, rest_of_call_lark
-from neuron_trio.engine.types import SamplingParams, SequenceEvent, ToolFunction
+from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent, ToolFunction
 from tests.engine import tiny_families
 from tests.engine.tiny_families import write_tiny_family
 
@@ -209,3 +209,21 @@ def test_the_watcher_returns_the_tail_from_the_token_the_marker_begins_in() -> N
     assert start is not None and start.tokens == (0, 6) and start.prefix == ("<[0]>",)
     text = CallStartWatcher(ToolCallFormat("llama3"), Vocab())
     assert text.push(1) is None and text.done  # an answer in words: never a call
+
+
+@pytest.mark.parametrize(
+    ("family", "template"),
+    [("qwen2", None), ("mistral", MISTRAL_TOOLS_TEMPLATE), ("llama3", LLAMA3_TOOLS_TEMPLATE)],
+)
+def test_required_calls_in_each_syntax_parse_back(
+    family_dir: Path, family: str, template: str | None
+) -> None:
+    """`tool_choice: "required"`: a model that would rather chat still calls, in its syntax."""
+    engine = _engine(write_tiny_family(family_dir / f"{family}-req.gguf", family), template)
+    _script(engine, "hello there")
+    required = Constraint("tool_call", tools=(WEATHER,), parallel=True)
+    events = _generate(engine, dataclasses.replace(AUTO, constraint=required))
+    calls = [c for e in events for c in e.tool_calls or ()]
+    assert events[-1].finish_reason == "tool_calls"
+    assert calls and all(c.name == "get_weather" for c in calls)
+    assert "".join(e.text for e in events) == ""
