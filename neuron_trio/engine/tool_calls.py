@@ -200,7 +200,8 @@ class ToolCallParser:
         if not self._started:
             stripped = self._pending.lstrip().removeprefix("<|python_tag|>").lstrip()
             if stripped and not stripped.startswith("{"):
-                self._started = True  # plain content: stream it
+                self._started = True  # plain content: stream it (without the tag, markup)
+                self._pending = self._pending.replace("<|python_tag|>", "", 1)
             elif not final:
                 return "", []
             else:

@@ -89,6 +89,8 @@ def test_llama3_answer_that_is_one_json_object_is_a_call() -> None:
     parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])
     text, calls = _feed(parser, ["It is ", "sunny.", ""])
     assert text == "It is sunny." and calls == []
+    parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])  # the tag is markup too
+    assert _feed(parser, ["<|python_tag|>", "print(1)", ""]) == ("print(1)", [])
     parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])  # a call cut short: dropped
     assert _feed(parser, ['{"name": "get_weather", "param', ""]) == ("", [])
 
