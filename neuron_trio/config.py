@@ -91,6 +91,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kv_cache_mb: Annotated[int, msgspec.Meta(ge=0, le=16 << 20)] = 0
     # Reuse the K/V of a prompt prefix seen before; false: every prompt is computed from scratch.
     prefix_cache: bool = True
+    # A chat request without max_tokens may generate this many tokens (cut to what the context
+    # leaves after the prompt); 0: to the end of the context, as OpenAI does.
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=0, le=1_048_576)] = 0
 
 
 class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -57,10 +57,12 @@ from neuron_trio.engine.text.grammar import (
 )
 from neuron_trio.engine.text.textgen import TextPipeline
 from neuron_trio.engine.text.tokenizer import Tokenizer
+from neuron_trio.engine.text.tool_call_start import CallStartWatcher, begin_call_grammar
 from neuron_trio.engine.text.tool_calls import (
     ToolCallParser,
     render_tools_as_text,
     template_tools,
+    tool_marker_ids,
 )
 from neuron_trio.engine.types import (
     Constraint,
@@ -202,10 +204,16 @@ class Engine:
         """Refuse, before any work, a request that cannot run (RequestError, ContextLengthError)."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
-        if params.max_tokens < 1:
+        if params.max_tokens is not None and params.max_tokens < 1:
             raise RequestError(
                 f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
             )
+        for t, _bias in params.logit_bias:
+            if not 0 <= t < self.vocab_size:
+                raise RequestError(
+                    f"logit_bias: token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    param="logit_bias",
+                )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(
@@ -222,11 +230,20 @@ class Engine:
                 f"n must be between 1 and this model's {self.max_batch} slots, got {params.n}",
                 param="n",
             )
-        needed = len(prompt_ids) + params.max_tokens
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # to the end of the context
+            max_tokens = self._room(len(prompt_ids))
+            if max_tokens < 1:
+                raise ContextLengthError(
+                    f"this model's context is {self.context} tokens; the prompt has "
+                    f"{len(prompt_ids)}, which leaves no room for an answer",
+                    param="messages",
+                )
+        needed = len(prompt_ids) + max_tokens
         if needed > self.context:
             raise ContextLengthError(
                 f"this model's context is {self.context} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
+                f"{len(prompt_ids)} and max_tokens is {max_tokens} ({needed} in all)"
             )
         # A sequence must fit in the KV pool alone: then the oldest always progresses
         # (younger ones are preempted for it), and nothing is refused half-way.
@@ -234,8 +251,13 @@ class Engine:
         if blocks_for(needed) > self.pool.total:
             raise ContextLengthError(
                 f"this model's KV cache (kv_cache_mb) holds {capacity} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens is {params.max_tokens} ({needed} in all)"
+                f"{len(prompt_ids)} and max_tokens is {max_tokens} ({needed} in all)"
             )
+
+    def _room(self, prompt_tokens: int) -> int:
+        """The most tokens an answer to a prompt of `prompt_tokens` may have: to the end of the
+        context, or of the KV pool when it holds less (a sequence must fit it alone)."""
+        return min(self.context, self.pool.total * BLOCK_TOKENS) - prompt_tokens
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -262,6 +284,8 @@ class Engine:
         (queue, retry); `can_admit` says whether to add now.
         """
         self.validate(prompt_ids, params)
+        if params.max_tokens is None:  # to the end of the context
+            params = replace(params, max_tokens=self._room(len(prompt_ids)))
         if self.scheduler.free_slots < params.n:
             raise NoFreeSlotError(f"{params.n} slots needed, {self.scheduler.free_slots} free")
         group: list[Sequence] = []
@@ -285,13 +309,16 @@ class Engine:
     def _new_sequence(self, prompt: list[int], params: SamplingParams, chat: bool) -> Sequence:
         seq = Sequence(next(self._ids), prompt, params, chat=chat)
         seq.sampling = SamplingState(params, prompt)
-        seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt)
+        markers = tool_marker_ids(self.tokenizer) if params.tools else ()
+        seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt, markers)
         if params.constraint is not None:
             seq.sampling.grammar = self.compile_constraint(params.constraint)  # a cache hit
         if params.tools:
             seq.tool_calls = ToolCallParser(
                 self.tool_format, params.tools, parallel=params.parallel_tool_calls
             )
+            if params.constraint is None:  # auto: constrain a call once it begins
+                seq.tool_calls.watcher = CallStartWatcher(self.tool_format, self.tokenizer)
         return seq
 
     def cancel(self, seq_id: int) -> None:
@@ -465,7 +492,7 @@ class Engine:
         stop = is_stop_token(
             seq, token, end_of_turn_ids=self._end_of_turn_ids, eos_ids=self._eos_ids
         )
-        apply_finish_rules(seq, token, event, stop=stop)
+        apply_finish_rules(seq, token, event, stop=stop, begin_call=self._begin_call)
         if event.finish_reason is not None:
             seq.finish_reason = event.finish_reason
             self.scheduler.release(seq)
@@ -475,6 +502,13 @@ class Engine:
                 if not event.more_choices:
                     del self._groups[seq.group_id]
         return event
+
+    def _begin_call(self, seq: Sequence, start: Any) -> Any:
+        """The grammar for the rest of an `auto` tool call whose marker `seq` just emitted."""
+        params = seq.params
+        return begin_call_grammar(
+            self.grammar, self.tool_format, params.tools, params.parallel_tool_calls, start
+        )
 
     def probe(self) -> None:
         """One tiny forward (one token) on the probe's own KV block; touches no sequence."""

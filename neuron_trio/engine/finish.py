@@ -10,7 +10,8 @@ parsed out of the text last: a "stop" with calls becomes "tool_calls".
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
+from typing import Any
 
 from neuron_trio.engine.sequence import Sequence
 from neuron_trio.engine.types import SequenceEvent
@@ -28,9 +29,19 @@ def is_stop_token(
     return token in (end_of_turn_ids if seq.chat else eos_ids)
 
 
-def apply_finish_rules(seq: Sequence, token: int, event: SequenceEvent, *, stop: bool) -> None:
+def apply_finish_rules(
+    seq: Sequence,
+    token: int,
+    event: SequenceEvent,
+    *,
+    stop: bool,
+    begin_call: Callable[[Sequence, Any], Any] | None = None,
+) -> None:
     """Fill `event`'s text, finish reason, error and tool calls for `token`, just appended
-    to `seq` (`stop`: it is a stop token, `is_stop_token`)."""
+    to `seq` (`stop`: it is a stop token, `is_stop_token`).
+
+    `begin_call(seq, start)`: the grammar for the rest of an `auto` tool call, once the
+    sequence's call watcher sees a call's marker; it constrains the call from then on."""
     grammar = seq.sampling.grammar
     if stop:
         event.text = seq.text.finish()
@@ -46,13 +57,22 @@ def apply_finish_rules(seq: Sequence, token: int, event: SequenceEvent, *, stop:
             # the grammar engine gave up (a resource limit): never go on unconstrained
             event.finish_reason = "error"
             event.error = f"structured output: {grammar.error}"
-        elif seq.num_output >= seq.params.max_tokens:
+        elif seq.num_output >= (seq.params.max_tokens or 0):  # resolved by `Engine.add`
             event.text += seq.text.finish()
             # the held-back tail may still complete a stop string as the text is flushed
             event.finish_reason = "stop" if seq.text.stopped else "length"
     if seq.tool_calls is not None:
         final = event.finish_reason is not None
-        event.text, calls = seq.tool_calls.push(event.text, final=final)
+        watcher = seq.tool_calls.watcher
+        if (
+            watcher is not None
+            and begin_call is not None
+            and not final
+            and (start := watcher.push(token)) is not None
+        ):
+            seq.sampling.grammar = begin_call(seq, start)
+        cut = event.finish_reason == "length"  # a call cut by max_tokens: no markup leaks
+        event.text, calls = seq.tool_calls.push(event.text, final=final, cut=cut)
         event.tool_calls = calls or None
         if event.finish_reason == "stop" and seq.tool_calls.calls:
             event.finish_reason = "tool_calls"

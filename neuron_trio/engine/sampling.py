@@ -1,6 +1,7 @@
 """Picking the next token of each sequence in a batch from the model's logits.
 
-Per row, in this order (as vLLM and transformers do): repetition penalty (over prompt and
+Per row, in this order (as vLLM and transformers do): `logit_bias` (OpenAI's: added to the
+logits of the tokens it names, greedy rows included), repetition penalty (over prompt and
 output, multiplicative as in transformers), then presence and frequency penalties (over the
 output, additive as OpenAI defines them), then temperature, top-k, top-p, min-p, and one draw
 from what is left. Temperature 0 is greedy: argmax of the penalised logits, no randomness.
@@ -53,6 +54,7 @@ class SamplingState:
         self.seed = seed & 0xFFFF_FFFF_FFFF_FFFF
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_unique: dict[torch.device, torch.Tensor] = {}
+        self._bias: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # structured output: the grammar the tokens must follow (engine.text.grammar.GrammarState)
         self.grammar: Any = None
 
@@ -84,6 +86,17 @@ class SamplingState:
             gen.manual_seed(self.seed)
             self._generators[device] = gen
         return gen
+
+    def apply_logit_bias(self, row: torch.Tensor) -> None:
+        """Add, in place, `params.logit_bias` to the logits `row` [V] (ids checked against the
+        vocabulary when the request was validated)."""
+        cached = self._bias.get(row.device)
+        if cached is None:
+            pairs = self.params.logit_bias
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=row.device)
+            values = torch.tensor([b for _, b in pairs], dtype=row.dtype, device=row.device)
+            cached = self._bias[row.device] = (ids, values)
+        row.index_add_(0, cached[0], cached[1].to(row.dtype))
 
     def apply_penalties(self, row: torch.Tensor) -> None:
         """Penalise, in place, the logits `row` [V] of this sequence."""
@@ -143,6 +156,13 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+        if any(s.params.logit_bias for s in rows):
+            # logprobs stay those of the model's own distribution (as with penalties and masks)
+            raw_logits = logits if raw_logits is None else raw_logits
+            logits = logits.clone()
+            for i, state in enumerate(rows):
+                if state.params.logit_bias:
+                    state.apply_logit_bias(logits[i])
         masked = raw_logits is not None
         raw = logits if raw_logits is None else raw_logits
         if not any(s.needs_slow_path for s in rows):

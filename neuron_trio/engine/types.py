@@ -44,7 +44,9 @@ class Constraint:
 class SamplingParams:
     """How to pick tokens. Defaults are OpenAI's: temperature 1, top_p 1, no penalties."""
 
-    max_tokens: int = 256
+    # None: to the end of the context (Engine.add resolves it); the model actor first applies
+    # the model's configured `default_max_tokens`, if any
+    max_tokens: int | None = 256
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -63,6 +65,8 @@ class SamplingParams:
     tools: tuple[ToolFunction, ...] = ()
     parallel_tool_calls: bool = True  # False: only the first call counts, the rest is text
     n: int = 1  # choices: the prompt is prefilled once, then each choice samples on its own
+    # (token id, bias) pairs added to the logits before any other step (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -37,6 +37,7 @@ __all__ = [
     "ToolCall",
     "ToolFunction",
     "template_message",
+    "with_default_max_tokens",
 ]
 
 HealthStatus = Literal["starting", "ok", "draining", "recovering", "wedged"]
@@ -48,6 +49,7 @@ class ChatMessage:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's earlier calls
     tool_call_id: str | None = None  # role "tool": the call this is the result of
+    name: str | None = None  # the participant's (or tool's) name, for templates that show it
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
@@ -65,6 +67,8 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
     return out
 
 
@@ -82,6 +86,19 @@ class GenerationJob:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
+
+
+def with_default_max_tokens(
+    job: GenerationJob, prompt_tokens: int, spec: ModelConfig
+) -> GenerationJob:
+    """`job` with the model's `default_max_tokens` where the client gave no max_tokens (a
+    chat), cut to the room the context leaves after the prompt. Without a configured default
+    (0), `max_tokens` stays None: the engine runs the answer to the end of the context."""
+    if job.params.max_tokens is not None or not spec.default_max_tokens:
+        return job
+    room = max(1, spec.context - prompt_tokens)
+    params = replace(job.params, max_tokens=min(spec.default_max_tokens, room))
+    return replace(job, params=params)
 
 
 @dataclass(frozen=True)

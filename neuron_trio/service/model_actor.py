@@ -38,7 +38,7 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.executor.api import ModelExecutor, ServingEngine
-from neuron_trio.service.api import GenerationJob, template_message
+from neuron_trio.service.api import GenerationJob, template_message, with_default_max_tokens
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
@@ -328,6 +328,7 @@ class ModelActor:
         """
         self._refuse_unless_accepting()
         ids, chat = await self._encode(job)
+        job = with_default_max_tokens(job, len(ids), self.spec)
         self._refuse_unless_accepting()  # the state may have changed while encoding
         if len(self._queue) >= self._queue_capacity():
             self._count("rejected_queue_full")

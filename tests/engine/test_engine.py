@@ -11,7 +11,7 @@ import torch
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
-from neuron_trio.errors import RequestError
+from neuron_trio.errors import ContextLengthError, RequestError
 from tests.engine.drain import drain
 from tests.engine.tiny_gguf import BOS_ID, EOS_ID, write_tiny_llama
 
@@ -251,3 +251,26 @@ def test_tools_go_through_a_template_that_knows_them_else_as_text(tiny_path: Pat
     )
     assert engine.render_chat(messages, [tool]) == "[TOOL get_weather]<user>Weather?<assistant>"
     assert engine.render_chat(messages) == "<user>Weather?<assistant>"
+
+
+def test_logit_bias_is_checked_against_the_vocabulary_and_steers_greedy(tiny_path: Path) -> None:
+    engine = _engine(tiny_path)
+    prompt = engine.tokenizer.encode("hello world", add_special_tokens=False)
+    with pytest.raises(RequestError) as bad:
+        engine.validate(prompt, replace(GREEDY, logit_bias=((engine.vocab_size, 1.0),)))
+    assert bad.value.param == "logit_bias"
+    free = _tokens(_run_one(engine, prompt, GREEDY))
+    banned = replace(GREEDY, logit_bias=((free[0], -100.0),))
+    assert free[0] not in _tokens(_run_one(engine, prompt, banned))
+    forced = replace(GREEDY, logit_bias=((7, 100.0),))
+    assert set(_tokens(_run_one(engine, prompt, forced))) == {7}
+
+
+def test_without_max_tokens_an_answer_may_run_to_the_end_of_the_context(tiny_path: Path) -> None:
+    engine = _engine(tiny_path)  # context 128
+    prompt = engine.tokenizer.encode("hello world", add_special_tokens=False)
+    events = _run_one(engine, prompt, replace(GREEDY, max_tokens=None))
+    assert len(_tokens(events)) == 128 - len(prompt)
+    assert events[-1].finish_reason == "length"
+    with pytest.raises(ContextLengthError):
+        engine.validate([5] * 128, replace(GREEDY, max_tokens=None))

@@ -252,3 +252,22 @@ def test_logprobs_per_row_counts_in_one_batch() -> None:
     assert [t for t, _, _ in first.top] == [3, 2, 1] and first.text == "3"
     assert second.top == () and second.token_id == 0
     assert second.logprob == pytest.approx(torch.log_softmax(logits[1], -1)[0].item())
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_but_not_logprobs() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 4.9], [0.0, 0.0, 9.0]])
+    before = logits.clone()
+    rows = [
+        SamplingState(params(temperature=0.0, logit_bias=((0, 100.0),))),  # greedy, pushed up
+        SamplingState(params(temperature=0.0, logit_bias=((0, -100.0),), logprobs=True)),
+        SamplingState(params(temperature=1.0, seed=1, logit_bias=((2, -100.0),))),  # sampled
+    ]
+    results = Sampler().sample(logits, rows)
+    assert [r.token_id for r in results[:2]] == [0, 2]
+    assert results[2].token_id in (0, 1)  # 9 - 100: never drawn against two logits of 0
+    assert torch.equal(logits, before)  # the caller's logits are left alone
+    lp = results[1].logprob
+    assert lp is not None and math.isclose(lp.logprob, torch.log_softmax(before[1], 0)[2].item())
+    # a row without a bias in the same batch keeps the fast path's answer
+    free = Sampler().sample(before[:1].clone(), [SamplingState(params(temperature=0.0))])
+    assert free[0].token_id == 1

@@ -122,8 +122,10 @@ class FakeNode:
                 yield replace(event, seq_id=seq_id)
             state["done"] = True
             return
-        count = min(len(self.tokens), job.params.max_tokens)
-        reason = "length" if job.params.max_tokens < len(self.tokens) else self.finish_reason
+        # no max_tokens (a chat): to the end of the fake's "context", its tokens
+        limit = job.params.max_tokens or len(self.tokens)
+        count = min(len(self.tokens), limit)
+        reason = "length" if limit < len(self.tokens) else self.finish_reason
         for i in range(count):
             if self.gate is not None:
                 await self.gate(i)

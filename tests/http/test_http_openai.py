@@ -57,6 +57,45 @@ def test_chat_request_becomes_a_job() -> None:
     assert not parsed.stream and not parsed.include_usage
 
 
+def test_fields_clients_send_are_accepted_and_honoured_or_ignored() -> None:
+    """What the openai client, LangChain and routers send by default is never a 400."""
+    body = chat_body(
+        messages=[
+            {"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": "hello", "name": "bot"},
+        ],
+        store=False,
+        metadata={"team": "search", "k2": "v"},
+        service_tier="auto",
+        user="end-user-1",
+        safety_identifier="hash-of-user",
+        prompt_cache_key="conversation-42",
+        reasoning_effort="low",
+        verbosity="medium",
+        modalities=["text"],
+        functions=None,
+        function_call=None,
+        logit_bias={"42": -100, "7": 2.5},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    import msgspec
+
+    parsed = parse_chat_request(msgspec.json.encode(body))
+    assert parsed.stream and parsed.include_usage
+    assert parsed.job.params.logit_bias == ((7, 2.5), (42, -100.0))
+    assert [m.name for m in parsed.job.messages or ()] == ["ann", "bot"]
+    completion = parse_completion_request(
+        b'{"model": "m", "prompt": "x", "logit_bias": {"3": 1}, "user": "u", "store": true}'
+    )
+    assert completion.job.params.logit_bias == ((3, 1.0),)
+
+
+def test_chat_without_max_tokens_leaves_it_to_the_model() -> None:
+    chat = parse_chat_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}')
+    assert chat.job.params.max_tokens is None  # not 256: to the end of the context
+
+
 def test_defaults_are_openai_defaults() -> None:
     chat = parse_chat_request(
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
@@ -291,7 +330,7 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
     ),
     (
         CHAT,
-        {"model": "fake-model", "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+        {"model": "fake-model", "messages": [{"role": "user", "content": "x", "name": "b" * 257}]},
         400,
         "messages[0].name",
     ),
@@ -408,7 +447,61 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
         400,
         "response_format",
     ),
-    (CHAT, {"model": "fake-model", "messages": MSGS, "logit_bias": {}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "logit_bias": {"5": 100.5}},
+        400,
+        "logit_bias[...]",
+    ),
+    (
+        COMP,
+        {"model": "fake-model", "prompt": "x", "logit_bias": {"5": -101}},
+        400,
+        "logit_bias[...]",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        COMP,
+        {"model": "fake-model", "prompt": "x", "stream": False, "stream_options": {}},
+        400,
+        "stream_options",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "modalities": ["audio"]},
+        400,
+        "modalities[0]",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "functions": []}, 400, "functions"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "function_call": "auto"},
+        400,
+        "function_call",
+    ),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "metadata": {str(i): "v" for i in range(17)}},
+        400,
+        "metadata",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "metadata": {"k": 1}}, 400, "metadata[...]"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "service_tier": "gold"}, 400, "service_tier"),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": MSGS, "reasoning_effort": "extreme"},
+        400,
+        "reasoning_effort",
+    ),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "verbosity": 3}, 400, "verbosity"),
+    (CHAT, {"model": "fake-model", "messages": MSGS, "user": "u" * 1025}, 400, "user"),
     (CHAT, [1, 2], 400, None),
     (CHAT, "just a string", 400, None),
     (COMP, {"prompt": "x"}, 400, "model"),
@@ -451,9 +544,9 @@ def test_unsupported_fields_are_all_named() -> None:
     async def body() -> None:
         async with serving(FakeNode()) as srv, h2_client(srv.url) as client:
             r = await client.post(
-                "/v1/chat/completions", json=chat_body(functions=[], logit_bias={}, audio={})
+                "/v1/chat/completions", json=chat_body(prediction={}, audio={}, functions=None)
             )
             err = assert_error(r, 400)
-            assert err["message"] == "unsupported field(s): audio, functions, logit_bias"
+            assert err["message"] == "unsupported field(s): audio, prediction"
 
     run(body)

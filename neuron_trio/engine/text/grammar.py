@@ -55,6 +55,8 @@ CACHE_SIZE = 64
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
 
+_CALL_JSON_OPTIONS: Any = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
+
 # Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
 # small model asked for `required` repeats calls until max_tokens and the last one is cut off
 # mid-JSON; at the bound the grammar allows only the end of the turn.
@@ -78,13 +80,19 @@ class _TokenizerLike(Protocol):
 
 class ToolCallFormat:
     """How a model writes a tool call: Hermes-style `<tool_call>{json}</tool_call>` (Qwen,
-    and neuron's fallback for templates without tools), or Llama 3.x's bare JSON object with
-    "name" and "parameters"."""
+    and neuron's fallback for templates without tools), Llama 3.x's bare JSON object with
+    "name" and "parameters", or Mistral's `[TOOL_CALLS]` followed by a JSON list of calls."""
 
     def __init__(self, style: str, open_token_id: int | None = None) -> None:
-        self.style = style  # "hermes" | "llama3"
-        self.open_token_id = open_token_id  # `<tool_call>` when the vocabulary has it as one token
+        self.style = style  # "hermes" | "llama3" | "mistral"
+        # the opening marker (`<tool_call>`, `[TOOL_CALLS]`) when it is one special token
+        self.open_token_id = open_token_id
         self.arguments_key = "parameters" if style == "llama3" else "arguments"
+
+    @property
+    def marker(self) -> str:
+        """The text that opens a call ("" for llama3, whose call is the answer's JSON)."""
+        return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(self.style, "")
 
     def call_schema(self, tool: ToolFunction) -> dict[str, Any]:
         return {
@@ -97,24 +105,37 @@ class ToolCallFormat:
             "additionalProperties": False,
         }
 
-    def lark(self, tools: Sequence[ToolFunction], parallel: bool) -> str:
-        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`."""
+    def call_json(self, tools: Sequence[ToolFunction]) -> str:
+        """The Lark element of one call's JSON object, to one of `tools`."""
         schema = (
             self.call_schema(tools[0])
             if len(tools) == 1
             else {"anyOf": [self.call_schema(t) for t in tools]}
         )
-        body = "%json " + json.dumps(schema, separators=(",", ":"))
+        # At most one space between tokens: models write `{"name": "f"}` (a space after the
+        # colon), and without a bound a tie among whitespace tokens fills max_tokens with it.
+        schema = {**schema, "x-guidance": _CALL_JSON_OPTIONS}
+        return "%json " + json.dumps(schema, separators=(",", ":"))
+
+    def lark(self, tools: Sequence[ToolFunction], parallel: bool) -> str:
+        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`."""
+        body = self.call_json(tools)
+        more = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"
+        opening = (
+            f"<[{self.open_token_id}]>"
+            if self.open_token_id is not None
+            else json.dumps(self.marker)
+        )
+        if self.style == "mistral":
+            calls = f'call ("," call){more}' if parallel else "call"
+            return f'start: {opening} "[" {calls} "]"\ncall: {body}\n'
         if self.style == "llama3":
             call = body
             sep = '";"'
         else:
-            opening = (
-                f"<[{self.open_token_id}]>" if self.open_token_id is not None else '"<tool_call>"'
-            )
             call = f'{opening} "\\n" {body} "\\n</tool_call>"'
             sep = '"\\n"'
-        start = f"call ({sep} call){{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}" if parallel else "call"
+        start = f"call ({sep} call){more}" if parallel else "call"
         return f"start: {start}\ncall: {call}\n"
 
 
@@ -153,6 +174,11 @@ class GrammarState:
         v = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
+    def feed(self, token_ids: Sequence[int]) -> bool:
+        """Advance past tokens sampled before this state existed; False if the grammar
+        refuses one of them (the state is then unusable)."""
+        return all(self._matcher.consume_token(t) for t in token_ids)
+
     def accept(self, token_id: int) -> None:
         """Advance past the sampled token (it was allowed by the mask)."""
         if not self._matcher.consume_token(token_id):
@@ -181,7 +207,7 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(wrapper), n_vocab=vocab_size, eos_token=stops
         )
-        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._cache: OrderedDict[Constraint | str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, constraint: Constraint) -> GrammarState:
@@ -197,6 +223,25 @@ class GrammarCompiler:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return GrammarState(template.deep_copy())
+
+    def compile_lark(self, lark: str) -> GrammarState:
+        """A fresh state for a Lark grammar neuron wrote itself (an auto tool call's rest,
+        `tool_call_start`); ValueError if llguidance refuses it. Cached like `compile`."""
+        with self._lock:
+            template = self._cache.get(lark)
+            if template is not None:
+                self._cache.move_to_end(lark)
+                return GrammarState(template.deep_copy())
+        matcher = llguidance.LLMatcher(
+            self._tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0
+        )
+        if matcher.is_error():
+            raise ValueError(_short(matcher.get_error()))
+        with self._lock:
+            self._cache[lark] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return GrammarState(matcher.deep_copy())
 
     def _build(self, constraint: Constraint) -> Any:
         param = "response_format" if constraint.kind == "json" else "tools"
@@ -231,23 +276,52 @@ class _Wrapper:
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = sorted(tokenizer.special_ids)
         self._tokenizer = tokenizer
+        # SentencePiece-style vocabularies put a space in front of the text they encode
+        self._space_prefix = bool(getattr(tokenizer, "strip_leading_space", False))
+        self._ids_of: dict[bytes, int] | None = None
 
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        if self._space_prefix and ids and not text.startswith(" "):
+            ids = self._without_space_prefix(ids)
+        return ids
+
+    def _without_space_prefix(self, ids: list[int]) -> list[int]:
+        """`ids` without the space SentencePiece put in front: llguidance tokenizes the bytes
+        the grammar forces next (`{` must not come back as " {", which the grammar refuses:
+        with a "▁" token allowed and "{" not, a tool call after `[` went wrong)."""
+        head = self.tokens[ids[0]]
+        if not head.startswith(b" "):
+            return ids
+        if head == b" ":
+            return ids[1:]
+        if self._ids_of is None:
+            self._ids_of = {}
+            for i, raw in enumerate(self.tokens):
+                if raw and i not in self.special_token_ids:
+                    self._ids_of.setdefault(raw, i)
+        rest = self._ids_of.get(head[1:])
+        return ids if rest is None else [rest, *ids[1:]]
 
 
 def detect_tool_format(tokenizer: _TokenizerLike, template_source: str | None) -> ToolCallFormat:
-    """The tool-call format of a model: Llama 3.x's JSON when its template says so, else
-    Hermes-style (with `<tool_call>` as one token when the vocabulary has it)."""
+    """The tool-call format of a model: Mistral's `[TOOL_CALLS]` or Llama 3.x's JSON when its
+    template says so, else Hermes-style (with `<tool_call>` as one token when the vocabulary
+    has it)."""
     source = template_source or ""
+    if "[TOOL_CALLS]" in source:
+        return ToolCallFormat("mistral", _special_id(tokenizer, "[TOOL_CALLS]"))
     if "<|python_tag|>" in source or ("ipython" in source and "<|eot_id|>" in source):
         return ToolCallFormat("llama3")
-    open_id = tokenizer.token_to_id("<tool_call>")
-    if open_id is not None and open_id not in tokenizer.special_ids:
-        open_id = None
-    return ToolCallFormat("hermes", open_id)
+    return ToolCallFormat("hermes", _special_id(tokenizer, "<tool_call>"))
+
+
+def _special_id(tokenizer: _TokenizerLike, text: str) -> int | None:
+    """The id of `text` when the vocabulary has it as one special token."""
+    token_id = tokenizer.token_to_id(text)
+    return token_id if token_id is not None and token_id in tokenizer.special_ids else None
 
 
 def fill_masks(states: Sequence[GrammarState | None], vocab_size: int) -> torch.Tensor | None:

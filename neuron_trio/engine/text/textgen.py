@@ -32,9 +32,16 @@ class TextPipeline:
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer: Any, stops: Sequence[str], prompt_ids: Sequence[int] = ()
+        cls,
+        tokenizer: Any,
+        stops: Sequence[str],
+        prompt_ids: Sequence[int] = (),
+        show_special: Sequence[int] = (),
     ) -> TextPipeline:
-        return cls(IncrementalDetokenizer(tokenizer, prompt_ids), StopMatcher(list(stops)))
+        """`show_special`: special tokens whose text is shown (tool-call markers, which the
+        tool-call parser must see)."""
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, show_special=show_special)
+        return cls(detokenizer, StopMatcher(list(stops)))
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Feed one generated token; return (text safe to show now, stop string matched)."""

@@ -437,10 +437,14 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] | None = None,
         *,
         skip_special_tokens: bool = True,
+        show_special: Iterable[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
+        # `show_special`: specials shown even so (a tool-call marker such as [TOOL_CALLS])
+        self._skip = (
+            tokenizer.special_ids - frozenset(show_special) if skip_special_tokens else frozenset()
+        )
         # sentencepiece drops the space it put in front of the text, only at its very start
         self._strip_pending = tokenizer.strip_leading_space and not prompt_ids
 

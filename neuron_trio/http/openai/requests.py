@@ -1,16 +1,21 @@
 """OpenAI requests: the wire schemas and their validation into a `GenerationJob`.
 
 Requests are decoded with msgspec Structs that forbid unknown fields: a field neuron does not
-implement (`logit_bias`, …) is a 400 that names it, never silently ignored. Every other
-validation error names its field too (`param` in the error body).
+implement (`audio`, `prediction`, …) is a 400 that names it, never silently ignored. Every
+other validation error names its field too (`param` in the error body).
 
-Accepted and ignored on purpose: `user` (an end-user id for the caller's own abuse tracking;
-metadata that never changes the output). `stream_options` without `stream` is accepted and
-has no effect. `null` for an optional field means "the default".
+Accepted and ignored on purpose, because they never change the answer (README, "Request
+fields"): `user`, `safety_identifier`, `prompt_cache_key` (caller ids and a cache-routing hint
+for OpenAI's own servers; neuron's prefix cache finds shared prefixes by itself), `store`
+(neuron keeps no completions), `metadata` (bounded as OpenAI bounds it), `service_tier`,
+`reasoning_effort` and `verbosity` (no built-in model reasons or has a verbosity control),
+`modalities: ["text"]`, `functions: null`/`function_call: null`. Honoured: `logit_bias`, and a
+message's `name` (given to the chat template). `stream_options` needs `stream: true` (a 400
+otherwise, as vLLM). `null` for an optional field means "the default".
 
 Defaults are OpenAI's: temperature 1, top_p 1, no penalties; `max_tokens` 16 for
-completions; for chat without `max_tokens`/`max_completion_tokens` the engine's default
-(`SamplingParams.max_tokens`) applies.
+completions; chat without `max_tokens`/`max_completion_tokens` may run to the end of the
+model's context (or its configured `default_max_tokens`): `max_tokens` stays None here.
 """
 
 from __future__ import annotations
@@ -55,6 +60,15 @@ StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.M
 Stop = Annotated[str, msgspec.Meta(min_length=1)] | StopList
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 ModelId = Annotated[str, msgspec.Meta(min_length=1)]
+CallerId = Annotated[str, msgspec.Meta(max_length=1024)]  # user, safety_identifier, ...
+# OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512
+Metadata = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+    msgspec.Meta(max_length=16),
+]
+LogitBias = Annotated[
+    dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]], msgspec.Meta(max_length=1024)
+]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -84,6 +98,7 @@ class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
     content: str | list[TextPart] | None = None  # None: an assistant message of tool calls
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # given to the template
 
 
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
@@ -141,7 +156,14 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=8)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored: caller metadata
+    logit_bias: LogitBias | None = None  # token id (as a string) -> bias added to its logit
+    # Accepted and ignored (they never change the answer): see the module docstring.
+    user: CallerId | None = None
+    safety_identifier: CallerId | None = None
+    prompt_cache_key: CallerId | None = None
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -153,6 +175,13 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Accepted and ignored: no model neuron serves reasons or has a verbosity control.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: Annotated[list[str], msgspec.Meta(max_length=4)] | None = None  # ["text"] only
+    # The deprecated forms of tools: accepted only as null (clients send `functions: null`).
+    functions: Any = None
+    function_call: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -250,7 +279,7 @@ def _sampling(
     defaults = SamplingParams()
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
+        max_tokens=max_tokens,  # chat: None runs to the end of the context (or the default)
         temperature=defaults.temperature if req.temperature is None else req.temperature,
         top_p=defaults.top_p if req.top_p is None else req.top_p,
         top_k=top_k,
@@ -271,7 +300,51 @@ def _sampling(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=req.n or 1,
+        logit_bias=_logit_bias(req.logit_bias),
     )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as strings) as (id, bias) pairs; ids are checked
+    against the model's vocabulary when the request reaches it (Engine.validate)."""
+    pairs: list[tuple[int, float]] = []
+    for key, bias in (raw or {}).items():
+        if not key.isascii() or not key.isdigit() or len(key) > 9:
+            raise RequestError(
+                f"logit_bias: {key[:32]!r} is not a token id (a non-negative integer)",
+                param="logit_bias",
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    """400s for fields that parse but cannot be honoured with the values given."""
+    if req.stream_options is not None and not req.stream:
+        raise RequestError(
+            "stream_options: only allowed with stream: true",
+            param="stream_options",
+            code="invalid_value",
+        )
+
+
+def _refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
+    _refuse_unsupported(req)
+    for i, modality in enumerate(req.modalities or ()):
+        if modality != "text":
+            raise RequestError(
+                f"modalities[{i}]: {modality[:32]!r} is not supported (only text)",
+                param=f"modalities[{i}]",
+                code="unsupported_value",
+            )
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise RequestError(
+                f"{name}: the deprecated function-calling fields are not supported (use tools "
+                "and tool_choice)",
+                param=name,
+                code="unsupported_field",
+            )
 
 
 def _message(i: int, msg: InputMessage) -> ChatMessage:
@@ -307,7 +380,13 @@ def _message(i: int, msg: InputMessage) -> ChatMessage:
     role: Literal["system", "user", "assistant", "tool"] = (
         "system" if msg.role == "developer" else msg.role
     )
-    return ChatMessage(role=role, content=content, tool_calls=calls, tool_call_id=msg.tool_call_id)
+    return ChatMessage(
+        role=role,
+        content=content,
+        tool_calls=calls,
+        tool_call_id=msg.tool_call_id,
+        name=msg.name,
+    )
 
 
 def _json_object(text: str, param: str) -> str:
@@ -389,6 +468,7 @@ def _include_usage(req: _Common) -> bool:
 def parse_chat_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body; RequestError names the offending field."""
     req = decode_struct(body, ChatCompletionRequest)
+    _refuse_unsupported_chat(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(
             "top_logprobs: needs logprobs = true", param="top_logprobs", code="invalid_value"
@@ -413,6 +493,7 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
 def parse_completion_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/completions` body; RequestError names the offending field."""
     req = decode_struct(body, CompletionRequest)
+    _refuse_unsupported(req)
     if req.echo:
         raise RequestError("echo: not supported", param="echo", code="unsupported_field")
     if req.suffix:

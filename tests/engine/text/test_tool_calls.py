@@ -37,13 +37,47 @@ def test_hermes_calls_split_across_pieces_are_held_back_then_parsed() -> None:
     assert parser.calls[0].id.startswith("call_") and parser.calls[0].id != parser.calls[1].id
 
 
-def test_hermes_blocks_that_are_not_calls_stay_text() -> None:
+def test_hermes_blocks_that_are_not_calls_never_reach_the_content() -> None:
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
-    text, calls = _feed(parser, ['<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', ""])
-    assert calls == [] and "rm_rf" in text
+    text, calls = _feed(
+        parser, ['Hm. <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> ok', ""]
+    )
+    assert calls == [] and text == "Hm.  ok"
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
     text, calls = _feed(parser, ["a < b, and <tool_call>{not json", ""])
-    assert calls == [] and text == "a < b, and <tool_call>{not json"
+    assert calls == [] and text == "a < b, and "
+
+
+def test_a_marker_cut_by_max_tokens_is_dropped_but_a_finished_answer_keeps_its_text() -> None:
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    assert parser.push("<", final=True, cut=True) == ("", [])  # max_tokens 1: no "<" leak
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    assert parser.push("x <tool", final=True, cut=True) == ("x ", [])
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    assert parser.push("1 <", final=True) == ("1 <", [])  # the model ended there: text
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    shown, _ = parser.push('<tool_call>\n{"name": "get_weather", "argu', final=False)
+    assert shown == ""
+    assert parser.push("ments", final=True, cut=True) == ("", [])
+
+
+def test_mistral_tool_calls_list_is_parsed_and_held_back() -> None:
+    parser = ToolCallParser(ToolCallFormat("mistral"), [WEATHER, TIME])
+    pieces = [
+        "Sure",
+        ". [TOOL",
+        "_CALLS] [",
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+    ]
+    pieces += [', {"name": "get_time", "arguments": {}}', "]", ""]
+    shown = [parser.push(p, final=i == len(pieces) - 1)[0] for i, p in enumerate(pieces)]
+    assert "".join(shown) == "Sure. " and all("[" not in s for s in shown)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    parser = ToolCallParser(ToolCallFormat("mistral"), [WEATHER])
+    assert _feed(parser, ['[TOOL_CALLS][{"name": "get_weather", "argum', ""]) == ("", [])
 
 
 def test_llama3_answer_that_is_one_json_object_is_a_call() -> None:
@@ -55,6 +89,10 @@ def test_llama3_answer_that_is_one_json_object_is_a_call() -> None:
     parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])
     text, calls = _feed(parser, ["It is ", "sunny.", ""])
     assert text == "It is sunny." and calls == []
+    parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])  # the tag is markup too
+    assert _feed(parser, ["<|python_tag|>", "print(1)", ""]) == ("print(1)", [])
+    parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER])  # a call cut short: dropped
+    assert _feed(parser, ['{"name": "get_weather", "param', ""]) == ("", [])
 
 
 def test_tools_and_tool_history_become_text_for_a_plain_template() -> None:
@@ -88,4 +126,4 @@ def test_without_parallel_calls_only_the_first_counts() -> None:
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME], parallel=False)
     one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     text, calls = _feed(parser, [one, "\n" + one, ""])
-    assert calls == ["get_time{}"] and text == "\n" + one
+    assert calls == ["get_time{}"] and text == "\n"
