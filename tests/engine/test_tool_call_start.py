@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from neuron_trio.engine.tool_call_start import CallStartWatcher, rest_of_call_lark
 
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.grammar import ToolCallFormat
-from neuron_trio.engine.tool_call_start import CallStartWatcher, rest_of_call_lark
+from neuron_trio.engine.text.grammar import ToolCallFormat
 from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent, ToolFunction
 from tests.engine import tiny_families
 from tests.engine.tiny_families import write_tiny_family
@@ -58,7 +58,7 @@ def _engine(path: Path, template: str | None = None) -> Engine:
         path, dtype="float32", device=torch.device("cpu"), max_batch=2, context=256
     )
     if template is not None:
-        from neuron_trio.engine.chat import ChatTemplate
+        from neuron_trio.engine.text.chat import ChatTemplate
 
         engine.chat_template = ChatTemplate(template)
     return engine

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from neuron_trio.engine.grammar import (
+from neuron_trio.engine.text.grammar import (
     MAX_PARALLEL_TOOL_CALLS,
     GrammarState,
     ToolCallFormat,
