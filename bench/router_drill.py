@@ -643,7 +643,7 @@ class Drill:
             unit_events=[
                 f"+{e.at - fault:.1f}s {e.what} {e.detail.split(' ')[0]}"
                 for e in sup.events
-                if e.at >= since - 1
+                if e.at >= since
             ],
             final_unit_state=sup.state,
             final_proxy_status=proxy.status(node),
