@@ -443,6 +443,7 @@ class ScenarioResult:
     final_unit_state: str
     final_proxy_status: str
     times_back_in_rotation: int = 0
+    slowest_after_fault_s: float = 0.0  # what the retries cost: the longest request from then on
     notes: list[str] = field(default_factory=list)
 
 
@@ -639,7 +640,9 @@ class Drill:
             errors_after_fault=len(errors),
             errors=[f"{'stream' if o.stream else 'json'} {o.how} via {o.server}" for o in errors],
             inflight_on_node=[f"stream: {o.how}" for o in inflight if not o.canary],
-            canaries=[f"{o.how} via {o.server}" for o in outcomes if o.canary and o.started >= since],
+            canaries=[
+                f"{o.how} via {o.server}" for o in outcomes if o.canary and o.started >= since
+            ],
             unit_events=[
                 f"+{e.at - fault:.1f}s {e.what} {e.detail.split(' ')[0]}"
                 for e in sup.events
@@ -648,6 +651,7 @@ class Drill:
             final_unit_state=sup.state,
             final_proxy_status=proxy.status(node),
             times_back_in_rotation=len(ups),
+            slowest_after_fault_s=round(max((o.ended - o.started for o in after), default=0.0), 1),
         )
 
 
@@ -689,8 +693,9 @@ def table(results: list[ScenarioResult]) -> str:
 
     rows = [
         "| scenario | out of rotation after (s) | client errors / requests after the fault "
-        "| streams on the node at the fault, how they ended | back in rotation after (s) |",
-        "| --- | --- | --- | --- | --- |",
+        "| streams on the node at the fault, how they ended | back in rotation after (s) "
+        "| slowest request after the fault (s) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         caught = r.inflight_on_node + [f"canary stream: {c}" for c in r.canaries]
@@ -700,7 +705,7 @@ def table(results: list[ScenarioResult]) -> str:
             back = f"never: `{r.final_unit_state}` after {r.times_back_in_rotation} returns"
         rows.append(
             f"| {r.name} | {s(r.out_of_rotation_s)} | {r.errors_after_fault} / "
-            f"{r.requests_after_fault} | {inflight} | {back} |"
+            f"{r.requests_after_fault} | {inflight} | {back} | {r.slowest_after_fault_s:g} |"
         )
     return "\n".join(rows)
 

@@ -67,9 +67,7 @@ def test_srpm_carries_the_sources_and_the_build_requirements(built: tuple[Path, 
 
 def test_the_tarball_holds_what_the_spec_installs(built: tuple[Path, str], tmp_path: Path) -> None:
     srpm, _ = built
-    subprocess.run(
-        f"rpm2cpio {srpm} | cpio -idm --quiet", shell=True, check=True, cwd=tmp_path
-    )
+    subprocess.run(f"rpm2cpio {srpm} | cpio -idm --quiet", shell=True, check=True, cwd=tmp_path)
     listing = subprocess.run(
         ["tar", "-tzf", str(tmp_path / "neuron-0.1.0.tar.gz")],
         capture_output=True,

@@ -52,6 +52,7 @@ def check_window_s() -> float:
 
 
 def test_haproxy_routes_around_every_fault(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
     model = write_tiny_llama(tmp_path / "models" / "tiny.gguf", seed=1)
     with drill(restart_sec=1.0, burst=4, root=tmp_path, source=str(model)) as d:
         wedge, drain, kill, bad = run_all(d, timeout_s=PHASE_TIMEOUT_S)
