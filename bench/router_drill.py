@@ -1,6 +1,6 @@
 """The router drill: HAProxy in front of three real neuron daemons, and one fault at a time.
 
-    python bench/router_drill.py [--json PATH] [--start-limit-burst 4]
+    python bench/router_drill.py [--json PATH] [--keep DIR] [--model GGUF] [--start-limit-burst 4]
 
 Three `neuron serve` processes (the built-in model on the CPU, short watchdog deadlines) sit
 behind HAProxy running `deploy/haproxy/neuron.cfg` (its bind, server and stats-socket lines
@@ -22,8 +22,12 @@ without pause, and then, one at a time:
 For each scenario it reports: when the fault began, seconds until HAProxy took the node out
 of rotation, the client errors among requests started after the fault (the goal is 0), the
 streams in flight on the node at the fault and how each ended, and seconds until the node was
-back in rotation. Wall-clock instants come from one clock (time.time) shared with the
-daemons' log lines (the failpoint's "fired" line marks a wedge's start).
+back in rotation, and the slowest request after the fault (what the retries cost). Each time
+a node armed to wedge enters rotation, the drill sends it a canary stream at once (leastconn
+gives it to the idle node), so that a stream, not only a JSON request, meets every wedge; for
+those scenarios the requests that count start when the node entered rotation. Wall-clock
+instants come from one clock (time.time) shared with the daemons' log lines (the failpoint's
+"fired" line marks a wedge's start).
 
 The same code runs as the slow test tests/drills/test_router_drill.py.
 """
