@@ -484,6 +484,7 @@ class Drill:
         self.proxy_port = free_port()
         self.haproxy: HAProxy | None = None
         self.load: Load | None = None
+        self.deadline: float | None = None  # time.monotonic() by which every wait must end
 
     def start(self, ready_timeout_s: float) -> None:
         self.sups[NODES[0]].start(env_once={"NEURON_FAILPOINTS": WEDGE})
@@ -513,9 +514,11 @@ class Drill:
 
     def wait_until(self, cond: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
+        if self.deadline is not None:
+            deadline = min(deadline, self.deadline)
         while not cond():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not within {timeout_s:g}s: {what}\n{self.debug()}")
+                raise TimeoutError(f"not in time ({timeout_s:g}s): {what}\n{self.debug()}")
             time.sleep(0.1)
 
     def debug(self) -> str:
@@ -678,8 +681,13 @@ def drill(
             d.close()
 
 
-def run_all(d: Drill, timeout_s: float = 300.0) -> list[ScenarioResult]:
-    """The four scenarios, one after the other, each once the previous node is back."""
+def run_all(
+    d: Drill, timeout_s: float = 300.0, total_s: float | None = None
+) -> list[ScenarioResult]:
+    """The four scenarios, one after the other, each once the previous node is back. Every
+    wait gives up after `timeout_s`, and all of them by `total_s` from now (TimeoutError)."""
+    if total_s is not None:
+        d.deadline = time.monotonic() + total_s
     d.start(timeout_s)
     results = [d.wedge(timeout_s)]
     time.sleep(2.0)
