@@ -7,12 +7,15 @@ plain threading code: failpoints are reached on worker threads (engine steps, NC
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
 from dataclasses import dataclass
 
 from neuron_trio.errors import ConfigError, FailpointError
+
+log = logging.getLogger(__name__)
 
 NAMES = ("tp.allreduce", "tp.abort", "engine.step")
 ENV_VAR = "NEURON_FAILPOINTS"
@@ -85,6 +88,8 @@ class Failpoints:
         action = self.take(name)
         if action is None:
             return
+        # Drills (bench/router_drill.py) date the fault from this line.
+        log.warning("failpoint %s fired: %s", name, action)
         if action.kind == "error":
             raise FailpointError(f"failpoint {name}=error")
         if action.kind == "sleep":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
@@ -31,7 +31,7 @@ from neuron_trio.http.openai import (
     now,
     sse_data,
 )
-from neuron_trio.service.api import NodeService
+from neuron_trio.service.api import NodeService, SequenceEvent
 
 __all__ = ["ClientGone", "GenerationFailedError", "SSEResponse", "complete", "run_until_disconnect"]
 
@@ -182,14 +182,17 @@ class SSEResponse(Response):
     async def _stream(self, send: Send, transcript: Transcript, access: AccessInfo | None) -> None:
         parsed = self.parsed
         async with self.node.generate(parsed.job) as events:
+            stream = aiter(events)
+            pending = await _first_event(stream, transcript)
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             writer = ChunkWriter(parsed)
             try:
                 opening = writer.opening()
                 if opening:
                     await send(_body(opening, True))
-                async for event in events:
-                    transcript.add(event)
+                async for event in _chain(pending, stream):
+                    if event is not pending:
+                        transcript.add(event)
                     reason = event.finish_reason
                     if reason is not None and reason not in _FINISHED:
                         break
@@ -219,6 +222,34 @@ class SSEResponse(Response):
                         False,
                     )
                 )
+
+
+async def _first_event(events: AsyncIterator[SequenceEvent], t: Transcript) -> SequenceEvent | None:
+    """The stream's first event, awaited before its response starts: a request the node could
+    not serve (the model wedged or was stopped while the request waited: UnavailableError; or a
+    sequence that ended at once, abnormally) is then a plain 503 with Retry-After, which a
+    router retries on another node (deploy/haproxy/), not a 200 whose only event is an error.
+    None if the events ended without any. Raises what the node raised, or the finish error of
+    a first event that ends the request abnormally."""
+    try:
+        event = await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    t.add(event)
+    if event.finish_reason is not None and event.finish_reason not in _FINISHED:
+        failure = _finish_error(t)
+        if failure is not None:
+            raise failure
+    return event
+
+
+async def _chain(
+    first: SequenceEvent | None, rest: AsyncIterator[SequenceEvent]
+) -> AsyncIterator[SequenceEvent]:
+    if first is not None:
+        yield first
+    async for event in rest:
+        yield event
 
 
 def _error_event(exc: ApiError) -> bytes:

@@ -39,8 +39,15 @@ def test_tokens_of_many_streams_leave_in_one_write(monkeypatch: pytest.MonkeyPat
         async with serving(node) as srv, RawH2.connect(srv.bound[0]) as client:
             doc = chat_body(stream=True, max_tokens=len(TOKENS))
             sids = [await client.post("/v1/chat/completions", doc) for _ in range(STREAMS)]
-            await client.read_until(lambda: node.open == STREAMS)  # all wait for token 0
-            for i, token in enumerate(TOKENS[:-1]):  # the last one also ends the streams
+            while node.open < STREAMS:  # all wait for token 0 (and send nothing before it)
+                node.entered = trio.Event()
+                await node.entered.wait()
+            # Token 0 also starts each response (a stream's headers wait for its first event,
+            # http/generation.py): one HEADERS frame per stream. From token 1 on, DATA only.
+            released[0].set()
+            first = f'"content":"{TOKENS[0]}"'.encode()
+            await client.read_until(lambda: all(first in client.data[s] for s in sids))
+            for i, token in list(enumerate(TOKENS[:-1]))[1:]:  # the last one ends the streams
                 mark = f'"content":"{token}"'.encode()
                 writes.clear()
                 released[i].set()  # all streams get token i in the same moment, as in a step
