@@ -29,7 +29,7 @@ those scenarios the requests that count start when the node entered rotation. Wa
 instants come from one clock (time.time) shared with the daemons' log lines (the failpoint's
 "fired" line marks a wedge's start).
 
-The same code runs as the slow test tests/drills/test_router_drill.py.
+The same code runs as the slow test tests/e2e/test_router_drill.py.
 """
 
 from __future__ import annotations

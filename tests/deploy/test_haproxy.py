@@ -1,6 +1,6 @@
 """deploy/haproxy/neuron.cfg: HAProxy accepts it as shipped and as the drill rewrites it, and it
 holds the settings that deploy/haproxy/README.md argues for (bench/router_drill.py measures
-them against real daemons; tests/drills/test_router_drill.py asserts the outcome)."""
+them against real daemons; tests/e2e/test_router_drill.py asserts the outcome)."""
 
 from __future__ import annotations
 
