@@ -127,10 +127,15 @@ def _refuse(what: str) -> TemplateLimitError:
     return TemplateLimitError(f"the model's chat template exceeded a limit: {what}")
 
 
-def _charge_size(size: int, what: str) -> None:
-    """Account for a value of `size` characters (or items) about to be made."""
+def _check_size(size: int, what: str) -> None:
+    """Refuse a value of `size` characters (or items) before it is made."""
     if size > MAX_VALUE_CHARS:
         raise _refuse(f"{what} would make a value of {size} characters (at most {MAX_VALUE_CHARS})")
+
+
+def _charge_size(size: int, what: str) -> None:
+    """Account for a value of `size` characters (or items), made or about to be."""
+    _check_size(size, what)
     _budget.used += size
     if _budget.used > _budget.limit:
         raise _refuse(f"the render made more than {_budget.limit} characters in all")
@@ -160,7 +165,7 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
         for seq, n in ((left, right), (right, left)):
             count = _repeat_count(n)
             if isinstance(seq, _SIZED) and count is not None:
-                _charge_size(len(seq) * max(count, 0), what)
+                _check_size(len(seq) * max(count, 0), what)
                 return
         if isinstance(left, int) and isinstance(right, int):
             _check_int_product(left, right, what)
@@ -170,7 +175,7 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
                 raise _refuse(f"{what} would make an integer of more than {MAX_INT_BITS} bits")
     elif operator == "+":
         if isinstance(left, _SIZED) and isinstance(right, _SIZED):
-            _charge_size(len(left) + len(right), what)
+            _check_size(len(left) + len(right), what)
     elif operator == "%" and isinstance(left, str):
         for width, precision in _PERCENT_SPEC.findall(left):
             _check_widths([width, precision], what)
@@ -208,13 +213,13 @@ def _check_call(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
         return
     what = f"str.{name}"
     if name in _WIDTH_METHODS and args and isinstance(args[0], int):
-        _charge_size(max(args[0], len(owner)), what)
+        _check_size(max(args[0], len(owner)), what)
     elif name == "expandtabs":
         tab = args[0] if args else kwargs.get("tabsize", 8)
         if isinstance(tab, int):
-            _charge_size(len(owner) + owner.count("\t") * max(tab, 0), what)
+            _check_size(len(owner) + owner.count("\t") * max(tab, 0), what)
     elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
-        _charge_size(_replaced_size(owner, args[0], args[1]), what)
+        _check_size(_replaced_size(owner, args[0], args[1]), what)
     elif name in ("format", "format_map"):
         _check_format_string(owner, what)
 
@@ -239,7 +244,7 @@ def bounded_concat(values: Iterable[Any]) -> str:
         piece = value if isinstance(value, str) else str(value)
         size += len(piece)
         if size > MAX_VALUE_CHARS:
-            _charge_size(size, "the template's output")
+            _check_size(size, "the template's output")
         pieces.append(piece)
     _charge_size(size, "the template's output")
     return "".join(pieces)
@@ -264,14 +269,14 @@ def _bounded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(width, str):
                 width = len(width)
             if isinstance(width, int):
-                _charge_size(len(text) + max(width, 0) * lines, what)
+                _check_size(len(text) + max(width, 0) * lines, what)
         elif name == "replace" and len(values) >= 3:
             text, old, new = (str(v) for v in values[:3])
-            _charge_size(_replaced_size(text, old, new), what)
+            _check_size(_replaced_size(text, old, new), what)
         elif name == "join" and values and isinstance(values[0], Iterable):
             values[0] = list(values[0])  # materialised once, then joined from this list
             separator = kwargs.get("d", values[1] if len(values) > 1 else "")
-            _charge_size(_joined_size(values[0], str(separator)), what)
+            _check_size(_joined_size(values[0], str(separator)), what)
             args = (*args[:first], *values)
         elif name == "format" and values and isinstance(values[0], str):
             for width, precision in _PERCENT_SPEC.findall(values[0]):
@@ -328,7 +333,7 @@ class BoundedSandboxEnvironment(ImmutableSandboxedEnvironment):
         owner = getattr(target, "__self__", None)
         if isinstance(owner, str) and getattr(target, "__name__", "") == "join" and args:
             items = list(args[0])  # materialised once, then joined from this list
-            _charge_size(_joined_size(items, owner), "str.join")
+            _check_size(_joined_size(items, owner), "str.join")
             args = (items, *args[1:])
         else:
             _check_call(target, args, kwargs)

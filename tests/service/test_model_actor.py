@@ -187,7 +187,7 @@ def test_bad_requests_are_refused_before_queueing() -> None:
     run_actor(test)
 
 
-def test_many_messages_render_off_the_event_loop_and_far_too_long_is_refused_first() -> None:
+def test_every_chat_renders_off_the_event_loop_and_far_too_long_is_refused_first() -> None:
     async def test(h: Harness) -> None:
         def chat(n: int, content: str = "") -> GenerationJob:
             messages = tuple(ChatMessage("user", content) for _ in range(n))
@@ -198,15 +198,15 @@ def test_many_messages_render_off_the_event_loop_and_far_too_long_is_refused_fir
                 pass
         async with h.actor.generate(chat(2)):
             pass
-        # Empty messages count: 2000 of them went to a worker thread, 2 stayed inline.
-        assert h.engine.rendered_on == [False, True]
+        # A chat template is the model file's code: every chat renders on a worker thread.
+        assert h.engine.rendered_on == [False, False]
         # Beyond context x 64 characters: refused before the template ever runs.
         huge = "y" * (4096 * 64 + 1)
         with pytest.raises(ContextLengthError, match="characters") as err:
             async with h.actor.generate(chat(1, huge)):
                 pass
         assert err.value.param == "messages"
-        assert h.engine.rendered_on == [False, True]
+        assert h.engine.rendered_on == [False, False]
 
     run_actor(test)
 
