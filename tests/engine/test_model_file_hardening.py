@@ -28,39 +28,14 @@ from tests.engine.native_panic import long_token_tokenizer, make_panic
 
 
 def write_with_vocab(
-    path: Path,
-    edit: Callable[[list[str], list[int], list[str]], None],
-    **kw: Any,
+    path: Path, edit: Callable[[list[str], list[int], list[str]], None], **kw: Any
 ) -> Path:
     """A tiny llama whose vocabulary (tokens, types, merges) `edit` changes in place."""
-    original = tiny.tiny_vocab
-
-    def edited() -> tuple[list[str], list[int], list[str]]:
-        tokens, types, merges = original()
-        tokens, types, merges = list(tokens), list(types), list(merges)
-        edit(tokens, types, merges)
-        return tokens, types, merges
-
-    tiny.tiny_vocab = edited  # type: ignore[assignment]
-    try:
-        return tiny.write_tiny_llama(path, **kw)
-    finally:
-        tiny.tiny_vocab = original  # type: ignore[assignment]
+    return tiny.write_tiny_llama(path, edit_vocab=edit, **kw)
 
 
 def write_with_weights(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> Path:
-    original = tiny.tiny_weights
-
-    def edited(**kw: Any) -> dict[str, np.ndarray]:
-        weights = original(**kw)
-        edit(weights)
-        return weights
-
-    tiny.tiny_weights = edited  # type: ignore[assignment]
-    try:
-        return tiny.write_tiny_llama(path)
-    finally:
-        tiny.tiny_weights = original  # type: ignore[assignment]
+    return tiny.write_tiny_llama(path, edit_weights=edit)
 
 
 def refused(path: Path, match: str) -> str:
