@@ -31,7 +31,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama  # noqa: E402
+from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
 
 LOOP = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
 BUILTIN_MODEL = "smollm2-135m"
@@ -122,9 +122,7 @@ class _Attacker:
         return self.user.post("/v1/chat/completions", json=body)
 
 
-def _bad_file(
-    name: str, expect: str, **tiny: Any
-) -> Callable[[_Attacker], tuple[list[int], str]]:
+def _bad_file(name: str, expect: str, **tiny: Any) -> Callable[[_Attacker], tuple[list[int], str]]:
     """An attack: load a file that must be refused with 422 naming `expect`."""
 
     def attack(a: _Attacker) -> tuple[list[int], str]:
@@ -183,10 +181,14 @@ ATTACKS: dict[str, Callable[[_Attacker], tuple[list[int], str]]] = {
         edit_vocab=lambda t, y, m: m.append("<|endoftext|> <|endoftext|>"),
     ),
     "1025-byte token (grammar panic)": _bad_file(
-        "long-token", "1025 bytes long", edit_vocab=lambda t, y, m: (t.append("a" * 1025), y.append(1))
+        "long-token",
+        "1025 bytes long",
+        edit_vocab=lambda t, y, m: (t.append("a" * 1025), y.append(1)),
     ),
     "1,000,000-character token": _bad_file(
-        "huge-token", "bytes long", edit_vocab=lambda t, y, m: (t.append("a" * 1_000_000), y.append(1))
+        "huge-token",
+        "bytes long",
+        edit_vocab=lambda t, y, m: (t.append("a" * 1_000_000), y.append(1)),
     ),
     "duplicate token string": _bad_file(
         "dup", "are both", edit_vocab=lambda t, y, m: (t.append(t[200]), y.append(1))
@@ -211,7 +213,9 @@ ATTACKS: dict[str, Callable[[_Attacker], tuple[list[int], str]]] = {
     "template looping on warm-up's chat": _bad_file(
         "tmpl-warm",
         "warm-up",
-        chat_template="{% if messages[-1]['content'] == 'Say hello.' %}" + LOOP + "{% endif %}"
+        chat_template="{% if messages[-1]['content'] == 'Say hello.' %}"
+        + LOOP
+        + "{% endif %}"
         + CHATML_TEMPLATE,
     ),
     "template looping on 4-message chats": _looping_on_four_messages,
@@ -257,7 +261,7 @@ def format_table(rows: list[AttackRow], rss: dict[str, int] | None = None) -> st
     for r in rows:
         codes = ",".join(map(str, r.statuses)) or "-"
         lines.append(
-            f"{r.attack:40} {codes:18} {r.health_max_s:12.3f} {str(r.survived):>8}  {r.detail}"
+            f"{r.attack:40} {codes:18} {r.health_max_s:12.3f} {r.survived!s:>8}  {r.detail}"
         )
     if rss:
         lines.append(", ".join(f"{k}: {v / 2**20:.0f} MiB" for k, v in rss.items()))

@@ -173,8 +173,7 @@ class ChatTemplate:
             text = run_with_deadline(render, time_limit_s)
         except TimeoutError:
             raise TemplateLimitError(
-                f"the model's chat template did not render these messages within "
-                f"{time_limit_s:g} s"
+                f"the model's chat template did not render these messages within {time_limit_s:g} s"
             ) from None
         except TemplateLimitError:
             raise

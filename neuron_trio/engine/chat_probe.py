@@ -23,7 +23,12 @@ from neuron_trio.engine.chat import ChatTemplate
 from neuron_trio.engine.template_sandbox import TemplateLimitError, run_with_deadline
 from neuron_trio.errors import ModelFileError, RequestError
 
-__all__ = ["PROBE_TIME_LIMIT_S", "probe_chat_template", "probe_gguf_chat_template", "run_with_deadline"]
+__all__ = [
+    "PROBE_TIME_LIMIT_S",
+    "probe_chat_template",
+    "probe_gguf_chat_template",
+    "run_with_deadline",
+]
 
 log = logging.getLogger(__name__)
 

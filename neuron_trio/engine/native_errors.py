@@ -27,8 +27,7 @@ _MAX_DETAIL_CHARS = 200
 def is_native_panic(exc: BaseException) -> bool:
     """Whether `exc` is a Rust panic raised through pyo3 (any pyo3 library's)."""
     return any(
-        cls.__name__ == _PANIC_NAME and cls.__module__ == _PANIC_MODULE
-        for cls in type(exc).__mro__
+        cls.__name__ == _PANIC_NAME and cls.__module__ == _PANIC_MODULE for cls in type(exc).__mro__
     )
 
 

@@ -170,9 +170,9 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
         if isinstance(left, int) and isinstance(right, int):
             _check_int_product(left, right, what)
     elif operator == "**":
-        if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
-            if (abs(left).bit_length() - 1) * right > MAX_INT_BITS:
-                raise _refuse(f"{what} would make an integer of more than {MAX_INT_BITS} bits")
+        big = isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1
+        if big and (abs(left).bit_length() - 1) * right > MAX_INT_BITS:
+            raise _refuse(f"{what} would make an integer of more than {MAX_INT_BITS} bits")
     elif operator == "+":
         if isinstance(left, _SIZED) and isinstance(right, _SIZED):
             _check_size(len(left) + len(right), what)
@@ -274,9 +274,10 @@ def _bounded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             text, old, new = (str(v) for v in values[:3])
             _check_size(_replaced_size(text, old, new), what)
         elif name == "join" and values and isinstance(values[0], Iterable):
-            values[0] = list(values[0])  # materialised once, then joined from this list
+            items = list(values[0])  # materialised once, then joined from this list
+            values[0] = items
             separator = kwargs.get("d", values[1] if len(values) > 1 else "")
-            _check_size(_joined_size(values[0], str(separator)), what)
+            _check_size(_joined_size(items, str(separator)), what)
             args = (*args[:first], *values)
         elif name == "format" and values and isinstance(values[0], str):
             for width, precision in _PERCENT_SPEC.findall(values[0]):
@@ -307,9 +308,7 @@ class BoundedSandboxEnvironment(ImmutableSandboxedEnvironment):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.filters = {
-            name: _bounded_filter(name, fn) for name, fn in self.filters.items()
-        }
+        self.filters = {name: _bounded_filter(name, fn) for name, fn in self.filters.items()}
         lipsum = self.globals.get("lipsum")
         if callable(lipsum):
 
@@ -322,11 +321,15 @@ class BoundedSandboxEnvironment(ImmutableSandboxedEnvironment):
         """Add or replace a filter, bounded like the built-in ones."""
         self.filters[name] = _bounded_filter(name, fn)
 
-    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(
+        self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any
+    ) -> Any:
         _check_binop(operator, left, right)
-        return _charge(super().call_binop(context, operator, left, right), f"the operator {operator!r}")
+        return _charge(
+            super().call_binop(context, operator, left, right), f"the operator {operator!r}"
+        )
 
-    def call(  # noqa: N805 - jinja2's own signature (its double underscores avoid clashes)
+    def call(
         __self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any
     ) -> Any:
         target = getattr(__obj, "__wrapped__", __obj)  # str.format: the sandbox's wrapper
@@ -354,4 +357,3 @@ class BoundedSandboxEnvironment(ImmutableSandboxedEnvironment):
             return self.from_string(source)
         except (RecursionError, MemoryError) as exc:
             raise jinja2.TemplateError(f"{type(exc).__name__} while compiling") from None
-

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.engine.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.template_sandbox import TemplateLimitError
+from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import ModelFileError, RequestError
 
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step

@@ -4,7 +4,6 @@ forge a system turn by writing `<|im_end|>\\n<|im_start|>system` in a message.""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 

@@ -98,12 +98,13 @@ def test_panics_are_recognised_and_only_panics_translated() -> None:
     panic = make_panic()
     assert not isinstance(panic, Exception) and is_native_panic(panic)
     assert not is_native_panic(KeyboardInterrupt()) and not is_native_panic(ValueError())
-    with pytest.raises(ModelFileError, match="loading x: a native library panicked on this file"):
-        with panics_as_model_file_errors("loading x"):
-            raise panic
-    with pytest.raises(KeyboardInterrupt):
-        with panics_as_model_file_errors("loading x"):
-            raise KeyboardInterrupt
+    with (
+        pytest.raises(ModelFileError, match="loading x: a native library panicked on this file"),
+        panics_as_model_file_errors("loading x"),
+    ):
+        raise panic
+    with pytest.raises(KeyboardInterrupt), panics_as_model_file_errors("loading x"):
+        raise KeyboardInterrupt
 
 
 # ---- finding 8: a token's length made the merge derivation quadratic ---------------------------
@@ -142,7 +143,7 @@ def test_a_million_character_sentencepiece_token_is_refused_at_the_header(tmp_pa
         ),
     ]
     path = raw_gguf(tmp_path / "spm.gguf", kvs, llama_tensors(vocab=16))
-    with pytest.raises(ModelFileError, match="token 12 of tokenizer.ggml.tokens is 1000000"):
+    with pytest.raises(ModelFileError, match=r"token 12 of tokenizer\.ggml\.tokens is 1000000"):
         GGUFFile(path)
 
 
@@ -168,9 +169,13 @@ def test_an_ffn_up_of_the_wrong_shape_is_refused_at_the_header(tmp_path: Path) -
 def test_fewer_embedding_rows_than_tokens_is_refused(tmp_path: Path) -> None:
     # no vocab_size key: the model's vocabulary is the embedding's 16 rows, the tokenizer's 20
     tokens = [f"t{i}" for i in range(20)]
-    kvs = [*llama_kvs(), kv_str("tokenizer.ggml.model", "gpt2"), kv("tokenizer.ggml.tokens", 9, _string_array(tokens))]
+    kvs = [
+        *llama_kvs(),
+        kv_str("tokenizer.ggml.model", "gpt2"),
+        kv("tokenizer.ggml.tokens", 9, _string_array(tokens)),
+    ]
     path = raw_gguf(tmp_path / "rows.gguf", kvs, llama_tensors(vocab=16))
-    with pytest.raises(ModelFileError, match="20 tokens but token_embd.weight only 16 rows"):
+    with pytest.raises(ModelFileError, match=r"20 tokens but token_embd\.weight only 16 rows"):
         GGUFFile(path)
 
 

@@ -70,7 +70,7 @@ def test_a_hostile_template_is_refused_by_a_bound(name: str) -> None:
     assert template.available, template.error  # compiles at once: nothing folded at load
     tracemalloc.start()
     try:
-        with pytest.raises(TemplateLimitError, match="exceeded a limit|indent"):
+        with pytest.raises(TemplateLimitError, match=r"exceeded a limit|indent"):
             template.render(MESSAGES, time_limit_s=30.0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -79,7 +79,7 @@ def test_a_hostile_template_is_refused_by_a_bound(name: str) -> None:
 
 
 def test_a_looping_template_stops_at_its_deadline() -> None:
-    with pytest.raises(TemplateLimitError, match="did not render these messages within 0.2 s"):
+    with pytest.raises(TemplateLimitError, match=r"did not render these messages within 0\.2 s"):
         ChatTemplate(NESTED_LOOP).render(MESSAGES, time_limit_s=0.2)
 
 
@@ -125,7 +125,9 @@ def test_warm_up_fails_the_load_when_the_template_loops_on_its_chat(tmp_path: Pa
     # Loops only on the warm-up's own chat: before, the warm-up hung until the deadman ended
     # the whole node (exit 70); now the load fails (422, or exit 69 for a default model).
     only_on_warm_up = (
-        "{% if messages[-1]['content'] == 'Say hello.' %}" + NESTED_LOOP + "{% endif %}"
+        "{% if messages[-1]['content'] == 'Say hello.' %}"
+        + NESTED_LOOP
+        + "{% endif %}"
         + CHATML_TEMPLATE
     )
     engine = Engine.from_gguf(
@@ -157,7 +159,7 @@ def test_renders_on_other_threads_have_their_own_budgets() -> None:
     def render() -> None:
         try:
             template.render(MESSAGES)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=render) for _ in range(3)]

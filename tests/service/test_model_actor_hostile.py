@@ -76,7 +76,9 @@ def test_a_load_past_load_timeout_s_fails_and_its_late_executor_is_closed() -> N
         actor = ModelActor(spec(), loader, max_queue=1, load_timeout_s=0.2)
         try:
             async with trio.open_nursery() as nursery:
-                with pytest.raises(ModelLoadError, match="longer than 0.2 s .node.load_timeout_s"):
+                with pytest.raises(
+                    ModelLoadError, match=r"longer than 0\.2 s \(node\.load_timeout_s\)"
+                ):
                     await nursery.start(actor.run)
         finally:
             release.set()
