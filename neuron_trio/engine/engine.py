@@ -98,7 +98,7 @@ class Engine:
                 chat_template or tokenizer.chat_template,
                 bos_token=_token_text(tokenizer, tokenizer.bos_id),
                 eos_token=_token_text(tokenizer, tokenizer.eos_id),
-                literal_tokens=[tokenizer.tokens[i] for i in sorted(tokenizer.special_ids)],
+                literal_tokens=[_token_text(tokenizer, i) for i in sorted(tokenizer.special_ids)],
             )
         self.chat_template = chat_template
         self._eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})

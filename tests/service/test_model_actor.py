@@ -6,6 +6,7 @@ runner (`FakeThreads`) that the test can hold, and time is a MockClock moved by 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -166,6 +167,13 @@ def test_chat_messages_go_through_the_template() -> None:
         r = h.consume(
             GenerationJob(model="m", params=SamplingParams(max_tokens=1), messages=messages)
         )
+        # The template renders on a real worker thread (a task waiting for it counts as
+        # blocked): wait for the request to be added, a thread round trip at a time.
+        for _ in range(2000):
+            await settle()
+            if h.engine.added:
+                break
+            await trio.to_thread.run_sync(time.sleep, 0.001)
         await settle()
         assert r["error"] is None
         assert "".join(map(chr, h.engine.added[0])) == "<system>s<user>u<assistant>"
