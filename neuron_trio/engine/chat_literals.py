@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
+_MARKER = re.compile(_OPEN + r"(\d+)\.(\d+)" + _CLOSE)  # nonce, index
 
 
 class ChatPrompt(str):
@@ -93,7 +94,6 @@ class LiteralGuard:
         self._literals = literals
         self._pattern = literals.pattern
         self._nonce = str(secrets.randbelow(10**15))
-        self._markers = re.compile(re.escape(_OPEN + self._nonce) + r"\.(\d+)" + re.escape(_CLOSE))
         self.used = False
 
     def _mark(self, match: re.Match[str]) -> str:
@@ -119,10 +119,10 @@ class LiteralGuard:
         pieces: list[str] = []
         spans: list[tuple[int, int]] = []
         at = size = 0
-        for match in self._markers.finditer(rendered):
-            k = int(match.group(1))
-            if k >= len(texts):
-                continue
+        for match in _MARKER.finditer(rendered):
+            k = int(match.group(2))
+            if match.group(1) != self._nonce or k >= len(texts):
+                continue  # typed by the client, not ours: left as it is
             pieces.append(rendered[at : match.start()])
             size += match.start() - at
             pieces.append(texts[k])
