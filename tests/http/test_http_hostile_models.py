@@ -83,3 +83,36 @@ def test_a_template_that_loops_on_four_messages_fails_that_request_alone(tmp_pat
             assert r.status_code == 200, r.text
 
     run(body, timeout=300)
+
+
+def test_a_load_time_error_names_the_source_not_the_resolved_path(tmp_path: Path) -> None:
+    # An error raised while building (after the header checks) used to carry the absolute
+    # path, e.g. "/srv/models/x.gguf: tensor blk.0.ffn_up.weight has shape ...".
+    from neuron_trio.config import NeuronConfig, NodeConfig, ServerConfig
+    from neuron_trio.errors import ModelFileError
+    from neuron_trio.service.node import Node
+    from tests.http.http_harness import serving_node
+
+    models = tmp_path / "models"
+    models.mkdir()
+    write_tiny_llama(models / "m.gguf")
+
+    def factory(spec: object, path: Path, devices: object, *, failpoints: object) -> object:
+        raise ModelFileError(f"{path}: tensor blk.0.ffn_up.weight has the wrong shape")
+
+    config = NeuronConfig(
+        server=ServerConfig(listen=["127.0.0.1:0"], drain_timeout_s=2.0),
+        node=NodeConfig(state_dir=str(tmp_path), model_dirs=[str(models)]),
+        default_models=[],
+    )
+
+    async def body() -> None:
+        node = Node(config, executor_factory=factory)
+        async with serving_node(node, config) as url, httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/v1/models", json={"name": "m", "source": "m.gguf"})
+            assert r.status_code == 422, r.text
+            message = r.json()["error"]["message"]
+            assert "m.gguf: tensor blk.0.ffn_up.weight" in message
+            assert str(tmp_path) not in message
+
+    run(body, timeout=120)
