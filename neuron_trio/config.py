@@ -67,6 +67,10 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hf_allow_repos: list[str] = msgspec.field(default_factory=list)
     # The largest file a runtime load may download, checked before the download starts.
     hf_max_download_bytes: PositiveInt = 32 << 30
+    # The most seconds one model's build (reading, converting and placing its weights, its
+    # tokenizer) may take, downloads and warm-up not included: past it the load fails (422/500
+    # at run time, exit 69 for a default model) instead of holding its slot forever.
+    load_timeout_s: PositiveFloat = 900.0
 
 
 class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -47,6 +47,7 @@ from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.text.chat import ChatTemplate, end_of_turn_ids
+from neuron_trio.engine.text.chat_literals import ChatPrompt
 from neuron_trio.engine.text.grammar import (
     GrammarCompiler,
     GrammarState,
@@ -107,6 +108,7 @@ class Engine:
                 chat_template or tokenizer.chat_template,
                 bos_token=_token_text(tokenizer, tokenizer.bos_id),
                 eos_token=_token_text(tokenizer, tokenizer.eos_id),
+                literal_tokens=[_token_text(tokenizer, i) for i in sorted(tokenizer.special_ids)],
             )
         self.chat_template = chat_template
         self._eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
@@ -179,7 +181,8 @@ class Engine:
             messages = render_tools_as_text(messages, tools)
             tools = ()
         extra = {"tools": template_tools(tools)} if tools else {}
-        return str(self.chat_template.render(messages, add_generation_prompt=True, **extra))
+        # a ChatPrompt (a str), which says where the messages' control-token strings are
+        return self.chat_template.render(messages, add_generation_prompt=True, **extra)
 
     @property
     def tool_format(self) -> ToolCallFormat:
@@ -191,10 +194,14 @@ class Engine:
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         """Token ids of `text`; BOS is added when the model wants it and the text lacks it.
 
-        Special tokens written in the text (a chat template's) are parsed as such.
+        Special tokens written in the text (a chat template's) are parsed as such, except,
+        in a rendered chat (`ChatPrompt`), those that came from the messages: text.
         """
         del chat  # a rendered chat template carries its own specials, BOS included or not
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(text, ChatPrompt) and text.literal_spans:
+            ids = self.tokenizer.encode_chat(text, text.literal_spans)
+        else:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         bos = self.tokenizer.bos_id
         if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)

@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
+from neuron_trio.engine.text.template_sandbox import TemplateLimitError
 from neuron_trio.engine.types import Constraint, SamplingParams
-from neuron_trio.errors import RequestError
+from neuron_trio.errors import ModelFileError, RequestError
 
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
 # A plain chat: the shape of the usual first request (one row, a short prefill).
@@ -93,11 +95,18 @@ def _requests(max_batch: int) -> list[list[_Request]]:
 def warm_up(engine: Engine) -> WarmUpReport:
     """Run the warm-up requests to completion (blocking: a worker thread, before serving).
 
-    Raises whatever a step raises (the model cannot serve: its load fails). The engine must be
-    idle; it is idle again when this returns.
+    Raises whatever a step raises (the model cannot serve: its load fails); ModelFileError if
+    the chat template exceeds its bounds or a native library panics (a file the node cannot
+    serve: 422, or exit 69 for a default model, never the deadman's exit 70). The engine must
+    be idle; it is idle again when this returns.
     """
     if engine.has_work:
         raise RuntimeError("warm_up needs an idle engine")
+    with panics_as_model_file_errors("warm-up"):  # e.g. the grammar engine's, on the vocabulary
+        return _warm_up(engine)
+
+
+def _warm_up(engine: Engine) -> WarmUpReport:
     report = WarmUpReport()
     steps_before = engine.statistics().steps
     for wave in _requests(engine.max_batch):
@@ -122,6 +131,8 @@ def _prompt(engine: Engine, request: _Request) -> tuple[list[int], bool]:
             text, chat = engine.render_chat(request.messages), True
         except RequestError:  # no chat template: a base model serves completions only
             text = " ".join(m["content"] for m in request.messages)
+        except TemplateLimitError as exc:  # the template loops or grows: the file's fault
+            raise ModelFileError(f"the chat template failed the warm-up: {exc.message}") from None
     ids = engine.encode_prompt(text, chat=chat)
     room = max(1, engine.context - WARM_UP_TOKENS)
     return ids[-room:], chat

@@ -26,6 +26,7 @@ import trio
 
 from neuron_trio.config import ModelConfig, TpConfig
 from neuron_trio.engine.prompt import PreparedPrompt, prepare_prompt
+from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
@@ -47,10 +48,7 @@ from neuron_trio.service.wedge.watchdog import InflightRequest, Watchdog
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread
-# ... and chats of more messages: the template's cost grows with the count, not the text
-# (34,000 empty messages stalled the event loop 446 ms when only characters were counted).
-INLINE_ENCODE_MESSAGES = 32
+INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread (chats: all)
 # No tokenizer packs more characters than this into one token on average, so a prompt with
 # more than context x this many characters cannot fit: refused before it is rendered.
 MAX_CHARS_PER_TOKEN = 64
@@ -110,8 +108,10 @@ class ModelActor:
         memory: ModelMemory | None = None,
         burst_gap_s: float = BURST_GAP_S,
         burst_window_s: float = BURST_WINDOW_S,
+        load_timeout_s: float = float("inf"),
     ) -> None:
         self.spec = spec
+        self.load_timeout_s = load_timeout_s  # the build on its worker thread (not warm-up)
         self.name = spec.name
         self.max_queue = max_queue
         # One idle-probe interval (tp.probe_interval_s): the watchdog's, which /v1/node shows.
@@ -277,7 +277,6 @@ class ModelActor:
         assert self.executor is not None
         engine: ServingEngine = self.executor.engine
         size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
-        n_messages = len(job.messages or ())
         if size > self.spec.context * MAX_CHARS_PER_TOKEN:
             self._count("rejected_invalid")
             raise ContextLengthError(
@@ -300,9 +299,11 @@ class ModelActor:
         try:
             # A grammar may take milliseconds (seconds for a huge schema) to compile, and
             # tools are rendered into the prompt as JSON of any size.
+            # A chat template is the model file's code: it renders on a thread, under its own
+            # deadline and size bounds (engine/text/template_sandbox.py), never on the event loop.
             if (
                 size > INLINE_ENCODE_CHARS
-                or n_messages > INLINE_ENCODE_MESSAGES
+                or job.messages is not None
                 or job.params.constraint is not None
                 or job.params.tools
             ):
@@ -422,9 +423,10 @@ class ModelActor:
             return executor
 
         try:
-            return await trio.to_thread.run_sync(
-                build, abandon_on_cancel=True, thread_name=f"neuron-load-{self.name}"
-            )
+            with panics_as_model_file_errors(f"model {self.name!r}"):
+                return await trio.to_thread.run_sync(
+                    build, abandon_on_cancel=True, thread_name=f"neuron-load-{self.name}"
+                )
         except trio.Cancelled:
             with lock:
                 abandoned = True
@@ -465,8 +467,17 @@ class ModelActor:
         """Load, warm up, report started, then serve until `unload()` (or cancellation)."""
         started = time.monotonic()
         try:
-            self.executor = await self._load()
-            await self._warm_up(self.executor)
+            try:
+                with trio.fail_after(self.load_timeout_s):
+                    self.executor = await self._load()
+            except trio.TooSlowError:
+                raise ModelLoadError(
+                    f"model {self.name!r}: loading took longer than {self.load_timeout_s:g} s "
+                    "(node.load_timeout_s)"
+                ) from None
+            # A Rust panic (pyo3's PanicException is a BaseException) is the file's fault.
+            with panics_as_model_file_errors(f"model {self.name!r}"):
+                await self._warm_up(self.executor)
             self._engine_stats = self.executor.engine.statistics()
         except BaseException as exc:
             self._state = "unloaded"

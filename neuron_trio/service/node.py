@@ -514,6 +514,7 @@ class Node:
             raise ModelExistsError(spec.name)
         assert self._nursery is not None
         self._reserved.add(spec.name)
+        path: Path | None = None
         try:
             path = await trio.to_thread.run_sync(
                 partial(
@@ -558,6 +559,7 @@ class Node:
                 metrics=self._metrics.for_model(spec.name),
                 source_path=str(path),
                 burst_gap_s=self._burst_gap_s,
+                load_timeout_s=self.config.node.load_timeout_s,
                 memory=ModelMemory(
                     weights_bytes=estimate.weights_bytes,
                     kv_cache_bytes=estimate.kv_cache_bytes,
@@ -571,10 +573,16 @@ class Node:
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
-        except (ModelLoadError, ApiError, ConfigError):
+        except ModelLoadError as exc:
+            # Name the file as the client did: where a source resolves to is not theirs.
+            if path is not None and str(path) in str(exc):
+                raise type(exc)(str(exc).replace(str(path), spec.source)) from None
+            raise
+        except (ApiError, ConfigError):
             raise
         except Exception as exc:  # a GPU read, a torch error: still a failed load
-            raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {exc}") from exc
+            detail = str(exc) if path is None else str(exc).replace(str(path), spec.source)
+            raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {detail}") from exc
         finally:
             self._reserved.discard(spec.name)
         return actor

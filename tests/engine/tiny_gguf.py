@@ -9,6 +9,7 @@ ids and a ChatML chat template. Deterministic for a given seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,8 @@ def write_tiny_llama(
     overrides: dict[str, str] | None = None,
     arch: str = "llama",
     raw_blocks: dict[str, tuple[str, np.ndarray]] | None = None,
+    edit_vocab: Callable[[list[str], list[int], list[str]], None] | None = None,
+    edit_weights: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> Path:
     """Write a tiny random llama GGUF file at `path` and return the path.
 
@@ -161,9 +164,13 @@ def write_tiny_llama(
     `arch` other than "llama" writes an unsupported architecture (for error tests).
     `raw_blocks` maps tensor names to (format, uint8 blocks `[rows, bytes per row]`), written
     as they are (for formats the `gguf` package cannot quantise, e.g. IQ4_NL or Q3_K).
+    `edit_vocab(tokens, types, merges)` and `edit_weights(weights)` change the lists and the
+    weights in place before they are written (hostile files: a bad merge, a wrong shape).
     """
     path = Path(path)
-    tokens, token_types, merges = tiny_vocab()
+    tokens, token_types, merges = (list(x) for x in tiny_vocab())
+    if edit_vocab is not None:
+        edit_vocab(tokens, token_types, merges)
     weights = tiny_weights(
         n_layers=n_layers,
         dim=dim,
@@ -174,6 +181,8 @@ def write_tiny_llama(
         tied=tied,
         seed=seed,
     )
+    if edit_weights is not None:
+        edit_weights(weights)
     qt = gguf.GGMLQuantizationType[qtype]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")

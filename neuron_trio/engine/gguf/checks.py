@@ -29,6 +29,10 @@ MAX_ARRAY_LENGTH = 1 << 24  # elements in one metadata array (vocabularies are ~
 MAX_ARRAY_DEPTH = 2  # arrays of arrays; no known model nests deeper
 MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 16
+# One vocabulary token's bytes. Real vocabularies stay under 200 (SmolLM2: 162, Gemma 3: 48);
+# llguidance's token trie panics past 1024, and SentencePiece merges are derived in time
+# quadratic in a token's length (a 1,000,000-character token: ~100 s).
+MAX_TOKEN_BYTES = 1024
 
 # The fewest bytes each item can take in the file: a key/value pair (8-byte key length, a
 # 1-byte key, 4-byte type, a 1-byte value) and a tensor entry (8-byte name length, 1-byte
@@ -56,6 +60,9 @@ SHAPE_KEY_CAPS = {
     "context_length": 1 << 24,
     "vocab_size": 1 << 22,
 }
+# ... and no smaller than this: a model must hold at least one KV block's worth of tokens (a
+# context of 1 left the warm-up no room for a prompt and its token: a 500, not a 422).
+SHAPE_KEY_FLOORS = {"context_length": 16}
 # Floats that must be finite and positive.
 POSITIVE_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
 
@@ -140,10 +147,12 @@ def check_shape_metadata(path: Path, metadata: Mapping[str, Any], n_tensors: int
             continue
         value = metadata[key]
         values = value if isinstance(value, list) else [value]
+        floor = SHAPE_KEY_FLOORS.get(suffix, 1)
         for v in values:
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= cap:
+            if not isinstance(v, int) or isinstance(v, bool) or not floor <= v <= cap:
                 raise _fail(
-                    path, f"metadata {key} = {_short(value)} is not an integer from 1 to {cap}"
+                    path,
+                    f"metadata {key} = {_short(value)} is not an integer from {floor} to {cap}",
                 )
     blocks = metadata.get(f"{arch}.block_count")
     if isinstance(blocks, int) and blocks > n_tensors:
@@ -184,6 +193,8 @@ def check_llama_shapes(path: Path, config: Any, shapes: Mapping[str, tuple[int, 
         "ffn_gate.weight": (config.ffn_dim, dim),
         "ffn_down.weight": (dim, config.ffn_dim),
     }
+    if "blk.0.ffn_gate.weight" in shapes:  # phi3 fuses gate and up into one ffn_up
+        per_block["ffn_up.weight"] = (config.ffn_dim, dim)
     for i in range(config.n_layers):
         for part, shape in per_block.items():
             expected[f"blk.{i}.{part}"] = shape
@@ -194,6 +205,89 @@ def check_llama_shapes(path: Path, config: Any, shapes: Mapping[str, tuple[int, 
                 path,
                 f"tensor {name} has shape {list(found)} but the metadata implies {list(shape)}",
             )
+
+
+def check_vocabulary(path: Path, metadata: Mapping[str, Any], embedding_rows: int | None) -> None:
+    """The tokenizer's vocabulary is one the tokenizer builders and the model can take: every
+    token a non-empty string of at most MAX_TOKEN_BYTES, no string twice, no more tokens than
+    the embedding has rows (a token id past them would index outside it mid-request), and every
+    merge `"left right"` joins two tokens into a third.
+
+    Linear in the vocabulary's bytes. Before these checks, an empty or repeated token string
+    and a merge of two control tokens made the tokenizer library fail (a 500) or panic (the
+    process exited 1), and a token over 1024 bytes panicked the grammar engine's token trie.
+    """
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return  # a file without a tokenizer: reported when one is built
+    if not isinstance(tokens, list):
+        raise _fail(path, "tokenizer.ggml.tokens is not an array")
+    seen: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str):
+            raise _fail(path, f"token {i} of tokenizer.ggml.tokens is not a string")
+        if not token:
+            raise _fail(path, f"token {i} of tokenizer.ggml.tokens is an empty string")
+        if len(token) > MAX_TOKEN_BYTES or len(token.encode("utf-8")) > MAX_TOKEN_BYTES:
+            raise _fail(
+                path,
+                f"token {i} of tokenizer.ggml.tokens is {len(token.encode('utf-8'))} bytes long "
+                f"(at most {MAX_TOKEN_BYTES})",
+            )
+        first = seen.setdefault(token, i)
+        if first != i:
+            raise _fail(
+                path, f"tokens {first} and {i} of tokenizer.ggml.tokens are both {_short(token)}"
+            )
+    if embedding_rows is not None and len(tokens) > embedding_rows:
+        raise _fail(
+            path,
+            f"the tokenizer has {len(tokens)} tokens but token_embd.weight only {embedding_rows} "
+            "rows",
+        )
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        return
+    if not isinstance(merges, list):
+        raise _fail(path, "tokenizer.ggml.merges is not an array")
+    spelled = _bpe_spellings(metadata, tokens)
+    for i, merge in enumerate(merges):
+        if not isinstance(merge, str):
+            raise _fail(path, f"merge {i} of tokenizer.ggml.merges is not a string")
+        left, sep, right = merge.partition(" ")
+        if not sep or not left or not right:
+            raise _fail(path, f"merge {i} of tokenizer.ggml.merges, {_short(merge)}, is not 'A B'")
+        for part in (left, right, left + right):
+            if part not in spelled:
+                raise _fail(
+                    path,
+                    f"merge {i} of tokenizer.ggml.merges, {_short(merge)}, names "
+                    f"{_short(part)}, which is not a token",
+                )
+
+
+def _bpe_spellings(metadata: Mapping[str, Any], tokens: list[str]) -> set[str]:
+    """The strings merges are written in: the tokens themselves, and for byte-level BPE
+    (`gpt2`) also a raw-text token spelled in GPT-2's byte alphabet, as the tokenizer keys it."""
+    spelled = set(tokens)
+    if metadata.get("tokenizer.ggml.model") == "gpt2":
+        alphabet = _gpt2_byte_alphabet()
+        letters = set(alphabet)
+        for token in tokens:
+            if not set(token) <= letters:
+                spelled.add("".join(alphabet[b] for b in token.encode("utf-8")))
+    return spelled
+
+
+def _gpt2_byte_alphabet() -> list[str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
 
 
 def _short(value: Any) -> str:

@@ -137,6 +137,10 @@ class GGUFFile:
         try:
             self._parse()
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
+            embedding = self.tensors.get("token_embd.weight")
+            gguf_checks.check_vocabulary(
+                self.path, self.metadata, embedding.shape[0] if embedding else None
+            )
             try:
                 self.config = self._make_config()
             except (ArithmeticError, ValueError, TypeError) as e:

@@ -1,10 +1,15 @@
 """The chat template stored in a GGUF file (`tokenizer.chat_template`), rendered as transformers does.
 
 Templates come from model files, so they are untrusted code: they run in jinja2's
-`ImmutableSandboxedEnvironment`, with the same environment transformers'
-`apply_chat_template` sets up (`trim_blocks`, `lstrip_blocks`, the `loopcontrols` extension,
-`raise_exception`, `strftime_now`, a `tojson` that does not escape HTML), so that a prompt
-rendered here is the prompt transformers would build.
+`ImmutableSandboxedEnvironment`, bounded in time, value sizes and memory
+(`template_sandbox.BoundedSandboxEnvironment`, `render`'s deadline), with the same environment
+transformers' `apply_chat_template` sets up (`trim_blocks`, `lstrip_blocks`, the
+`loopcontrols` extension, `raise_exception`, `strftime_now`, a `tojson` that does not escape
+HTML), so that a prompt rendered here is the prompt transformers would build. Control tokens
+typed in messages stay text (`chat_literals`): `render` returns a `ChatPrompt` that says where
+they are.
+
+Rendering blocks for up to its deadline: the service calls it on a worker thread.
 
 A model without a chat template: `ChatTemplate(None, ...)` is allowed, and `render` raises
 RequestError naming `messages` (use /v1/completions with your own prompt). There is no
@@ -21,9 +26,19 @@ from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from neuron_trio.engine.text.chat_literals import ChatPrompt, LiteralTokens
+from neuron_trio.engine.text.template_sandbox import (
+    MAX_JSON_INDENT,
+    BoundedSandboxEnvironment,
+    TemplateLimitError,
+    render_budget,
+    run_with_deadline,
+)
 from neuron_trio.errors import RequestError
+
+# A request's render: ~100 µs for a usual chat, a few ms for hundreds of messages with tools.
+RENDER_TIME_LIMIT_S = 5.0
 
 # Tokens that end an assistant's turn in common templates (besides the model's EOS).
 END_OF_TURN_TOKENS = (
@@ -57,6 +72,8 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
+    if indent is not None and not 0 <= indent <= MAX_JSON_INDENT:
+        raise TemplateLimitError(f"tojson's indent {indent} (at most {MAX_JSON_INDENT})")
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -66,11 +83,11 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BoundedSandboxEnvironment:
+    env = BoundedSandboxEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    env.set_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -81,7 +98,8 @@ class ChatTemplate:
 
     `template_str` None means the model has none (render raises RequestError). A template that
     does not compile is a RequestError too, raised at render (so loading the model still works
-    for /v1/completions) and kept in `error`.
+    for /v1/completions) and kept in `error`. `literal_tokens` are the vocabulary's control
+    tokens: typed in a message, they are marked to be tokenized as text (`chat_literals`).
     """
 
     def __init__(
@@ -91,19 +109,21 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         extra_context: Mapping[str, Any] | None = None,
+        literal_tokens: Sequence[str] = (),
     ) -> None:
         self.source = template_str
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._extra = dict(extra_context or {})
         self._template: jinja2.Template | None = None
+        self._literals = LiteralTokens(literal_tokens)
         self.error: str | None = None
         if template_str is None:
             self.error = "this model has no chat template: send a prompt to /v1/completions"
         else:
             try:
-                self._template = _environment().from_string(template_str)
-            except jinja2.TemplateError as e:
+                self._template = _environment().compile_template(template_str)
+            except (jinja2.TemplateError, TemplateLimitError) as e:
                 self.error = f"this model's chat template does not compile: {e}"
 
     @property
@@ -116,27 +136,47 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-    ) -> str:
+        time_limit_s: float = RENDER_TIME_LIMIT_S,
+    ) -> ChatPrompt:
         """The prompt for `messages`; with `add_generation_prompt`, it ends by opening the
         assistant's turn. Role "developer" is passed to the template as "system" (OpenAI's
         newer name for it). RequestError (param "messages") if the template cannot render them:
-        none, or the template itself refuses (`raise_exception`), or fails."""
+        none, or the template itself refuses (`raise_exception`), or fails. TemplateLimitError
+        (500) if it runs past `time_limit_s` or past a size bound (`template_sandbox`).
+
+        Blocking, for up to `time_limit_s`: call it on a worker thread."""
         if self._template is None:
             raise RequestError(self.error or "no chat template", param="messages")
-        plain = [
+        template = self._template
+        plain: list[dict[str, Any]] = [
             {**m, "role": "system"} if m.get("role") == "developer" else dict(m) for m in messages
         ]
+        guard = self._literals.guard()
+        if guard is not None:
+            plain = guard.protect(plain)
+            tools = guard.protect(tools)
+        context: dict[str, Any] = {
+            "tools": tools or None,  # as transformers passes them: `tools is none` holds
+            "documents": None,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **self._extra,
+        }
+
+        def render() -> str:
+            with render_budget():
+                return template.render(
+                    messages=plain, add_generation_prompt=add_generation_prompt, **context
+                )
+
         try:
-            context: dict[str, Any] = {
-                "tools": tools or None,  # as transformers passes them: `tools is none` holds
-                "documents": None,
-                "bos_token": self.bos_token,
-                "eos_token": self.eos_token,
-                **self._extra,
-            }
-            return self._template.render(
-                messages=plain, add_generation_prompt=add_generation_prompt, **context
-            )
+            text = run_with_deadline(render, time_limit_s)
+        except TimeoutError:
+            raise TemplateLimitError(
+                f"the model's chat template did not render these messages within {time_limit_s:g} s"
+            ) from None
+        except TemplateLimitError:
+            raise
         except jinja2.TemplateError as e:
             raise RequestError(
                 f"the model's chat template rejected the messages: {e}", param="messages"
@@ -146,6 +186,11 @@ class ChatTemplate:
                 f"the model's chat template failed on the messages: {type(e).__name__}: {e}",
                 param="messages",
             ) from None
+        except (RecursionError, MemoryError, OverflowError) as e:
+            raise TemplateLimitError(
+                f"the model's chat template failed on the messages: {type(e).__name__}"
+            ) from None
+        return guard.restore(text) if guard is not None else ChatPrompt(text)
 
 
 def end_of_turn_ids(tokenizer: _TokenizerLike) -> set[int]:

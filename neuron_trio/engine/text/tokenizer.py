@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from neuron_trio.errors import ModelLoadError, UnsupportedModelError
+from neuron_trio.engine.text.chat_literals import in_spans
+from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
+from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from neuron_trio.engine.gguf.file import GGUFFile
@@ -90,6 +92,11 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 }
 
 SUPPORTED_MODELS = ("gpt2", "llama")
+# The sum of the squared lengths of a SentencePiece vocabulary's tokens bounds the work of
+# deriving its merges (`_merges_from_scores`). Gemma 3's 262,144 tokens: 10.8 million, 1.4 s
+# on a 2-core machine; so this bound is ~12 s there, where one 1,000,000-character token
+# (10^12) took ~100 s before it (gguf_checks also caps a token at 1024 bytes).
+MAX_MERGE_DERIVATION_COST = 128_000_000
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -128,8 +135,10 @@ class Tokenizer:
         add_eos: bool = False,
         chat_template: str | None = None,
         strip_leading_space: bool = False,
+        byte_level: bool = False,
     ) -> None:
         self.backend = backend
+        self._byte_level = byte_level  # GPT-2 byte-level BPE (else sentencepiece-style)
         self.tokens = list(tokens)
         self.token_bytes = list(token_bytes)
         self.special_ids = frozenset(special_ids)
@@ -181,17 +190,31 @@ class Tokenizer:
             raise UnsupportedModelError(
                 f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
             )
-        if model == "gpt2":
-            backend, token_bytes, strip = _build_byte_level(metadata, tokens, types)
-            add_bos_default = False
-        elif model == "llama":
-            backend, token_bytes, strip = _build_sentencepiece(metadata, tokens, types)
-            add_bos_default = True
-        else:
+        if model not in SUPPORTED_MODELS:
             raise UnsupportedModelError(
                 f"unsupported tokenizer model tokenizer.ggml.model={model!r}; "
                 f"supported: {', '.join(SUPPORTED_MODELS)}"
             )
+        # The tokenizers library's edge: a vocabulary it cannot take is the file's fault (a
+        # 422), whether it says so with a bare Exception or panics (see native_errors).
+        try:
+            with panics_as_model_file_errors("the tokenizer"):
+                return cls._from_checked_metadata(metadata, model, tokens, types)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelFileError(f"the tokenizer cannot be built from this file: {exc}") from None
+
+    @classmethod
+    def _from_checked_metadata(
+        cls, metadata: Mapping[str, Any], model: str, tokens: list[str], types: list[int]
+    ) -> Tokenizer:
+        if model == "gpt2":
+            backend, token_bytes, strip = _build_byte_level(metadata, tokens, types)
+            add_bos_default = False
+        else:
+            backend, token_bytes, strip = _build_sentencepiece(metadata, tokens, types)
+            add_bos_default = True
 
         special: list[int] = []
         added: list[AddedToken] = []
@@ -231,6 +254,7 @@ class Tokenizer:
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=metadata.get("tokenizer.chat_template"),
             strip_leading_space=strip,
+            byte_level=model == "gpt2",
         )
 
     # ---- properties ---------------------------------------------------------------------
@@ -273,6 +297,33 @@ class Tokenizer:
             if self.add_eos and self._eos_id is not None:
                 ids.append(self._eos_id)
         return ids
+
+    def encode_chat(self, text: str, literal_spans: Sequence[tuple[int, int]]) -> list[int]:
+        """Token ids of a rendered chat: as `encode` (no BOS/EOS added), except that a special
+        token matched inside one of `literal_spans` (sorted character ranges that came from
+        client text, `chat_literals.ChatPrompt`) is tokenized as ordinary text."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        at = 0
+        for token_id, (start, _) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self.special_ids:
+                inside, at = in_spans(start, literal_spans, at)
+                if inside:
+                    ids.extend(self.plain_ids(self.tokens[token_id]))
+                    continue
+            ids.append(token_id)
+        return ids
+
+    def plain_ids(self, text: str) -> list[int]:
+        """`text` as ordinary text, special tokens never matched (as in the middle of a
+        prompt: no sentencepiece prefix space)."""
+        if self._byte_level:
+            pre = self.backend.pre_tokenizer
+            assert pre is not None
+            pieces = [piece for piece, _ in pre.pre_tokenize_str(text)]
+        else:
+            pieces = [text.replace(" ", "\u2581")]
+        return [token.id for piece in pieces for token in self.backend.model.tokenize(piece)]
 
     def ids_to_bytes(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> bytes:
         special = self.special_ids if skip_special_tokens else frozenset()
@@ -409,14 +460,25 @@ def _merges_from_scores(
     tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], vocab: Mapping[str, int]
 ) -> list[tuple[str, str]]:
     """Every way to split a normal token into two tokens, best merged score first (llama.cpp
-    merges the pair whose joined token scores highest)."""
+    merges the pair whose joined token scores highest).
+
+    A token of n characters costs ~n^2 (n cuts, each hashing up to n characters): refused
+    past MAX_MERGE_DERIVATION_COST in all, before any of the work (ModelFileError).
+    """
+    cost = sum(len(t) ** 2 for t, k in zip(tokens, types, strict=True) if k == TOKEN_NORMAL)
+    if cost > MAX_MERGE_DERIVATION_COST:
+        raise ModelFileError(
+            f"deriving this vocabulary's merges from its scores would cost {cost} character "
+            f"operations (the sum of its tokens' squared lengths; at most "
+            f"{MAX_MERGE_DERIVATION_COST}): its tokens are too long"
+        )
     found: list[tuple[float, int, str, str]] = []
     for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
         if kind != TOKEN_NORMAL or len(text) < 2:
             continue
         for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in vocab and right in vocab:
+            left = text[:cut]
+            if left in vocab and (right := text[cut:]) in vocab:
                 found.append((-float(scores[i]), i, left, right))
     found.sort()
     return [(left, right) for _, _, left, right in found]
