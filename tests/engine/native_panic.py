@@ -7,8 +7,8 @@ tokenizer is built from metadata, so gguf_checks' limit on token length is not i
 
 from __future__ import annotations
 
-from neuron_trio.engine.grammar import GrammarCompiler
-from neuron_trio.engine.tokenizer import Tokenizer
+from neuron_trio.engine.text.grammar import GrammarCompiler
+from neuron_trio.engine.text.tokenizer import Tokenizer
 from tests.engine.tiny_gguf import tiny_vocab
 
 

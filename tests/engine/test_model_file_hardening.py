@@ -17,10 +17,10 @@ import pytest
 
 import tests.engine.tiny_gguf as tiny
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.gguf_checks import MAX_TOKEN_BYTES
-from neuron_trio.engine.gguf_file import GGUFFile
+from neuron_trio.engine.gguf.checks import MAX_TOKEN_BYTES
+from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.text.native_errors import is_native_panic, panics_as_model_file_errors
-from neuron_trio.engine.tokenizer import Tokenizer
+from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.warm_up import warm_up
 from neuron_trio.errors import ModelFileError
 from tests.engine.hostile_gguf import kv, kv_str, kv_u32, llama_kvs, llama_tensors, raw_gguf

@@ -14,9 +14,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from neuron_trio.engine.chat import ChatTemplate
-from neuron_trio.engine.chat_probe import probe_chat_template
 from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.text.chat import ChatTemplate
+from neuron_trio.engine.text.chat_probe import probe_chat_template
 from neuron_trio.engine.text.template_sandbox import MAX_RENDER_CHARS, TemplateLimitError
 from neuron_trio.engine.warm_up import warm_up
 from neuron_trio.errors import ModelFileError, RequestError
