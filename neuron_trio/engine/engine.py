@@ -49,6 +49,7 @@ from neuron_trio.engine.grammar import (
     detect_tool_format,
     fill_masks,
 )
+from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.loader import SingleRunner, kv_pool_blocks, load_transformer
 from neuron_trio.engine.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
@@ -323,6 +324,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def record_kv_events(self, log: KVEventLog | None) -> None:
+        """Record the prefix cache's changes into `log` from now on (None: no longer).
+        Safe from any thread: steps pick it up at their next block (kv_events.py)."""
+        self.pool.events = log
 
     def statistics(self) -> EngineStatistics:
         pool = self.pool.statistics()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.types import (
     Constraint,
     EngineStatistics,
@@ -53,6 +54,7 @@ class ServingEngine(Protocol):
     @property
     def has_work(self) -> bool: ...
     def statistics(self) -> EngineStatistics: ...
+    def record_kv_events(self, log: KVEventLog | None) -> None: ...
 
 
 class ModelExecutor(Protocol):

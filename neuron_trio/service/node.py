@@ -53,6 +53,8 @@ from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
+from neuron_trio.service.kv_events_publisher import KVEventsPublisher
+from neuron_trio.service.load_report import LoadReport, model_load, node_load
 from neuron_trio.service.model_actor import (
     BURST_GAP_S,
     EventStream,
@@ -262,6 +264,9 @@ class Node:
         self._last_forensics_unix: float | None = None  # when it was written (its mtime)
         self._token_rates: dict[str, RateWindow] = {}
         self._registry.register(NodeCollector(self))
+        self.kv_events: KVEventsPublisher | None = None  # [kv_events] enabled: for routers
+        if config.kv_events.enabled:
+            self.kv_events = KVEventsPublisher(config.kv_events, hostname=self.hostname)
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -295,8 +300,15 @@ class Node:
             boot_id=str(self.identity.boot_id),
             started_at=str(self.identity.started_at),
             starts=int(self.identity.starts),
-            detail={"models": states},
+            detail={"models": states, "load": msgspec.to_builtins(self.load())},
         )
+
+    def load(self, model: str | None = None) -> LoadReport:
+        """How loaded `model` is, or the node when it is None or not loaded (cheap)."""
+        actor = self._actors.get(model) if model is not None else None
+        if actor is not None:
+            return model_load(actor.statistics())
+        return node_load(self._model_statistics())
 
     def list_models(self) -> list[ModelSummary]:
         return [
@@ -408,6 +420,8 @@ class Node:
             self._nursery = nursery
             nursery.start_soon(self._sample_token_rates)
             try:
+                if self.kv_events is not None:
+                    await nursery.start(self.kv_events.run)
                 await self._load_defaults()
             except (ModelLoadError, ConfigError) as exc:
                 failure = exc
@@ -612,6 +626,8 @@ class Node:
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
+            if self.kv_events is not None and actor.executor is not None:
+                self.kv_events.attach(spec.name, actor.executor.engine)
         except (ModelLoadError, ApiError, ConfigError):
             raise
         except Exception as exc:  # a GPU read, a torch error: still a failed load
@@ -623,6 +639,8 @@ class Node:
     async def _unload(self, actor: ModelActor, *, force: bool = False) -> None:
         on_cuda = any("cuda" in device for device in actor.info().devices)
         await actor.unload(force=force)
+        if self.kv_events is not None:
+            self.kv_events.detach(actor.name)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
         await trio.to_thread.run_sync(_free_memory, on_cuda)
