@@ -26,7 +26,7 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 ModelName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-_ZMQ_ENDPOINT_RE = re.compile(r"^(tcp://[^\s/]+:(\d{1,5}|\*)|ipc://\S+|inproc://\S+)$")
+_ZMQ_ENDPOINT_RE = re.compile(r"^(tcp://[^\s/]+:(?P<port>\d{1,5}|\*)|ipc://\S+|inproc://\S+)$")
 _LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
 
 
@@ -277,7 +277,11 @@ def _validate(config: NeuronConfig, origin: str) -> None:
     if config.kv_events.enabled:
         for key in ("endpoint", "replay_endpoint"):
             value = getattr(config.kv_events, key)
-            if (value or key == "endpoint") and not _ZMQ_ENDPOINT_RE.match(value):
+            match = _ZMQ_ENDPOINT_RE.match(value)
+            port = match.group("port") if match else None
+            if (value or key == "endpoint") and (
+                not match or (port not in (None, "*") and not 0 < int(port) < 65536)
+            ):
                 fail(
                     f"kv_events.{key}",
                     f"{value!r} is not tcp://HOST:PORT, ipc://PATH or inproc://NAME",
