@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import msgpack
+import msgspec
 import pytest
 import trio
 import zmq
