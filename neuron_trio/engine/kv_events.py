@@ -75,11 +75,11 @@ class KVEventLog:
         """A full block became cached under `key`. Skipped (not an error) when its parent was
         never published, so a chain is published from its first block or not at all.
 
-        Salted blocks must not be recorded at all: the salt is folded into the first block's
-        key only, so a consumer that hashes tokens itself would index a tenant's private
-        prefix as a shared one, and the token ids of a private prompt would travel to every
-        subscriber. The caller (the scheduler) leaves them out; this rule then keeps their
-        descendants out too.
+        Salted blocks are never published: a salted chain's first block has the salt's root
+        digest as its parent, which is never published, so this rule leaves out the whole
+        chain. Publishing them would let a consumer that hashes token ids itself (llm-d's
+        indexer) index a tenant's private prefix as a shared one, and send the token ids of
+        a private prompt to every subscriber.
         """
         with self._lock:
             if parent is not None and parent not in self._published:

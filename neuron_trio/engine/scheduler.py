@@ -163,7 +163,8 @@ class Scheduler:
             tokens = seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
             key = block_key(parent, tokens)
             events = self.pool.events
-            # A salted sequence's blocks are never recorded (kv_events.KVEventLog.stored).
+            # A salted chain hangs from a parent that is never published (its salt's root), so
+            # the log skips its blocks: a tenant's prefix never reaches a router (kv_events.py).
             if self.pool.register(seq.blocks[i], key) and events is not None:
                 events.stored(key, parent, tokens)
             keys.append(key)
