@@ -31,16 +31,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 import trio
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from neuron_trio.config import KvEventsConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.kv_events import (
+    DEFAULT_CAPACITY,
     AllClearedRecord,
     BlockRemovedRecord,
     BlockStoredRecord,
@@ -142,16 +145,18 @@ class KVEventsSource(Protocol):
     def record_kv_events(self, log: KVEventLog | None) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Source:
     topic: bytes
     log: KVEventLog
+    dropped_seen: int = 0  # of log.statistics().dropped, already counted
 
 
 @dataclass(frozen=True)
 class KVEventsPublisherStatistics:
     batches: int  # sent on the PUB socket
     events: int
+    dropped: int  # records lost because a log overflowed (each time: an "all cleared")
     send_errors: int
     replays: int  # replay requests answered
     bad_replays: int  # malformed replay requests ignored
@@ -174,9 +179,17 @@ class KVEventsPublisher:
     then `attach(model, engine)` once a model serves and `detach(model)` once it is gone.
     """
 
-    def __init__(self, config: KvEventsConfig, *, hostname: str, context: Any = None) -> None:
+    def __init__(
+        self,
+        config: KvEventsConfig,
+        *,
+        hostname: str,
+        context: Any = None,
+        log_capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
         self.config = config
         self.hostname = hostname
+        self.log_capacity = log_capacity  # of each model's KVEventLog
         self._context = context
         self._lock = threading.Lock()  # guards _sources and _retired
         self._sources: dict[str, _Source] = {}
@@ -191,6 +204,7 @@ class KVEventsPublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._batches = 0
         self._events = 0
+        self._dropped = 0
         self._send_errors = 0
         self._replays = 0
         self._bad_replays = 0
@@ -205,7 +219,7 @@ class KVEventsPublisher:
     def attach(self, model: str, engine: KVEventsSource) -> None:
         """Publish `model`'s cache changes from now on, starting with an "all cleared" (what
         a subscriber knew of this model here before is stale: a new process, a new load)."""
-        event_log = KVEventLog()
+        event_log = KVEventLog(self.log_capacity)
         event_log.cleared()
         with self._lock:
             self._sources[model] = _Source(self.topic_for(model), event_log)
@@ -226,6 +240,7 @@ class KVEventsPublisher:
         return KVEventsPublisherStatistics(
             batches=self._batches,
             events=self._events,
+            dropped=self._dropped,
             send_errors=self._send_errors,
             replays=self._replays,
             bad_replays=self._bad_replays,
@@ -327,6 +342,16 @@ class KVEventsPublisher:
             records = source.log.drain()
             if records:
                 self._send(source.topic, wire_events(records))
+            dropped = source.log.statistics().dropped
+            if dropped > source.dropped_seen:
+                log.warning(
+                    "kv events: %s: %d events dropped (not drained in time); an 'all cleared'"
+                    " went out instead",
+                    source.topic.decode(errors="replace"),
+                    dropped - source.dropped_seen,
+                )
+                self._dropped += dropped - source.dropped_seen
+                source.dropped_seen = dropped
 
     def _send(self, topic: bytes, events: list[Any]) -> None:
         import zmq
@@ -374,3 +399,26 @@ class KVEventsPublisher:
             self._replay.send_multipart((client, b"", END_SEQ, b""), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client went, or its queue is full: it asks again
             log.debug("kv events: replay to a subscriber cut short: %s", exc)
+
+
+class KVEventsCollector(Collector):
+    """`/metrics` for the publisher: `registry.register(KVEventsCollector(publisher))`."""
+
+    def __init__(self, publisher: KVEventsPublisher) -> None:
+        self._publisher = publisher
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # read at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._publisher.statistics()
+        for name, text, value in (
+            ("batches", "KV event batches published ([kv_events])", s.batches),
+            ("events", "KV events published (a BlockStored covers a chain of blocks)", s.events),
+            ("dropped", "KV events lost to a full log (an 'all cleared' went instead)", s.dropped),
+            ("send_errors", "KV event batches the PUB socket refused", s.send_errors),
+            ("replays", "Replay requests answered", s.replays),
+        ):
+            family = CounterMetricFamily(f"neuron_kv_events_{name}", text)
+            family.add_metric([], float(value))
+            yield family

@@ -53,7 +53,7 @@ from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
-from neuron_trio.service.kv_events_publisher import KVEventsPublisher
+from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from neuron_trio.service.load_report import LoadReport, model_load, node_load
 from neuron_trio.service.model_actor import (
     BURST_GAP_S,
@@ -267,6 +267,7 @@ class Node:
         self.kv_events: KVEventsPublisher | None = None  # [kv_events] enabled: for routers
         if config.kv_events.enabled:
             self.kv_events = KVEventsPublisher(config.kv_events, hostname=self.hostname)
+            self._registry.register(KVEventsCollector(self.kv_events))
 
     # ---- NodeService ----------------------------------------------------------------------
 

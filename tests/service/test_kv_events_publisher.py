@@ -17,12 +17,13 @@ import msgspec
 import pytest
 import trio
 import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 
 from neuron_trio.config import KvEventsConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, block_key
 from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.types import SamplingParams
-from neuron_trio.service.kv_events_publisher import KVEventsPublisher
+from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from tests.engine.test_scheduler import _engine, _prompt, _run
 
 
@@ -109,9 +110,11 @@ async def _subscribed(publisher: KVEventsPublisher, sub: zmq.Socket) -> None:
         sub.recv_multipart()
 
 
-def _run_with_subscriber(test: Callable[[KVEventsPublisher, zmq.Socket], Awaitable[None]]) -> None:
+def _run_with_subscriber(
+    test: Callable[[KVEventsPublisher, zmq.Socket], Awaitable[None]], log_capacity: int = 1024
+) -> None:
     async def main() -> None:
-        publisher = KVEventsPublisher(_config(), hostname="node-1")
+        publisher = KVEventsPublisher(_config(), hostname="node-1", log_capacity=log_capacity)
         context = zmq.Context.instance()
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -237,6 +240,33 @@ def test_removals_resets_and_detach_follow_in_sequence_and_replay_resends_them()
             dealer.close()
 
     _run_with_subscriber(test)
+
+
+def test_a_log_that_overflows_sends_all_cleared_and_counts_the_loss() -> None:
+    async def test(publisher: KVEventsPublisher, sub: zmq.Socket) -> None:
+        engine = Recorder()
+        publisher.attach("m", engine)
+        assert engine.log is not None
+        # 40 records into a log of 8 between two flushes (50 ms apart; this takes µs): it
+        # overflows whichever flush falls in between
+        for i in range(40):
+            engine.log.stored(block_key(None, [i] * BLOCK_TOKENS), None, [i] * BLOCK_TOKENS)
+        events: list[Any] = []
+        with trio.fail_after(WAIT_S):
+            while publisher.statistics().dropped == 0 or not events:
+                frames = await _recv(sub)
+                assert frames is not None
+                events += DECODER.decode(frames[2]).events
+        assert any(isinstance(e, AllBlocksCleared) for e in events)
+        assert sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored)) < 40
+        registry = CollectorRegistry()
+        registry.register(KVEventsCollector(publisher))
+        text = generate_latest(registry).decode()
+        dropped = publisher.statistics().dropped
+        assert dropped > 0 and f"neuron_kv_events_dropped_total {float(dropped)}" in text
+        assert "neuron_kv_events_batches_total" in text
+
+    _run_with_subscriber(test, log_capacity=8)
 
 
 def test_connects_when_the_endpoint_is_not_a_wildcard() -> None:
