@@ -4,8 +4,10 @@ A router that knows which node holds which prompt prefix can send a conversation
 node that has its K/V (llm-d's indexer does, from vLLM's KV-events stream). The block pool
 (`block_pool.BlockPool`) and the scheduler record the changes here as they happen; a publisher
 in the service layer (`service/kv_events_publisher.py`) drains them from its own thread and
-sends them on. Recording is an append under an uncontended lock (~0.3 µs), once per block
-that becomes cached or leaves the cache: nothing next to a forward step.
+sends them on. Recording a block costs about what computing its key already does (one
+`stored` call against one `block_key`: 0.8-1.0x in the same run, ~3 µs on a shared 2-core
+machine), once per block that becomes cached or leaves the cache: nothing next to the forward
+step that filled the block's 16 positions.
 
 Invariant: a block is published only if its parent is published (or it has none), and a block
 removal is published only for a block whose storing was. So a consumer never hears of a block
@@ -28,19 +30,21 @@ from dataclasses import dataclass
 DEFAULT_CAPACITY = 16_384  # records between two drains; ~3 MB at 16 tokens a block
 
 
-@dataclass(frozen=True, slots=True)
+# Records are plain slotted dataclasses, not frozen ones: a frozen one costs 1.5 µs to make
+# against 0.6 µs here, once per cached block. Nobody mutates them.
+@dataclass(slots=True)
 class BlockStoredRecord:
     key: bytes  # the block's prefix-cache key (block_pool.block_key)
     parent: bytes | None  # the key of the block before it; None for a prompt's first block
     tokens: tuple[int, ...]  # the BLOCK_TOKENS token ids the block holds
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockRemovedRecord:
     key: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AllClearedRecord:
     pass
 
