@@ -7,17 +7,7 @@ big-endian sequence number, and a msgpack `EventBatch`. Like vLLM's `ZmqEventPub
 sees a gap sends `[b"", start_seq (8 bytes, big-endian)]` and gets back every batch kept from
 that number on, each as `[b"", seq, payload]`, then `[b"", -1 (8 bytes, signed), b""]`.
 
-The wire schema (msgspec Structs, array-like, tagged by class name) is vLLM's, field for field:
-
-    EventBatch       [ts, events]
-    BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                      lora_id, medium, lora_name]
-    BlockRemoved     ["BlockRemoved", block_hashes, medium]
-    AllBlocksCleared ["AllBlocksCleared"]
-
-A block hash is the block's 16-byte prefix-cache key (vLLM's hashes are bytes too; llm-d takes
-their last 8 bytes). A BlockStored covers a chain of blocks, each the parent of the next, with
-their tokens concatenated, as vLLM sends a request's new blocks.
+The wire schema is vLLM's (`kv_events_wire.py`).
 
 Threads: the engine records into a `KVEventLog` per model (engine/kv_events.py); the publisher
 drains the logs every FLUSH_INTERVAL_S on a thread of its own, which alone touches the
@@ -41,15 +31,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from neuron_trio.config import KvEventsConfig
-from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.engine.kv_events import (
-    DEFAULT_CAPACITY,
-    AllClearedRecord,
-    BlockRemovedRecord,
-    BlockStoredRecord,
-    KVEventLog,
-    KVEventRecord,
-)
+from neuron_trio.engine.kv_events import DEFAULT_CAPACITY, KVEventLog
+from neuron_trio.service.kv_events_wire import KVEventBatch, wire_events
 
 log = logging.getLogger(__name__)
 
@@ -59,81 +42,6 @@ REPLAYS_PER_TICK = 8  # replay requests answered between two flushes
 PUB_HWM = 100_000  # messages queued per subscriber before PUB drops (vLLM's default)
 LINGER_MS = 500  # at close, how long queued messages (the last "all cleared") may take
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-# --- the wire schema: vLLM's, array-like and tagged ----------------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """The tag is the class name, as in vLLM."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def wire_events(
-    records: Iterable[KVEventRecord],
-) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-    """`records` as vLLM's events: runs of chained stores, and of removals, joined into one."""
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-    last_key: bytes | None = None  # of the last block of a BlockStored at the end of `events`
-    for record in records:
-        last = events[-1] if events else None
-        if isinstance(record, BlockStoredRecord):
-            if (
-                isinstance(last, BlockStored)
-                and record.parent is not None
-                and record.parent == last_key
-            ):
-                last.block_hashes.append(record.key)
-                last.token_ids.extend(record.tokens)
-            else:
-                events.append(
-                    BlockStored(
-                        block_hashes=[record.key],
-                        parent_block_hash=record.parent,
-                        token_ids=list(record.tokens),
-                        block_size=BLOCK_TOKENS,
-                        lora_id=None,
-                        medium=None,
-                        lora_name=None,
-                    )
-                )
-            last_key = record.key
-        elif isinstance(record, BlockRemovedRecord):
-            if isinstance(last, BlockRemoved):
-                last.block_hashes.append(record.key)
-            else:
-                events.append(BlockRemoved(block_hashes=[record.key], medium=None))
-        elif isinstance(record, AllClearedRecord):
-            events.append(AllBlocksCleared())
-    return events
 
 
 # --- the publisher ---------------------------------------------------------------------------
