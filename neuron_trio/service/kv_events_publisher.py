@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from neuron_trio.config import KvEventsConfig
 from neuron_trio.engine.kv_events import DEFAULT_CAPACITY, KVEventLog
+from neuron_trio.errors import ConfigError
 from neuron_trio.service.kv_events_wire import KVEventBatch, wire_events
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ class KVEventsPublisher:
         """Open the sockets, start the thread, report started; on cancellation, flush what is
         left (detached models' "all cleared" included) and close.
 
-        Raises OSError naming the key if a socket cannot be bound or connected.
+        Raises OSError naming the key if a socket cannot be bound or connected, ConfigError if
+        pyzmq is missing.
         Cancellation handling: the thread is told to stop and waited for (it wakes every
         FLUSH_INTERVAL_S; its last send waits at most LINGER_MS), shielded, so the sockets
         are always closed.
@@ -185,7 +187,10 @@ class KVEventsPublisher:
     # ---- the publisher's thread -------------------------------------------------------------
 
     def _open(self) -> None:
-        import zmq  # only when enabled: the daemon starts without it otherwise
+        try:
+            import zmq  # only when enabled: the daemon starts without it otherwise
+        except ImportError as exc:
+            raise ConfigError(f"kv_events.enabled: needs pyzmq, which is missing ({exc})") from None
 
         context = self._context if self._context is not None else zmq.Context.instance()
         endpoint = self.config.endpoint

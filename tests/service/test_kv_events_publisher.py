@@ -8,6 +8,7 @@ the plain `msgpack` package checks the raw arrays llm-d's Go decoder reads field
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from neuron_trio.config import KvEventsConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, block_key
 from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.types import SamplingParams
+from neuron_trio.errors import ConfigError
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from tests.engine.test_scheduler import _engine, _prompt, _run
 
@@ -323,3 +325,10 @@ def test_an_endpoint_that_cannot_be_bound_is_an_os_error_naming_the_key(tmp_path
 
     with pytest.raises(OSError, match=rf"kv_events\.endpoint {endpoint}: "):
         trio.run(main)
+
+
+def test_without_pyzmq_enabling_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
+    publisher = KVEventsPublisher(_config(), hostname="h")
+    with pytest.raises(ConfigError, match=r"kv_events\.enabled: needs pyzmq"):
+        trio.run(publisher.run)
