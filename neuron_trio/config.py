@@ -26,6 +26,7 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 ModelName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+_ZMQ_ENDPOINT_RE = re.compile(r"^(tcp://[^\s/]+:(?P<port>\d{1,5}|\*)|ipc://\S+|inproc://\S+)$")
 _LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
 
 
@@ -79,6 +80,25 @@ class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     probe_interval_s: PositiveFloat = 30.0
 
 
+class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`[kv_events]`: the prefix cache's changes published for a KV-aware router, in vLLM's
+    KV-events format (msgpack over ZeroMQ), so that llm-d's indexer can route a conversation
+    to the node that holds its prefix. Off unless enabled."""
+
+    enabled: bool = False
+    # The PUB socket. As vLLM decides it: an address with "*" or "::", or ipc:// / inproc://,
+    # is bound; any other is connected to (a central indexer that binds).
+    endpoint: str = "tcp://*:5557"
+    # A ROUTER socket (always bound) that replays missed batches from a sequence number;
+    # empty: no replay.
+    replay_endpoint: str = ""
+    # Every batch's topic; {host} (this machine's name) and {model} are filled in. llm-d reads
+    # "kv@<pod>@<model>".
+    topic: str = "kv@{host}@{model}"
+    # Batches kept for replay (also at most 64 MiB of them).
+    replay_batches: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One model to load: a `[[default_models]]` entry, or the body of `POST /v1/models`."""
 
@@ -104,6 +124,7 @@ class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     tp: TpConfig = msgspec.field(default_factory=TpConfig)
+    kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
     default_models: list[ModelConfig] = msgspec.field(
         default_factory=lambda: [ModelConfig(name=BUILTIN_MODEL_NAME, source=BUILTIN_MODEL_SOURCE)]
     )
@@ -123,6 +144,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "server": ServerConfig,
     "node": NodeConfig,
     "tp": TpConfig,
+    "kv_events": KvEventsConfig,
 }
 
 
@@ -259,6 +281,22 @@ def _validate(config: NeuronConfig, origin: str) -> None:
             "set: anyone who can reach it could use and load models. Set api_key_file, or "
             "server.allow_unauthenticated = true if that is really wanted",
         )
+    if config.kv_events.enabled:
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(config.kv_events, key)
+            match = _ZMQ_ENDPOINT_RE.match(value)
+            port = match.group("port") if match else None
+            if (value or key == "endpoint") and (
+                not match or (port not in (None, "*") and not 0 < int(port) < 65536)
+            ):
+                fail(
+                    f"kv_events.{key}",
+                    f"{value!r} is not tcp://HOST:PORT, ipc://PATH or inproc://NAME",
+                )
+        try:
+            config.kv_events.topic.format(host="h", model="m")
+        except (KeyError, IndexError, ValueError) as exc:
+            fail("kv_events.topic", f"only {{host}} and {{model}} may be filled in ({exc!r})")
     if len(config.default_models) > config.node.max_models:
         fail(
             "default_models",

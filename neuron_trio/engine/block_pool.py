@@ -15,6 +15,8 @@ module decides which block ids go where:
   names its tokens and everything before them. `lookup` finds the longest chain of cached
   blocks for a prompt; a cached block whose last reference goes stays cached ("evictable")
   until `allocate` runs out of free blocks and evicts the least recently used one.
+- Events: with a `KVEventLog` in `events`, evictions and cache resets are recorded there (the
+  scheduler records the blocks that become cached), for a KV-aware router (kv_events.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import heapq
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from neuron_trio.engine.kv_events import KVEventLog
 
 BLOCK_TOKENS = 16  # KV positions per block
 NULL_BLOCK = 0  # always zero: what padding positions read
@@ -81,6 +85,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached, LRU first
         self._query_tokens = 0
         self._hit_tokens = 0
+        # Set from another thread when a router subscribes (attribute writes are atomic).
+        self.events: KVEventLog | None = None
 
     @property
     def total(self) -> int:
@@ -106,7 +112,10 @@ class BlockPool:
             block = heapq.heappop(self._free)
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)  # least recently used
-            del self._block_of[self._key_of.pop(block)]
+            key = self._key_of.pop(block)
+            del self._block_of[key]
+            if self.events is not None:
+                self.events.removed(key)
         else:
             raise NoFreeBlockError(f"all {self.total} KV blocks are in use")
         self._refs[block] = 1
@@ -131,16 +140,18 @@ class BlockPool:
             else:
                 heapq.heappush(self._free, block)
 
-    def register(self, block: int, key: bytes) -> None:
+    def register(self, block: int, key: bytes) -> bool:
         """`block` (in use, full) holds the prefix `key` names: later prompts may reuse it.
+        True if it is newly cached.
 
         If another block already holds that prefix (two prompts computed it at once), the
         first stays the cached one. Nothing happens with the prefix cache off.
         """
         if not self.prefix_cache or key in self._block_of or block in self._key_of:
-            return
+            return False
         self._block_of[key] = block
         self._key_of[block] = key
+        return True
 
     def lookup(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
         """The longest chain of cached full blocks that starts `tokens`, covering at most
@@ -174,3 +185,5 @@ class BlockPool:
         self._evictable.clear()
         self._key_of.clear()
         self._block_of.clear()
+        if self.events is not None:
+            self.events.cleared()

@@ -56,6 +56,7 @@ from neuron_trio.engine.text.grammar import (
     detect_tool_format,
     fill_masks,
 )
+from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.text.textgen import TextPipeline
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.text.tool_call_start import CallStartWatcher, begin_call_grammar
@@ -365,6 +366,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def record_kv_events(self, log: KVEventLog | None) -> None:
+        """Record the prefix cache's changes into `log` from now on (None: no longer).
+        Safe from any thread: steps pick it up at their next block (kv_events.py)."""
+        self.pool.events = log
 
     def statistics(self) -> EngineStatistics:
         pool = self.pool.statistics()

@@ -163,10 +163,14 @@ class Scheduler:
             return
         keys = seq.block_keys
         for i in range(len(keys), written // BLOCK_TOKENS):
-            key = block_key(
-                keys[-1] if keys else None, seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
-            )
-            self.pool.register(seq.blocks[i], key)
+            parent = keys[-1] if keys else None
+            tokens = seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
+            key = block_key(parent, tokens)
+            events = self.pool.events
+            # A salted chain hangs from a parent that is never published (its salt's root), so
+            # the log skips its blocks: a tenant's prefix never reaches a router (kv_events.py).
+            if self.pool.register(seq.blocks[i], key) and events is not None:
+                events.stored(key, parent, tokens)
             keys.append(key)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.prompt import PromptEngine
 from neuron_trio.engine.types import (
     EngineStatistics,
@@ -46,6 +47,7 @@ class ServingEngine(PromptEngine, Protocol):
     @property
     def has_work(self) -> bool: ...
     def statistics(self) -> EngineStatistics: ...
+    def record_kv_events(self, log: KVEventLog | None) -> None: ...
 
 
 class ModelExecutor(Protocol):

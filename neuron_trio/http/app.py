@@ -45,6 +45,7 @@ from neuron_trio.http.openai import (
     parse_chat_request,
     parse_completion_request,
 )
+from neuron_trio.http.orca import OrcaLoadReports
 from neuron_trio.service.api import NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]
@@ -326,7 +327,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         },
     )
     return NeuronMiddleware(
-        app,
+        OrcaLoadReports(app, node.load),
         metrics=http_metrics(node.metrics_registry),
         route_of=_route_resolver(routes),
         api_keys=read_api_keys(config.server.api_key_file),

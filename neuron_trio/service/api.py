@@ -23,12 +23,14 @@ from neuron_trio.engine.types import (
     ToolCall,
     ToolFunction,
 )
+from neuron_trio.service.load_report import LoadReport
 
 __all__ = [
     "ChatMessage",
     "Constraint",
     "GenerationJob",
     "HealthSnapshot",
+    "LoadReport",
     "ModelSummary",
     "NodeService",
     "SamplingParams",
@@ -124,6 +126,10 @@ class NodeService(Protocol):
     def draining(self) -> bool: ...
 
     def health(self) -> HealthSnapshot: ...
+
+    def load(self, model: str | None = None) -> LoadReport:
+        """How loaded `model` is (the node as a whole when None or not loaded)."""
+        ...
 
     async def node_info(self) -> dict[str, Any]:
         """The `/v1/node` document (live GPU reads: may take up to the NVML timeout)."""

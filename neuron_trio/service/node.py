@@ -52,6 +52,8 @@ from neuron_trio.errors import (
 from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
+from neuron_trio.service.load_report import LoadReport, model_load, node_load
 from neuron_trio.service.metrics.model import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.metrics.node import NodeCollector, NodeStatistics, RateWindow
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
@@ -222,6 +224,10 @@ class Node:
         self._last_forensics_unix: float | None = None  # when it was written (its mtime)
         self._token_rates: dict[str, RateWindow] = {}
         self._registry.register(NodeCollector(self))
+        self.kv_events: KVEventsPublisher | None = None  # [kv_events] enabled: for routers
+        if config.kv_events.enabled:
+            self.kv_events = KVEventsPublisher(config.kv_events, hostname=self.hostname)
+            self._registry.register(KVEventsCollector(self.kv_events))
 
     # ---- NodeService ----------------------------------------------------------------------
 
@@ -255,8 +261,15 @@ class Node:
             boot_id=str(self.identity.boot_id),
             started_at=str(self.identity.started_at),
             starts=int(self.identity.starts),
-            detail={"models": states},
+            detail={"models": states, "load": msgspec.to_builtins(self.load())},
         )
+
+    def load(self, model: str | None = None) -> LoadReport:
+        """How loaded `model` is, or the node when it is None or not loaded (cheap)."""
+        actor = self._actors.get(model) if model is not None else None
+        if actor is not None:
+            return model_load(actor.statistics())
+        return node_load(self._model_statistics())
 
     def list_models(self) -> list[ModelSummary]:
         return [
@@ -368,6 +381,8 @@ class Node:
             self._nursery = nursery
             nursery.start_soon(self._sample_token_rates)
             try:
+                if self.kv_events is not None:
+                    await nursery.start(self.kv_events.run)
                 await self._load_defaults()
             except (ModelLoadError, ConfigError) as exc:
                 failure = exc
@@ -573,6 +588,8 @@ class Node:
             except BaseException:
                 self._actors.pop(spec.name, None)
                 raise
+            if self.kv_events is not None and actor.executor is not None:
+                self.kv_events.attach(spec.name, actor.executor.engine)
         except ModelLoadError as exc:
             # Name the file as the client did: where a source resolves to is not theirs.
             if path is not None and str(path) in str(exc):
@@ -590,6 +607,8 @@ class Node:
     async def _unload(self, actor: ModelActor, *, force: bool = False) -> None:
         on_cuda = any("cuda" in device for device in actor.info().devices)
         await actor.unload(force=force)
+        if self.kv_events is not None:
+            self.kv_events.detach(actor.name)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
         await trio.to_thread.run_sync(_free_memory, on_cuda)

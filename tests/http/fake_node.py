@@ -22,6 +22,7 @@ from neuron_trio.service.api import (
     GenerationJob,
     HealthSnapshot,
     HealthStatus,
+    LoadReport,
     ModelSummary,
     SequenceEvent,
     TokenLogprob,
@@ -61,6 +62,13 @@ class FakeNode:
         self.next_seq = 0
         # when set: the events every request gets, as they are (seq_id aside)
         self.script: list[SequenceEvent] | None = None
+        # what `load` answers: per model, else the node's; and what it was asked
+        self.node_load = LoadReport(
+            num_requests_waiting=0, num_requests_running=0, kv_cache_usage_perc=0.0,
+            application_utilization=0.0,
+        )  # fmt: skip
+        self.loads: dict[str, LoadReport] = {}
+        self.load_asked: list[str | None] = []
 
     # --- NodeService ----------------------------------------------------------------------
 
@@ -80,6 +88,10 @@ class FakeNode:
             starts=3,
             detail={"models": len(self.models)},
         )
+
+    def load(self, model: str | None = None) -> LoadReport:
+        self.load_asked.append(model)
+        return self.loads.get(model, self.node_load) if model is not None else self.node_load
 
     async def node_info(self) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()

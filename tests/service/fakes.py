@@ -106,6 +106,7 @@ class FakeEngine:
         self.steps = 0
         self.batches: list[int] = []  # sequences in each step
         self.rendered_on: list[bool] = []  # True: on the trio (main) thread
+        self.kv_log: Any = None  # what a KV events publisher attached (record_kv_events)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: Any = ()) -> str:
         self.rendered_on.append(threading.current_thread() is threading.main_thread())
@@ -116,6 +117,9 @@ class FakeEngine:
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         return [ord(c) for c in text]
+
+    def record_kv_events(self, log: Any) -> None:
+        self.kv_log = log
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

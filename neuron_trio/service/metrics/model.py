@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS
+
 MODEL_STATES = ("loading", "serving", "recovering", "wedged", "unloading", "unloaded")
 
 # Outcomes of a request (label `outcome` of neuron_model_requests_total).
@@ -52,6 +54,14 @@ class ModelActorStatistics:
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hits_tokens: int = 0
     preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction 0..1 of KV blocks held by running sequences (vLLM's
+        `kv_cache_usage_perc`: blocks only the prefix cache holds count as free)."""
+        if self.kv_blocks_total <= 0:
+            return 0.0
+        return min(1.0, self.kv_blocks_used / self.kv_blocks_total)
 
 
 class NodeMetrics:
@@ -160,6 +170,18 @@ class _ActorCollector(Collector):
         blocks_total = GaugeMetricFamily(
             "neuron_model_kv_blocks", "KV cache blocks (16 tokens) in the pool", labels=["model"]
         )
+        # The Gateway API Inference Extension's model-server protocol (README, "Routers"): the
+        # KV-cache usage as a fraction, and the cache's shape as labels its picker reads.
+        usage = GaugeMetricFamily(
+            "neuron_model_kv_cache_usage_ratio",
+            "Fraction (0..1) of KV cache blocks held by running sequences",
+            labels=["model"],
+        )
+        cache_info = GaugeMetricFamily(
+            "neuron_model_kv_cache_config_info",
+            "The KV cache's shape: tokens a block (block_size) and blocks (num_gpu_blocks)",
+            labels=["model", "block_size", "num_gpu_blocks"],
+        )
         prefix_queries = CounterMetricFamily(
             "neuron_model_prefix_cache_queries_tokens",
             "Prompt tokens looked up in the prefix cache",
@@ -193,9 +215,12 @@ class _ActorCollector(Collector):
             blocks_used.add_metric([s.name], s.kv_blocks_used)
             blocks_cached.add_metric([s.name], s.kv_blocks_cached)
             blocks_total.add_metric([s.name], s.kv_blocks_total)
+            usage.add_metric([s.name], s.kv_cache_usage)
+            cache_info.add_metric([s.name, str(BLOCK_TOKENS), str(s.kv_blocks_total)], 1.0)
             prefix_queries.add_metric([s.name], s.prefix_cache_queries_tokens)
             prefix_hits.add_metric([s.name], s.prefix_cache_hits_tokens)
             preemptions.add_metric([s.name], s.preemptions)
         yield from (queued, running, in_use, total, state, steps, failures)
         yield from (blocks_used, blocks_cached, blocks_total, prefix_queries, prefix_hits)
+        yield from (usage, cache_info)
         yield preemptions
