@@ -12,11 +12,11 @@ import httpx
 import pytest
 import zmq
 
+from tests.e2e.test_startup_e2e import _wait_ready
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.http.orca_envoy import HEADER, parse_orca_headers
 from tests.neuron_process import free_port, spawn_neuron
 from tests.service.test_kv_events_publisher import DECODER, END_SEQ, BlockStored
-from tests.test_startup_e2e import _wait_ready
 
 pytestmark = pytest.mark.slow
 

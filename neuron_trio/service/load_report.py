@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from neuron_trio.service.model_metrics import ModelActorStatistics
+from neuron_trio.service.metrics.model import ModelActorStatistics
 
 
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
