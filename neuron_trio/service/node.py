@@ -53,6 +53,7 @@ from neuron_trio.parallel.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.deadman import Deadman
 from neuron_trio.service.download_progress import LOAD_SILENCE_S, DownloadProgress
+from neuron_trio.service.fingerprint import model_fingerprint
 from neuron_trio.service.model_actor import (
     BURST_GAP_S,
     EventStream,
@@ -253,6 +254,7 @@ class Node:
         self._registry = CollectorRegistry()
         self._metrics = NodeMetrics(self._registry, self._model_statistics)
         self._actors: dict[str, ModelActor] = {}
+        self._fingerprints: dict[str, str] = {}  # model name -> `system_fingerprint`
         self._reserved: set[str] = set()  # names being loaded
         self._nursery: trio.Nursery | None = None
         self._serving = False
@@ -300,7 +302,12 @@ class Node:
 
     def list_models(self) -> list[ModelSummary]:
         return [
-            ModelSummary(name=a.name, created=int(a.loaded_at or 0), context=a.spec.context)
+            ModelSummary(
+                name=a.name,
+                created=int(a.loaded_at or 0),
+                context=a.spec.context,
+                fingerprint=self._fingerprints.get(a.name, ""),
+            )
             for a in self._actors.values()
             if a.state in ("serving", "recovering")
         ]
@@ -576,6 +583,9 @@ class Node:
                 # Name the file as the client did: where a source resolves to is not theirs.
                 detail = str(exc).replace(str(path), spec.source)
                 raise type(exc)(f"model {spec.name!r}: {detail}") from None
+            fingerprint = await trio.to_thread.run_sync(
+                model_fingerprint, path, spec.dtype, abandon_on_cancel=True
+            )
             devices = place(
                 spec,
                 estimate.total_bytes,
@@ -607,6 +617,7 @@ class Node:
                 ),
             )
             self._actors[spec.name] = actor
+            self._fingerprints[spec.name] = fingerprint
             try:
                 await self._nursery.start(actor.run)
             except BaseException:
@@ -625,6 +636,7 @@ class Node:
         await actor.unload(force=force)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
+            self._fingerprints.pop(actor.name, None)
         await trio.to_thread.run_sync(_free_memory, on_cuda)
 
 
