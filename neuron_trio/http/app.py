@@ -49,6 +49,7 @@ from neuron_trio.http.openai import (
 )
 from neuron_trio.http.openai.completion_batch import CompletionBatch, parse_completion_batch
 from neuron_trio.http.openai.models_api import model_object
+from neuron_trio.http.responses_endpoint import ResponsesEndpoint
 from neuron_trio.service.api import NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]
@@ -183,6 +184,7 @@ class _Routes:
         self.node = node
         self.max_messages = max_messages
         self._metrics_limiter: trio.CapacityLimiter | None = None
+        self.responses = ResponsesEndpoint(node)
 
     def _refuse_while_draining(self) -> None:
         if self.node.draining:
@@ -336,6 +338,8 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         Route("/v1/models/{name}", r.model, methods=["GET", "DELETE"]),
         Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
         Route("/v1/completions", r.completions, methods=["POST"]),
+        Route("/v1/responses", r.responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", r.responses.retrieve, methods=["GET", "DELETE"]),
     ]
     app = Starlette(
         routes=routes,
