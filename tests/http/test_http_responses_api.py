@@ -240,7 +240,7 @@ def test_a_wedge_mid_stream_is_an_error_event() -> None:
 
 
 def test_store_is_bounded_by_count_and_bytes() -> None:
-    store = ResponseStore(max_responses=2, max_bytes=400)
+    store = ResponseStore(max_responses=2, max_bytes=350)
     for i in range(3):
         store.put(f"r{i}", ({"role": "user", "content": "x"},), {"id": f"r{i}"})
     assert len(store) == 2
