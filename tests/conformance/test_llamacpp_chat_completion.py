@@ -101,7 +101,11 @@ def test_chat_completion_stream(http: httpx.Client) -> None:
 def test_chat_completion_with_openai_library(api_base: str) -> None:
     client = openai.OpenAI(api_key="dummy", base_url=api_base, max_retries=0)
     res = client.chat.completions.create(
-        model=MODEL, messages=BOOK, max_tokens=8, seed=42, temperature=0.8  # type: ignore[arg-type]
+        model=MODEL,
+        messages=BOOK,
+        max_tokens=8,
+        seed=42,
+        temperature=0.8,  # type: ignore[arg-type]
     )
     assert res.system_fingerprint is not None and res.system_fingerprint.startswith("fp_")
     assert res.choices[0].message.content is not None
@@ -111,7 +115,10 @@ def test_chat_completion_with_openai_library(api_base: str) -> None:
 @pytest.mark.parametrize(
     "response_format,expect",
     [
-        ({"type": "json_schema", "json_schema": {"name": "c", "schema": {"const": "foooooo"}}}, '"foooooo"'),
+        (
+            {"type": "json_schema", "json_schema": {"name": "c", "schema": {"const": "foooooo"}}},
+            '"foooooo"',
+        ),
         ({"type": "json_object"}, r"^\s*\{"),
         ({"type": "sound"}, None),
         # llama.cpp's own `schema` key inside json_object: neuron refuses the unknown key
