@@ -125,7 +125,7 @@ def test_completion_with_required_tool(
         tools=[tool],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=64,
+        max_tokens=128,
         temperature=0.0,
     )
     assert len(calls) == 1, (content, calls)

@@ -441,12 +441,13 @@ def test_named_tool_choice(api_base: str) -> None:
             chat = await client.chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": "Weather in Dallas in fahrenheit?"}],
-                max_completion_tokens=48,
+                max_completion_tokens=96,
                 tools=[tool],  # type: ignore[list-item]
                 tool_choice={"type": "function", "function": {"name": "get_current_weather"}},
             )
             calls = chat.choices[0].message.tool_calls
-            assert calls and calls[0].function.name == "get_current_weather"  # type: ignore[union-attr]
+            assert calls, chat.choices[0]
+            assert calls[0].function.name == "get_current_weather"  # type: ignore[union-attr]
             args = json.loads(calls[0].function.arguments)  # type: ignore[union-attr]
             assert args["unit"] in ("celsius", "fahrenheit") and isinstance(args["city"], str)
 

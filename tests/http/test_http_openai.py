@@ -415,6 +415,7 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
     (COMP, {"model": "fake-model"}, 400, "prompt"),
     (COMP, {"model": "fake-model", "prompt": ["a", 1]}, 400, "prompt[1]"),
     (COMP, {"model": "fake-model", "prompt": [[1, 2], []]}, 400, "prompt[1]"),
+    (COMP, {"model": "fake-model", "prompt": [1, 2, "x", 3]}, 400, "prompt[2]"),
     (COMP, {"model": "fake-model", "prompt": [[1, -2]]}, 400, "prompt[0][1]"),
     (COMP, {"model": "fake-model", "prompt": [1.5]}, 400, "prompt[0]"),
     (COMP, {"model": "fake-model", "prompt": []}, 400, "prompt"),

@@ -471,6 +471,13 @@ def completion_prompts(raw: PromptField) -> list[str | tuple[int, ...]]:
         raise RequestError("prompt: an empty list", param="prompt")
     if all(isinstance(item, int) for item in raw):
         return [tuple(int(item) for item in raw)]  # type: ignore[arg-type]
+    if isinstance(raw[0], int):  # ids, then something else: name the first non-id
+        i = next(k for k, item in enumerate(raw) if not isinstance(item, int))
+        raise RequestError(
+            f"prompt[{i}]: a prompt of token ids holds ints only (for several prompts, a list "
+            "of lists of ints)",
+            param=f"prompt[{i}]",
+        )
     prompts: list[str | tuple[int, ...]] = []
     for i, item in enumerate(raw):
         if isinstance(item, str):
