@@ -41,7 +41,6 @@ __all__ = [
     "decode_completion_request",
     "decode_struct",
     "parse_chat_request",
-    "parse_completion_request",
 ]
 
 _INT64_MIN = -(2**63)
@@ -415,20 +414,6 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
     job = GenerationJob(model=req.model, params=params, messages=messages)
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
-
-
-def parse_completion_request(body: bytes) -> ParsedRequest:
-    """Validate a `/v1/completions` body of one prompt; RequestError names the offending field.
-
-    (The endpoint itself takes a list of prompts and `echo`: `completion_batch`.)
-    """
-    req = decode_completion_request(body)
-    prompts = completion_prompts(req.prompt)
-    if len(prompts) != 1:
-        raise RequestError(
-            "prompt: exactly one prompt expected here", param="prompt", code="unsupported_value"
-        )
-    return completion_parsed(req, prompts[0])
 
 
 def decode_completion_request(body: bytes) -> CompletionRequest:
