@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -27,6 +28,7 @@ from neuron_trio.errors import (
     ConfigError,
     ModelFileError,
     ModelLoadError,
+    ModelNotFoundError,
     PlacementError,
     QueueFullError,
     RequestError,
@@ -35,6 +37,7 @@ from neuron_trio.errors import (
     UnsupportedModelError,
 )
 from neuron_trio.http.access_log import access_info
+from neuron_trio.http.batch_generation import BatchSSEResponse, complete_batch
 from neuron_trio.http.generation import ClientGone, SSEResponse, complete
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
@@ -43,9 +46,11 @@ from neuron_trio.http.openai import (
     decode_struct,
     error_body,
     parse_chat_request,
-    parse_completion_request,
 )
 from neuron_trio.http.orca import OrcaLoadReports
+from neuron_trio.http.openai.completion_batch import CompletionBatch, parse_completion_batch
+from neuron_trio.http.openai.models_api import model_object
+from neuron_trio.http.responses_endpoint import ResponsesEndpoint
 from neuron_trio.service.api import NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]
@@ -53,6 +58,8 @@ __all__ = ["JSONResponse", "create_app", "read_api_keys"]
 log = logging.getLogger(__name__)
 
 UNMATCHED_ROUTE = "<unmatched>"
+
+P = TypeVar("P")
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -167,7 +174,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 INLINE_PARSE_BYTES = 64 << 10
 
 
-async def _off_loop_if_large(parse: Callable[[bytes], ParsedRequest], body: bytes) -> ParsedRequest:
+async def _off_loop_if_large(parse: Callable[[bytes], P], body: bytes) -> P:
     if len(body) <= INLINE_PARSE_BYTES:
         return parse(body)
     return await trio.to_thread.run_sync(parse, body)
@@ -178,6 +185,7 @@ class _Routes:
         self.node = node
         self.max_messages = max_messages
         self._metrics_limiter: trio.CapacityLimiter | None = None
+        self.responses = ResponsesEndpoint(node)
 
     def _refuse_while_draining(self) -> None:
         if self.node.draining:
@@ -217,17 +225,22 @@ class _Routes:
         return await self.list_models(request)
 
     async def list_models(self, request: Request) -> Response:
-        data = [
-            {
-                "id": m.name,
-                "object": "model",
-                "created": m.created,
-                "owned_by": "neuron",
-                "context_length": m.context,
-            }
-            for m in self.node.list_models()
-        ]
+        data = [model_object(m) for m in self.node.list_models()]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{name}` (the openai client's `models.retrieve`), or the unload."""
+        if request.method == "DELETE":
+            return await self.unload_model(request)
+        name = request.path_params["name"]
+        found = next((m for m in self.node.list_models() if m.name == name), None)
+        if found is None:
+            raise ModelNotFoundError(name)
+        return JSONResponse(model_object(found))
+
+    def _fingerprint(self, model: str) -> str | None:
+        found = next((m for m in self.node.list_models() if m.name == model), None)
+        return found.fingerprint or None if found is not None else None
 
     async def load_model(self, request: Request) -> Response:
         self._refuse_while_draining()
@@ -255,13 +268,26 @@ class _Routes:
 
     async def completions(self, request: Request) -> Response:
         self._refuse_while_draining()
-        parsed = await _off_loop_if_large(parse_completion_request, await request.body())
-        return await self._generate(request, parsed)
+        batch = await _off_loop_if_large(parse_completion_batch, await request.body())
+        if len(batch.parts) > 1 or batch.echo is not None:
+            return await self._generate_batch(request, batch)
+        return await self._generate(request, batch.first)
+
+    async def _generate_batch(self, request: Request, batch: CompletionBatch) -> Response:
+        access = access_info(request.scope)
+        if access is not None:
+            access.model = batch.first.job.model
+        batch = batch.with_fingerprint(self._fingerprint(batch.first.job.model))
+        if batch.first.stream:
+            return BatchSSEResponse(self.node, batch)
+        doc = await complete_batch(self.node, batch, request.receive, access)
+        return ClientGone() if doc is None else JSONResponse(doc)
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
         access = access_info(request.scope)
         if access is not None:
             access.model = parsed.job.model
+        parsed = replace(parsed, system_fingerprint=self._fingerprint(parsed.job.model))
         if parsed.stream:
             return SSEResponse(self.node, parsed)
         doc = await complete(self.node, parsed, request.receive, access)
@@ -310,9 +336,11 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         Route("/metrics", r.metrics, methods=["GET"]),
         Route("/v1/node", r.node_info, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET", "POST"]),
-        Route("/v1/models/{name}", r.unload_model, methods=["DELETE"]),
+        Route("/v1/models/{name}", r.model, methods=["GET", "DELETE"]),
         Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
         Route("/v1/completions", r.completions, methods=["POST"]),
+        Route("/v1/responses", r.responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", r.responses.retrieve, methods=["GET", "DELETE"]),
     ]
     app = Starlette(
         routes=routes,

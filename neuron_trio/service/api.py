@@ -117,6 +117,7 @@ class ModelSummary:
     name: str
     created: int  # unix seconds, when it was loaded
     context: int
+    fingerprint: str = ""  # `system_fingerprint`: model file + dtype + engine build
 
 
 class NodeService(Protocol):

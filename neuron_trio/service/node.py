@@ -52,6 +52,7 @@ from neuron_trio.errors import (
 from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.fingerprint import model_fingerprint
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from neuron_trio.service.load_report import LoadReport, model_load, node_load
 from neuron_trio.service.metrics.model import ModelActorStatistics, NodeMetrics
@@ -215,6 +216,7 @@ class Node:
         self._registry = CollectorRegistry()
         self._metrics = NodeMetrics(self._registry, self._model_statistics)
         self._actors: dict[str, ModelActor] = {}
+        self._fingerprints: dict[str, str] = {}  # model name -> `system_fingerprint`
         self._reserved: set[str] = set()  # names being loaded
         self._nursery: trio.Nursery | None = None
         self._serving = False
@@ -273,7 +275,12 @@ class Node:
 
     def list_models(self) -> list[ModelSummary]:
         return [
-            ModelSummary(name=a.name, created=int(a.loaded_at or 0), context=a.spec.context)
+            ModelSummary(
+                name=a.name,
+                created=int(a.loaded_at or 0),
+                context=a.spec.context,
+                fingerprint=self._fingerprints.get(a.name, ""),
+            )
             for a in self._actors.values()
             if a.state in ("serving", "recovering")
         ]
@@ -552,6 +559,9 @@ class Node:
                 # Name the file as the client did: where a source resolves to is not theirs.
                 detail = str(exc).replace(str(path), spec.source)
                 raise type(exc)(f"model {spec.name!r}: {detail}") from None
+            fingerprint = await trio.to_thread.run_sync(
+                model_fingerprint, path, spec.dtype, abandon_on_cancel=True
+            )
             devices = place(
                 spec,
                 estimate.total_bytes,
@@ -583,6 +593,7 @@ class Node:
                 ),
             )
             self._actors[spec.name] = actor
+            self._fingerprints[spec.name] = fingerprint
             try:
                 await self._nursery.start(actor.run)
             except BaseException:
@@ -611,6 +622,7 @@ class Node:
             self.kv_events.detach(actor.name)
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
+            self._fingerprints.pop(actor.name, None)
         await trio.to_thread.run_sync(_free_memory, on_cuda)
 
 

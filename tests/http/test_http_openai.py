@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from neuron_trio.http.openai import parse_chat_request, parse_completion_request
+from neuron_trio.http.openai import parse_chat_request
+from neuron_trio.http.openai.completion_batch import parse_completion_batch
 from neuron_trio.service.api import ChatMessage
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, run, serving, sse_events
@@ -102,22 +103,22 @@ def test_defaults_are_openai_defaults() -> None:
     ).job.params
     assert (chat.temperature, chat.top_p, chat.top_k, chat.presence_penalty) == (1.0, 1.0, 0, 0.0)
     assert chat.stop == () and chat.seed is None and not chat.logprobs
-    completion = parse_completion_request(b'{"model": "m", "prompt": ["x"], "top_k": -1}')
+    completion = parse_completion_batch(b'{"model": "m", "prompt": ["x"], "top_k": -1}').first
     assert completion.job.prompt == "x"
     assert completion.job.params.max_tokens == 16
     assert completion.job.params.top_k == 0
-    streamed = parse_completion_request(
+    streamed = parse_completion_batch(
         b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": true}, "logprobs": 2}'
-    )
+    ).first
     assert streamed.stream and streamed.include_usage
     assert streamed.job.params.logprobs and streamed.job.params.top_logprobs == 2
 
 
 def test_a_prompt_of_token_ids_is_used_as_given() -> None:
-    parsed = parse_completion_request(b'{"model": "m", "prompt": [1, 2, 3], "logprobs": 1}')
+    parsed = parse_completion_batch(b'{"model": "m", "prompt": [1, 2, 3], "logprobs": 1}').first
     assert parsed.job.prompt_ids == (1, 2, 3) and parsed.job.prompt is None
     assert parsed.prompt_chars == 0  # text offsets count from the completion's start
-    text = parse_completion_request(b'{"model": "m", "prompt": "hey"}')
+    text = parse_completion_batch(b'{"model": "m", "prompt": "hey"}').first
     assert text.job.prompt == "hey" and text.job.prompt_ids is None and text.prompt_chars == 3
 
 
@@ -506,12 +507,16 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
     (CHAT, "just a string", 400, None),
     (COMP, {"prompt": "x"}, 400, "model"),
     (COMP, {"model": "fake-model"}, 400, "prompt"),
-    (COMP, {"model": "fake-model", "prompt": ["a", 1]}, 400, "prompt"),
-    (COMP, {"model": "fake-model", "prompt": [[1, 2], [3]]}, 400, "prompt[0]"),
+    (COMP, {"model": "fake-model", "prompt": ["a", 1]}, 400, "prompt[1]"),
+    (COMP, {"model": "fake-model", "prompt": [[1, 2], []]}, 400, "prompt[1]"),
+    (COMP, {"model": "fake-model", "prompt": [1, 2, "x", 3]}, 400, "prompt[2]"),
+    (COMP, {"model": "fake-model", "prompt": [[1, -2]]}, 400, "prompt[0][1]"),
     (COMP, {"model": "fake-model", "prompt": [1.5]}, 400, "prompt[0]"),
     (COMP, {"model": "fake-model", "prompt": []}, 400, "prompt"),
-    (COMP, {"model": "fake-model", "prompt": ["a", "b"]}, 400, "prompt"),
-    (COMP, {"model": "fake-model", "prompt": "x", "echo": True}, 400, "echo"),
+    (COMP, {"model": "fake-model", "prompt": ["a"] * 17}, 400, "prompt"),
+    (COMP, {"model": "fake-model", "prompt": ["a"] * 3, "n": 6}, 400, "prompt"),
+    (COMP, {"model": "fake-model", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    (COMP, {"model": "fake-model", "prompt": [1, 2], "echo": True}, 400, "echo"),
     (COMP, {"model": "fake-model", "prompt": "x", "suffix": "tail"}, 400, "suffix"),
     (COMP, {"model": "fake-model", "prompt": "x", "best_of": 3}, 400, "best_of"),
     (COMP, {"model": "fake-model", "prompt": "x", "logprobs": 21}, 400, "logprobs"),

@@ -205,6 +205,9 @@ def test_defaults_load_in_order_with_progress_then_health_goes_ok(tmp_path: Path
         assert node.health().status == "ok"
         assert "engine.step" in w.failpoints.configured  # armed now
         assert [m.name for m in node.list_models()] == ["a", "b"]
+        # system_fingerprint: computed at load; the same bytes and dtype give the same one
+        prints = [m.fingerprint for m in node.list_models()]
+        assert prints[0].startswith("fp_") and prints[0] == prints[1]
         assert await collect(node, job()) == ["x", "x"]
 
     run_world(tmp_path, test)

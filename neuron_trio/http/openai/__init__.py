@@ -7,7 +7,6 @@ from neuron_trio.http.openai.requests import (
     ParsedRequest,
     decode_struct,
     parse_chat_request,
-    parse_completion_request,
 )
 from neuron_trio.http.openai.responses import (
     SSE_DONE,
@@ -33,6 +32,5 @@ __all__ = [
     "new_id",
     "now",
     "parse_chat_request",
-    "parse_completion_request",
     "sse_data",
 ]

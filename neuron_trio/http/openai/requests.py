@@ -41,9 +41,11 @@ __all__ = [
     "CompletionRequest",
     "ParsedRequest",
     "RequestKind",
+    "completion_parsed",
+    "completion_prompts",
+    "decode_completion_request",
     "decode_struct",
     "parse_chat_request",
-    "parse_completion_request",
 ]
 
 _INT64_MIN = -(2**63)
@@ -69,6 +71,8 @@ Metadata = Annotated[
 LogitBias = Annotated[
     dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]], msgspec.Meta(max_length=1024)
 ]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
+PromptField = str | list[str | TokenId | list[TokenId]]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -185,11 +189,12 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    # a string, a list of one string, or one prompt as token ids (a list of ints)
-    prompt: str | list[str | int]
+    # a string, a list of strings, one prompt as token ids (a list of ints), or a list of
+    # such lists: one choice set per prompt (`completion_batch` bounds their number)
+    prompt: PromptField
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: bool | None = None  # the prompt's text before each choice's
     # Declared only to refuse them by name with a clear message (defaults are harmless).
-    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -203,6 +208,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     prompt_chars: int = 0  # completions: where the completion's text offsets start
+    system_fingerprint: str | None = None  # the model's, filled in by the app once it is known
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -490,17 +496,19 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
 
 
-def parse_completion_request(body: bytes) -> ParsedRequest:
-    """Validate a `/v1/completions` body; RequestError names the offending field."""
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    """Decode a `/v1/completions` body and refuse what no prompt of it can honour."""
     req = decode_struct(body, CompletionRequest)
     _refuse_unsupported(req)
-    if req.echo:
-        raise RequestError("echo: not supported", param="echo", code="unsupported_field")
     if req.suffix:
         raise RequestError("suffix: not supported", param="suffix", code="unsupported_field")
     if req.best_of is not None and req.best_of != 1:
         raise RequestError("best_of: not supported", param="best_of", code="unsupported_field")
-    prompt, prompt_ids = _one_prompt(req.prompt)
+    return req
+
+
+def completion_parsed(req: CompletionRequest, prompt: str | tuple[int, ...]) -> ParsedRequest:
+    """The request for one of `req`'s prompts (text, or token ids used as they are)."""
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _sampling(
         req,
@@ -508,34 +516,44 @@ def parse_completion_request(body: bytes) -> ParsedRequest:
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
     )
+    text = prompt if isinstance(prompt, str) else ""
     job = GenerationJob(
         model=req.model,
         params=params,
-        prompt=None if prompt_ids is not None else prompt,
-        prompt_ids=prompt_ids,
+        prompt=text if isinstance(prompt, str) else None,
+        prompt_ids=None if isinstance(prompt, str) else prompt,
     )
-    return ParsedRequest("completion", job, bool(req.stream), _include_usage(req), len(prompt))
+    # Text offsets in completion logprobs count from the end of a text prompt; for token ids
+    # (whose text the HTTP layer does not decode) they count from the completion's start.
+    return ParsedRequest("completion", job, bool(req.stream), _include_usage(req), len(text))
 
 
-def _one_prompt(raw: str | list[str | int]) -> tuple[str, tuple[int, ...] | None]:
-    """(text, None) for a text prompt; ("", ids) for a prompt given as token ids.
-
-    Text offsets in completion logprobs count from the end of a text prompt; for token ids
-    (whose text the HTTP layer does not decode) they count from the completion's start.
-    """
+def completion_prompts(raw: PromptField) -> list[str | tuple[int, ...]]:
+    """The prompts of a `prompt` field, as OpenAI reads it: a string; a list of strings; a
+    list of ints (one prompt of token ids); a list of lists of ints (several)."""
     if isinstance(raw, str):
-        return raw, None
-    if raw and all(isinstance(item, int) for item in raw):
-        return "", tuple(int(item) for item in raw)
-    if len(raw) == 1 and isinstance(raw[0], str):
-        return raw[0], None
-    if all(isinstance(item, str) for item in raw):
+        return [raw]
+    if not raw:
+        raise RequestError("prompt: an empty list", param="prompt")
+    if all(isinstance(item, int) for item in raw):
+        return [tuple(int(item) for item in raw)]  # type: ignore[arg-type]
+    if isinstance(raw[0], int):  # ids, then something else: name the first non-id
+        i = next(k for k, item in enumerate(raw) if not isinstance(item, int))
         raise RequestError(
-            "prompt: exactly one prompt per request is supported",
-            param="prompt",
-            code="unsupported_value",
+            f"prompt[{i}]: a prompt of token ids holds ints only (for several prompts, a list "
+            "of lists of ints)",
+            param=f"prompt[{i}]",
         )
-    raise RequestError(
-        "prompt: a string, a list of one string, or a list of token ids (ints), not a mix",
-        param="prompt",
-    )
+    prompts: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and item:
+            prompts.append(tuple(item))
+        else:
+            raise RequestError(
+                f"prompt[{i}]: a string, or a non-empty list of token ids (not a mix of "
+                "strings and ids in one list)",
+                param=f"prompt[{i}]",
+            )
+    return prompts

@@ -288,6 +288,7 @@ def completion_response(
         "object": shaper.object,
         "created": created,
         "model": parsed.job.model,
+        "system_fingerprint": parsed.system_fingerprint,
         "choices": [shaper.choice(i, t.choice(i)) for i in range(parsed.job.params.n)],
         "usage": t.usage(),
     }
@@ -308,6 +309,7 @@ class ChunkWriter:
             "object": self.shaper.chunk_object,
             "created": self.created,
             "model": self.parsed.job.model,
+            "system_fingerprint": self.parsed.system_fingerprint,
             "choices": choices,
         }
         if self.parsed.include_usage:
@@ -327,6 +329,7 @@ class ChunkWriter:
             "object": self.shaper.chunk_object,
             "created": self.created,
             "model": self.parsed.job.model,
+            "system_fingerprint": self.parsed.system_fingerprint,
             "choices": [],
             "usage": t.usage(),
         }

@@ -1,0 +1,171 @@
+"""Running a `/v1/completions` batch (several prompts, or `echo`) against the node.
+
+Each prompt is one `node.generate` job; they run together (the model batches them like any
+concurrent requests). Every job is queued before the response starts, so a refusal (unknown
+model, full queue, a prompt too long) is an ordinary JSON error and no job is left running:
+leaving the exit stack cancels the jobs already queued. As in `generation`, `receive()` is
+watched for `http.disconnect` in a sibling task, and one task owns every `generate` context.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from neuron_trio.errors import ApiError
+from neuron_trio.http.access_log import AccessInfo, access_info
+from neuron_trio.http.generation import (
+    _SSE_HEADERS,
+    _body,
+    _error_event,
+    _finish_error,
+    run_until_disconnect,
+)
+from neuron_trio.http.openai import SSE_DONE, Transcript
+from neuron_trio.http.openai.completion_batch import BatchWriter, CompletionBatch, usage
+from neuron_trio.service.api import NodeService, SequenceEvent
+
+__all__ = ["BatchSSEResponse", "complete_batch"]
+
+log = logging.getLogger(__name__)
+
+_FINISHED = ("stop", "length", "tool_calls")
+
+_Item = tuple[int, SequenceEvent | ApiError]  # (prompt, what its stream said)
+
+
+def _note(access: AccessInfo | None, transcripts: list[Transcript]) -> None:
+    if access is None:
+        return
+    counts = usage(transcripts)
+    access.prompt_tokens = counts["prompt_tokens"]
+    access.completion_tokens = counts["completion_tokens"]
+    access.finish_reason = next(
+        (t.finish_reason for t in transcripts if t.finish_reason not in _FINISHED),
+        transcripts[0].finish_reason if transcripts else None,
+    )
+
+
+async def _open_all(stack: AsyncExitStack, node: NodeService, batch: CompletionBatch) -> list[Any]:
+    return [await stack.enter_async_context(node.generate(p.job)) for p in batch.parts]
+
+
+async def complete_batch(
+    node: NodeService, batch: CompletionBatch, receive: Receive, access: AccessInfo | None
+) -> dict[str, Any] | None:
+    """Run every prompt to its end; the response document, or None if the client left."""
+    transcripts = [Transcript() for _ in batch.parts]
+
+    async def collect() -> None:
+        errors: list[ApiError] = []
+        async with AsyncExitStack() as stack:
+            streams = await _open_all(stack, node, batch)
+            async with trio.open_nursery() as nursery:
+                for stream, t in zip(streams, transcripts, strict=True):
+                    nursery.start_soon(_drain, stream, t, errors, nursery.cancel_scope)
+        if errors:  # raised here, not in a child: trio would wrap it in an exception group
+            raise errors[0]
+
+    try:
+        gone, _ = await run_until_disconnect(receive, collect)
+    finally:
+        _note(access, transcripts)
+    if gone:
+        return None
+    for t in transcripts:
+        failure = _finish_error(t)
+        if failure is not None:
+            raise failure
+    return BatchWriter(batch).body(transcripts)
+
+
+async def _drain(
+    stream: Any, t: Transcript, errors: list[ApiError], scope: trio.CancelScope
+) -> None:
+    try:
+        async for event in stream:
+            t.add(event)
+    except ApiError as exc:  # a model that wedges: the whole request fails with it
+        errors.append(exc)
+        scope.cancel()
+
+
+class BatchSSEResponse(Response):
+    """A streaming batch: every prompt's chunks as they come, one `[DONE]` at the end.
+
+    A failure of any prompt (a wedged model) ends the whole stream with one error event.
+    """
+
+    def __init__(self, node: NodeService, batch: CompletionBatch) -> None:
+        self.node = node
+        self.batch = batch
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        access = access_info(scope)
+        transcripts = [Transcript() for _ in self.batch.parts]
+
+        async def stream() -> None:
+            await self._stream(send, transcripts, access)
+
+        try:
+            await run_until_disconnect(receive, stream)
+        finally:
+            _note(access, transcripts)
+
+    async def _stream(
+        self, send: Send, transcripts: list[Transcript], access: AccessInfo | None
+    ) -> None:
+        writer = BatchWriter(self.batch)
+        async with AsyncExitStack() as stack:
+            streams = await _open_all(stack, self.node, self.batch)
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            sender, receiver = trio.open_memory_channel[_Item](0)
+            error: ApiError | None = None
+            async with trio.open_nursery() as nursery:
+                for part, events in enumerate(streams):
+                    nursery.start_soon(_forward, part, events, sender.clone())
+                sender.close()
+                async with receiver:
+                    async for part, item in receiver:
+                        if isinstance(item, ApiError):  # a model that wedges mid-stream
+                            error = item
+                            nursery.cancel_scope.cancel()
+                            break
+                        transcripts[part].add(item)
+                        reason = item.finish_reason
+                        if reason is not None and reason not in _FINISHED:
+                            nursery.cancel_scope.cancel()
+                            break
+                        data = writer.chunks(part, item, reason)
+                        if data:
+                            await send(_body(data, True))
+                            if access is not None and access.first_token_at is None:
+                                access.first_token_at = time.perf_counter()
+            if error is not None:
+                await send(_body(_error_event(error), False))
+                return
+            for t in transcripts:
+                failure = _finish_error(t)
+                if failure is not None:
+                    await send(_body(_error_event(failure), False))
+                    return
+            tail = writer.usage_chunk(transcripts) if self.batch.first.include_usage else b""
+            await send(_body(tail + SSE_DONE, False))
+
+
+async def _forward(part: int, events: Any, sender: trio.MemorySendChannel[_Item]) -> None:
+    """Pass prompt `part`'s events on; an ApiError too, as an item (raised in a child task,
+    trio would wrap it in an exception group)."""
+    async with sender:
+        try:
+            async for event in events:
+                await sender.send((part, event))
+        except ApiError as exc:
+            await sender.send((part, exc))

@@ -1,0 +1,176 @@
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: the Responses API over the
+node, as a JSON body or as server-sent events.
+
+The request becomes a chat job (`openai.responses_api`); it runs as `generation` runs chat
+completions (one task owns the `generate` context, `receive()` is watched for a disconnect).
+A response that finished is stored (unless `store: false`) in a bounded `ResponseStore`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from neuron_trio.errors import ApiError, UnavailableError
+from neuron_trio.http.access_log import AccessInfo, access_info
+from neuron_trio.http.generation import (
+    _SSE_HEADERS,
+    ClientGone,
+    _body,
+    _finish_error,
+    _note,
+    run_until_disconnect,
+)
+from neuron_trio.http.openai.responses import Transcript, now
+from neuron_trio.http.openai.responses_api import (
+    ParsedResponsesRequest,
+    history_of,
+    new_item_id,
+    output_items,
+    parse_responses_request,
+    response_object,
+    responses_usage,
+)
+from neuron_trio.http.openai.responses_stream import ResponsesStreamWriter
+from neuron_trio.http.response_store import ResponseStore
+from neuron_trio.service.api import NodeService
+
+__all__ = ["ResponsesEndpoint"]
+
+_FINISHED = ("stop", "length", "tool_calls")
+INLINE_PARSE_BYTES = 64 << 10  # larger bodies are validated on a worker thread (as chat's)
+
+
+class _PreviousId(msgspec.Struct):
+    """Just the field that must be looked up before the request can be validated."""
+
+    previous_response_id: str | None = None
+
+
+class ResponsesEndpoint:
+    def __init__(self, node: NodeService, store: ResponseStore | None = None) -> None:
+        self.node = node
+        self.store = store if store is not None else ResponseStore()
+
+    async def create(self, request: Request) -> Response:
+        if self.node.draining:
+            raise UnavailableError("the node is draining; try another node", code="draining")
+        body = await request.body()
+        try:
+            previous_id = msgspec.json.decode(body, type=_PreviousId).previous_response_id
+        except msgspec.DecodeError:
+            previous_id = None  # the full validation below names the problem
+        history = None
+        if previous_id is not None:
+            history = self.store.get(previous_id, param="previous_response_id").history
+        if len(body) <= INLINE_PARSE_BYTES:
+            parsed = parse_responses_request(body, history)
+        else:
+            parsed = await trio.to_thread.run_sync(parse_responses_request, body, history)
+        access = access_info(request.scope)
+        if access is not None:
+            access.model = parsed.request.model
+        if parsed.stream:
+            return ResponsesSSE(self, parsed)
+        doc = await self._complete(parsed, request.receive, access)
+        return ClientGone() if doc is None else _json(doc)
+
+    async def retrieve(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            self.store.delete(response_id)
+            return _json({"id": response_id, "object": "response", "deleted": True})
+        return _json(self.store.get(response_id).document)
+
+    def keep(self, parsed: ParsedResponsesRequest, doc: dict[str, Any]) -> None:
+        if parsed.request.store is not False:
+            history = (*parsed.history, *history_of(doc["output"]))
+            self.store.put(doc["id"], history, doc)
+
+    async def _complete(
+        self, parsed: ParsedResponsesRequest, receive: Receive, access: AccessInfo | None
+    ) -> dict[str, Any] | None:
+        t = Transcript()
+
+        async def collect() -> None:
+            async with self.node.generate(parsed.chat.job) as events:
+                async for event in events:
+                    t.add(event)
+
+        try:
+            gone, _ = await run_until_disconnect(receive, collect)
+        finally:
+            _note(access, t)
+        if gone:
+            return None
+        failure = _finish_error(t)
+        if failure is not None:
+            raise failure
+        status = "incomplete" if t.finish_reason == "length" else "completed"
+        doc = response_object(
+            parsed,
+            new_item_id("resp"),
+            now(),
+            status=status,
+            output=output_items(t.choice(0)),
+            usage=responses_usage(t),
+        )
+        self.keep(parsed, doc)
+        return doc
+
+
+def _json(doc: dict[str, Any]) -> Response:
+    return Response(msgspec.json.encode(doc), media_type="application/json")
+
+
+class ResponsesSSE(Response):
+    """A streamed response; errors before the start are ordinary JSON errors."""
+
+    def __init__(self, endpoint: ResponsesEndpoint, parsed: ParsedResponsesRequest) -> None:
+        self.endpoint = endpoint
+        self.parsed = parsed
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        access = access_info(scope)
+        transcript = Transcript()
+
+        async def stream() -> None:
+            await self._stream(send, transcript, access)
+
+        try:
+            await run_until_disconnect(receive, stream)
+        finally:
+            _note(access, transcript)
+
+    async def _stream(self, send: Send, t: Transcript, access: AccessInfo | None) -> None:
+        parsed = self.parsed
+        async with self.endpoint.node.generate(parsed.chat.job) as events:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            writer = ResponsesStreamWriter(parsed, new_item_id("resp"), now())
+            try:
+                await send(_body(writer.opening(), True))
+                async for event in events:
+                    t.add(event)
+                    reason = event.finish_reason
+                    if reason is not None and reason not in _FINISHED:
+                        break
+                    data = writer.event(event)
+                    if data:
+                        await send(_body(data, True))
+                        if access is not None and access.first_token_at is None:
+                            access.first_token_at = time.perf_counter()
+                failure = _finish_error(t)
+                if failure is not None:
+                    raise failure
+                closing = writer.closing(t)
+                self.endpoint.keep(parsed, writer.final(t))
+                await send(_body(closing, False))
+            except ApiError as exc:  # a model that wedges mid-stream, and the like
+                await send(_body(writer.error(exc.message, exc.code, exc.param), False))
