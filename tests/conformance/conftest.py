@@ -95,8 +95,8 @@ def http(neuron_url: str) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def tokenize() -> object:
     """The built-in model's prompt tokenizer, as the engine applies it (BOS when wanted)."""
-    from neuron_trio.engine.gguf_file import GGUFFile
-    from neuron_trio.engine.tokenizer import Tokenizer
+    from neuron_trio.engine.gguf.file import GGUFFile
+    from neuron_trio.engine.text.tokenizer import Tokenizer
 
     with GGUFFile(builtin_model_path()) as gf:
         tok = Tokenizer.from_metadata(gf.metadata)

@@ -10,7 +10,7 @@ Not ported, and why:
   those of llama.cpp's tiny stories model; neuron's are checked for shape and consistency;
 - `chat_template` / `jinja` overrides, `__verbose`, `/apply-template`, assistant prefill
   through a llama3 template: llama.cpp options and endpoints; neuron always renders the
-  model's own template (checked against transformers in tests/engine/test_chat.py);
+  model's own template (checked against transformers in tests/engine/text/test_chat.py);
 - `timings_per_token`, `return_progress`: llama.cpp's own stream fields;
 - two assistant messages in a row must fail: a llama.cpp template rule; for OpenAI (and
   neuron) it is a valid conversation.

@@ -14,7 +14,7 @@ Not ported, and why:
   (`slots_in_use`), tested in tests/service;
 - the expected texts (regexes) and prompt token counts: those of llama.cpp's stories model;
 - the Phi-3.5 stop-string case: needs a 2 GB download (stop strings are tested on the
-  built-in model in tests/engine/test_stops.py and here through `stop` below).
+  built-in model in tests/engine/text/test_stops.py and here through `stop` below).
 """
 
 from __future__ import annotations
