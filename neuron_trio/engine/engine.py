@@ -41,6 +41,7 @@ from neuron_trio.engine.block_pool import (
 )
 from neuron_trio.engine.finish import apply_finish_rules, is_stop_token
 from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
 from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.sampling import Sampler, SamplingState
@@ -56,7 +57,6 @@ from neuron_trio.engine.text.grammar import (
     detect_tool_format,
     fill_masks,
 )
-from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.text.textgen import TextPipeline
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.text.tool_call_start import CallStartWatcher, begin_call_grammar

@@ -47,9 +47,9 @@ from neuron_trio.http.openai import (
     error_body,
     parse_chat_request,
 )
-from neuron_trio.http.orca import OrcaLoadReports
 from neuron_trio.http.openai.completion_batch import CompletionBatch, parse_completion_batch
 from neuron_trio.http.openai.models_api import model_object
+from neuron_trio.http.orca import OrcaLoadReports
 from neuron_trio.http.responses_endpoint import ResponsesEndpoint
 from neuron_trio.service.api import NodeService
 

@@ -14,7 +14,8 @@ from neuron_trio.engine.kv_events import (
     KVEventLog,
 )
 from neuron_trio.engine.types import SamplingParams
-from tests.engine.test_scheduler import _engine, _prompt, _run
+from tests.engine.drain import drain as _run
+from tests.engine.test_scheduler import _engine, _prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 

@@ -86,9 +86,9 @@ def test_fields_clients_send_are_accepted_and_honoured_or_ignored() -> None:
     assert parsed.stream and parsed.include_usage
     assert parsed.job.params.logit_bias == ((7, 2.5), (42, -100.0))
     assert [m.name for m in parsed.job.messages or ()] == ["ann", "bot"]
-    completion = parse_completion_request(
+    completion = parse_completion_batch(
         b'{"model": "m", "prompt": "x", "logit_bias": {"3": 1}, "user": "u", "store": true}'
-    )
+    ).first
     assert completion.job.params.logit_bias == ((3, 1.0),)
 
 
