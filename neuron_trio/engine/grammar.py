@@ -34,6 +34,8 @@ import llguidance
 import numpy as np
 import torch
 
+from neuron_trio.engine.schema_limits import check_schema
+from neuron_trio.engine.schema_prep import close_objects, one_line, rebase_refs, refuse_remote_refs
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
 
@@ -54,6 +56,10 @@ CACHE_SIZE = 64
 
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
+
+# The compiler's own resource limits, beside `schema_limits`' bounds on its input: errors
+# without the grammar and parser state (a client must never get the compiler's dump).
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 # Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
 # small model asked for `required` repeats calls until max_tokens and the last one is cut off
@@ -86,24 +92,44 @@ class ToolCallFormat:
         self.open_token_id = open_token_id  # `<tool_call>` when the vocabulary has it as one token
         self.arguments_key = "parameters" if style == "llama3" else "arguments"
 
-    def call_schema(self, tool: ToolFunction) -> dict[str, Any]:
+    def call_schema(self, tool: ToolFunction, parameters: Any = None) -> dict[str, Any]:
+        """The JSON Schema of one call to `tool`; `parameters`: its arguments' schema,
+        prepared (`prepare_parameters`), else the tool's own text."""
         return {
             "type": "object",
             "properties": {
                 "name": {"const": tool.name},
-                self.arguments_key: json.loads(tool.parameters),
+                self.arguments_key: (
+                    json.loads(tool.parameters) if parameters is None else parameters
+                ),
             },
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
         }
 
-    def lark(self, tools: Sequence[ToolFunction], parallel: bool) -> str:
-        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`."""
-        schema = (
-            self.call_schema(tools[0])
-            if len(tools) == 1
-            else {"anyOf": [self.call_schema(t) for t in tools]}
-        )
+    def prepare_parameters(self, tools: Sequence[ToolFunction]) -> list[Any]:
+        """Each tool's parameters, decoded, bounded (`schema_limits`), closed under `strict`
+        and with local `$ref`s pointing where `lark` puts them; RequestError naming the tool."""
+        prepared = []
+        for index, tool in enumerate(tools):
+            param = f"tools[{tool.name}].function.parameters"
+            parameters = _decode(tool.parameters, param)
+            check_schema(parameters, param=param, size=len(tool.parameters))
+            if tool.strict:
+                close_objects(parameters)
+            at = f"/properties/{self.arguments_key}"
+            rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
+            prepared.append(parameters)
+        return prepared
+
+    def lark(
+        self, tools: Sequence[ToolFunction], parallel: bool, parameters: Sequence[Any] = ()
+    ) -> str:
+        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`;
+        `parameters`: their prepared schemas (`prepare_parameters`)."""
+        args = list(parameters) or [None] * len(tools)
+        calls = [self.call_schema(t, a) for t, a in zip(tools, args, strict=True)]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         body = "%json " + json.dumps(schema, separators=(",", ":"))
         if self.style == "llama3":
             call = body
@@ -118,16 +144,38 @@ class ToolCallFormat:
         return f"start: {start}\ncall: {call}\n"
 
 
+def _decode(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestError(
+            f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
+        ) from None
+
+
+def _param_of(constraint: Constraint) -> str:
+    """The request field that a constraint's errors name (`param`: the top-level field)."""
+    return "response_format" if constraint.kind == "json" else "tools"
+
+
 def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> str:
+    """The grammar of `constraint`, after its schemas passed `schema_limits`' bounds;
+    RequestError naming the field otherwise."""
     if constraint.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            constraint.schema, defaults=_JSON_OPTIONS
-        )
+        param = "response_format.json_schema.schema"
+        schema = _decode(constraint.schema, param)
+        check_schema(schema, param=param, size=len(constraint.schema))
+        if constraint.strict:
+            close_objects(schema)
+        refuse_remote_refs(schema, param=param)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if not constraint.tools:
         raise RequestError("tool_choice: no tool to call", param="tool_choice")
-    return llguidance.LLMatcher.grammar_from_lark(
-        tool_format.lark(constraint.tools, constraint.parallel)
-    )
+    parameters = tool_format.prepare_parameters(constraint.tools)
+    lark = tool_format.lark(constraint.tools, constraint.parallel, parameters)
+    # all the tools' schemas together: one compile
+    check_schema(parameters, param="tools", size=len(lark))
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 class GrammarState:
@@ -199,25 +247,39 @@ class GrammarCompiler:
         return GrammarState(template.deep_copy())
 
     def _build(self, constraint: Constraint) -> Any:
-        param = "response_format" if constraint.kind == "json" else "tools"
+        param = _param_of(constraint)
+        field = "response_format.json_schema.schema" if constraint.kind == "json" else param
         try:
             grammar = _lark_of(constraint, self.tool_format)
-        except ValueError as exc:
+            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_LIMITS)
+        except RequestError:
+            raise
+        except BaseException as exc:
+            # pyo3's PanicException derives from BaseException (a Rust panic in the compiler:
+            # 20 000 const keys did it); catch it here, where llguidance is called.
+            if not isinstance(exc, Exception) and not is_rust_panic(exc):
+                raise
             raise RequestError(
-                f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
+                f"{field}: invalid JSON schema: {one_line(str(exc))}",
+                param=param,
+                code="invalid_schema",
             ) from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(
-                f"{param}: {_short(matcher.get_error())}", param=param, code="invalid_schema"
+                f"{field}: {one_line(matcher.get_error())}", param=param, code="invalid_schema"
             )
         return matcher
 
 
+def is_rust_panic(exc: BaseException) -> bool:
+    """`exc` is pyo3's PanicException (a Rust panic surfaced in Python), which is neither an
+    Exception nor importable by a stable name."""
+    return type(exc).__name__ == "PanicException"
+
+
 def _short(error: str) -> str:
     """llguidance's message without its multi-line grammar dump."""
-    text = " ".join(line.strip() for line in error.splitlines() if line.strip())
-    return text[:300] or "the grammar is invalid"
+    return one_line(error)
 
 
 class _Wrapper:
