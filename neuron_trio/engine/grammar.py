@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -34,7 +32,8 @@ import llguidance
 import numpy as np
 import torch
 
-from neuron_trio.engine.schema_limits import check_schema
+from neuron_trio.engine.grammar_cache import GrammarCache
+from neuron_trio.engine.schema_limits import SchemaSize, check_schema
 from neuron_trio.engine.schema_prep import close_objects, one_line, rebase_refs, refuse_remote_refs
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
@@ -51,15 +50,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Distinct constraints kept compiled (each a few hundred KB at most); least recently used go.
-CACHE_SIZE = 64
-
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
 
 # The compiler's own resource limits, beside `schema_limits`' bounds on its input: errors
 # without the grammar and parser state (a client must never get the compiler's dump).
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# `max_lexer_states` (1-2 KB each, llguidance's docs) bounds what masks add to a grammar
+# after its compile: 20 000 is ~40 MB, where the default 250 000 would allow 500 MB; JSON
+# schemas within the bounds reach a few thousand.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=20_000)
 
 # Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
 # small model asked for `required` repeats calls until max_tokens and the last one is cut off
@@ -158,24 +157,25 @@ def _param_of(constraint: Constraint) -> str:
     return "response_format" if constraint.kind == "json" else "tools"
 
 
-def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> str:
-    """The grammar of `constraint`, after its schemas passed `schema_limits`' bounds;
-    RequestError naming the field otherwise."""
+def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, SchemaSize]:
+    """The grammar of `constraint` and what its schemas hold, once they passed
+    `schema_limits`' bounds; RequestError naming the field otherwise."""
     if constraint.kind == "json":
         param = "response_format.json_schema.schema"
         schema = _decode(constraint.schema, param)
-        check_schema(schema, param=param, size=len(constraint.schema))
+        size = check_schema(schema, param=param, size=len(constraint.schema))
         if constraint.strict:
             close_objects(schema)
         refuse_remote_refs(schema, param=param)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        return grammar, size
     if not constraint.tools:
         raise RequestError("tool_choice: no tool to call", param="tool_choice")
     parameters = tool_format.prepare_parameters(constraint.tools)
     lark = tool_format.lark(constraint.tools, constraint.parallel, parameters)
     # all the tools' schemas together: one compile
-    check_schema(parameters, param="tools", size=len(lark))
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    size = check_schema(parameters, param="tools", size=len(lark))
+    return llguidance.LLMatcher.grammar_from_lark(lark), size
 
 
 class GrammarState:
@@ -229,28 +229,30 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(wrapper), n_vocab=vocab_size, eos_token=stops
         )
-        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self.cache = GrammarCache()
+
+    def is_cached(self, constraint: Constraint) -> bool:
+        return self.cache.get(constraint) is not None
 
     def compile(self, constraint: Constraint) -> GrammarState:
-        """A fresh state for `constraint`; RequestError (400) naming what is wrong with it."""
-        with self._lock:
-            template = self._cache.get(constraint)
-            if template is not None:
-                self._cache.move_to_end(constraint)
-                return GrammarState(template.deep_copy())
-        template = self._build(constraint)
-        with self._lock:
-            self._cache[constraint] = template
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        """A fresh state for `constraint`; RequestError (400) naming what is wrong with it.
+
+        A cache miss compiles on the calling thread: the service layer calls this first on
+        a compile thread (`compile_threads`), so that the engine's later call is a hit.
+        """
+        template = self.cache.get(constraint)
+        if template is None:
+            template, weight = self._build(constraint)
+            self.cache.put(constraint, template, weight)
         return GrammarState(template.deep_copy())
 
-    def _build(self, constraint: Constraint) -> Any:
+    def _build(self, constraint: Constraint) -> tuple[Any, int]:
         param = _param_of(constraint)
         field = "response_format.json_schema.schema" if constraint.kind == "json" else param
         try:
-            grammar = _lark_of(constraint, self.tool_format)
+            grammar, size = _lark_of(constraint, self.tool_format)
+            weight = size.estimated_bytes()
+            self.cache.admit(weight, param=param)  # before the compile: refused costs nothing
             matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_LIMITS)
         except RequestError:
             raise
@@ -268,7 +270,7 @@ class GrammarCompiler:
             raise RequestError(
                 f"{field}: {one_line(matcher.get_error())}", param=param, code="invalid_schema"
             )
-        return matcher
+        return matcher, weight
 
 
 def is_rust_panic(exc: BaseException) -> bool:
