@@ -41,6 +41,7 @@ from neuron_trio.errors import (
 )
 from neuron_trio.parallel.api import ModelExecutor, RankInfo, ServingEngine
 from neuron_trio.service.api import GenerationJob, template_message
+from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
 from neuron_trio.service.model_metrics import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.watchdog import InflightRequest, Watchdog, WatchdogStatistics
 
@@ -273,6 +274,7 @@ class ModelActor:
         self._failures = 0
         self._last_error: str | None = None
         self._burst_gap_s, self._burst_window_s = burst_gap_s, burst_window_s
+        self._compiles: GrammarCompiles | None = None  # started with the first constraint
 
     # ---- what the node reads -------------------------------------------------------------
 
@@ -426,8 +428,6 @@ class ModelActor:
         def encode() -> tuple[list[int], bool]:
             if job.prompt_ids is not None:
                 return list(job.prompt_ids), False
-            if job.params.constraint is not None:
-                engine.compile_constraint(job.params.constraint)  # cached for `add`
             if job.messages is not None:
                 messages = [template_message(m) for m in job.messages]
                 prompt = engine.render_chat(messages, job.params.tools)
@@ -435,12 +435,19 @@ class ModelActor:
             return engine.encode_prompt(job.prompt or "", chat=False), False
 
         try:
-            # A grammar may take milliseconds (seconds for a huge schema) to compile, and
-            # tools are rendered into the prompt as JSON of any size.
+            if job.params.constraint is not None:
+                # cached for `add`, on the model's compile thread (grammar_compiles)
+                if self._compiles is None:
+                    self._compiles = GrammarCompiles(
+                        engine.compile_constraint,
+                        engine.constraint_compiled,
+                        new_compile_threads(self.name),
+                    )
+                await self._compiles.compile(job.params.constraint)
+            # Tools are rendered into the prompt as JSON of any size.
             if (
                 size > INLINE_ENCODE_CHARS
                 or n_messages > INLINE_ENCODE_MESSAGES
-                or job.params.constraint is not None
                 or job.params.tools
             ):
                 ids, chat = await trio.to_thread.run_sync(encode, abandon_on_cancel=True)
@@ -627,6 +634,8 @@ class ModelActor:
             await self._close(executor)
             log.info("model %s: unloaded", self.name)
         finally:
+            if self._compiles is not None:
+                self._compiles.close()
             self._fail_all(
                 UnavailableError(f"model {self.name!r} was stopped", code="model_unloaded")
             )
