@@ -94,7 +94,11 @@ class CompileThreads:
     """
 
     def __init__(
-        self, size: int = 1, *, name: str = "grammar-compile", stack_bytes: int = COMPILE_STACK_BYTES
+        self,
+        size: int = 1,
+        *,
+        name: str = "grammar-compile",
+        stack_bytes: int = COMPILE_STACK_BYTES,
     ) -> None:
         self._jobs: queue.SimpleQueue[CompileJob | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []

@@ -102,8 +102,11 @@ class SchemaSize:
         properties, 3 MB for a small schema), with room for the lexer states that masks
         add as sequences use it."""
         mib, kib = 1 << 20, 1 << 10
-        return 4 * mib + 18 * kib * self.literal_nodes + 12 * kib * self.properties + (
-            kib * self.nodes
+        return (
+            4 * mib
+            + 18 * kib * self.literal_nodes
+            + 12 * kib * self.properties
+            + (kib * self.nodes)
         )
 
 

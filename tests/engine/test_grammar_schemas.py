@@ -51,7 +51,9 @@ def test_pydantic_function_tool_with_a_nested_model_compiles_and_follows_its_ref
     args = '{"name":"a","home":{"street":"b","city":null},"kind":"c"}'
     for tools in ((function,), (function, ToolFunction("other"))):
         state = _compiler().compile(Constraint("tool_call", tools=tools))
-        assert _walks(state, '<tool_call>\n{"name":"person","arguments":' + args + "}\n</tool_call>")
+        assert _walks(
+            state, '<tool_call>\n{"name":"person","arguments":' + args + "}\n</tool_call>"
+        )
     # the $ref is enforced: the nested object must be an Address
     state = _compiler().compile(Constraint("tool_call", tools=(function,)))
     assert not _walks(state, '<tool_call>\n{"name":"person","arguments":{"name":"a","home":1')
