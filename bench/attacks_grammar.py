@@ -189,7 +189,7 @@ def distinct_schemas_at_the_bounds(base_url: str, pid: int | None = None) -> Att
 
 LONG_CHAT = {
     "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
-    "max_tokens": 96,
+    "max_tokens": 48,
     "temperature": 0,
 }
 
@@ -206,7 +206,10 @@ def _long_chat_s(base_url: str, model: str) -> float:
 def abandoned_compiles(base_url: str, pid: int | None = None, n: int = 60) -> AttackRow:
     model = _model(base_url)
     _long_chat_s(base_url, model)  # warm
-    alone = min(_long_chat_s(base_url, model) for _ in range(2))
+    with _health_watch() as watch:
+        watch(base_url)
+        alone = _long_chat_s(base_url, model)
+        health_alone = watch(base_url)
     before = _rss_mb(pid)
     heavy = [
         _json_schema({"type": "object", "properties": {f"a{i}_{j}": {} for j in range(1_000)}})
@@ -218,12 +221,16 @@ def abandoned_compiles(base_url: str, pid: int | None = None, n: int = 60) -> At
         codes = [f.result() for f in sent]  # every client gone after 0.3 s
         during = _long_chat_s(base_url, model)
         worst = watch(base_url)
-    detail = f"long chat {alone:.2f} s alone, {during:.2f} s after {n} abandoned compiles"
-    row = AttackRow(
-        f"{n} heavy compiles abandoned", _statuses(codes), _alive(base_url, pid), before,
-        _rss_mb(pid), worst, detail, {"alone_s": alone, "during_s": during},
+    detail = (
+        f"long chat {alone:.2f} s alone (/health max {health_alone:.2f} s), {during:.2f} s "
+        f"after {n} abandoned compiles"
+    )
+    extra = {"alone_s": alone, "during_s": during, "health_alone_s": health_alone}
+    alive = _alive(base_url, pid)
+    return AttackRow(
+        f"{n} heavy compiles abandoned", _statuses(codes), alive, before, _rss_mb(pid), worst,
+        detail, extra,
     )  # fmt: skip
-    return row
 
 
 ATTACKS: list[Callable[..., AttackRow]] = [
@@ -255,14 +262,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", help="a running neuron (default: start the built-in model)")
     parser.add_argument("--pid", type=int, help="its process id (RSS and liveness)")
+    parser.add_argument("--only", help="one attack, by its function's name")
     args = parser.parse_args()
+    attacks = [a for a in ATTACKS if args.only in (None, a.__name__)]
+
+    def run(url: str, pid: int | None) -> None:
+        _print([attack(url, pid) for attack in attacks])
+
     if args.url:
-        _print(run_all(args.url.rstrip("/"), args.pid))
+        run(args.url.rstrip("/"), args.pid)
         return
     from daemon_harness import running_daemon  # beside this file when run as a script
 
     with running_daemon({"context": 1024, "max_batch": 4}) as daemon:
-        _print(run_all(daemon.url, daemon.pid))
+        run(daemon.url, daemon.pid)
 
 
 if __name__ == "__main__":
