@@ -179,32 +179,56 @@ def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, 
 
 
 class GrammarState:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar.
+
+    A Rust panic while computing a mask or consuming a token (pyo3's PanicException, a
+    BaseException) ends this sequence with the error, as a grammar error does, instead of
+    failing the whole step.
+    """
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+        self._panic: str | None = None
 
     @property
     def error(self) -> str | None:
+        if self._panic is not None:
+            return self._panic
         return _short(self._matcher.get_error()) if self._matcher.is_error() else None
 
     @property
     def finished(self) -> bool:
         """The grammar is complete: only an end-of-turn token may follow (or has)."""
-        return bool(self._matcher.is_stopped())
+        return self._panic is None and bool(self._matcher.is_stopped())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w:
         token 32·w + i)."""
-        if self._matcher.is_error():
+        if self.error is not None:
             return  # the row stays all ones; the engine ends the sequence with the error
         v = bitmask[row]
-        self._matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        try:
+            self._matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        except BaseException as exc:
+            self._caught(exc)
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled token (it was allowed by the mask)."""
-        if not self._matcher.consume_token(token_id):
+        if self._panic is not None:
+            return
+        try:
+            accepted = self._matcher.consume_token(token_id)
+        except BaseException as exc:
+            self._caught(exc)
+            return
+        if not accepted:
             log.warning("grammar refused token %d: %s", token_id, _short(self._matcher.get_error()))
+
+    def _caught(self, exc: BaseException) -> None:
+        if not is_rust_panic(exc):
+            raise exc
+        self._panic = f"the grammar engine failed: {one_line(str(exc))}"
+        log.error("grammar: %s", self._panic)
 
 
 class GrammarCompiler:

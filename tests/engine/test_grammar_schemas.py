@@ -173,3 +173,27 @@ def test_one_line_drops_the_dump_and_the_backtrace() -> None:
     assert one_line("panic: boom <backtrace> 0: x") == "boom"
     assert one_line("") == "the grammar is invalid"
     assert len(one_line("x" * 1000)) == 300
+
+
+def test_a_panic_while_masking_ends_that_sequence_not_the_step() -> None:
+    class PanicException(BaseException):
+        pass
+
+    class PanickingMatcher:
+        def is_error(self) -> bool:
+            return False
+
+        def is_stopped(self) -> bool:
+            return False
+
+        def unsafe_compute_mask_ptr(self, *args: Any) -> None:
+            raise PanicException("index out of bounds\n<backtrace>")
+
+        def consume_token(self, token: int) -> bool:
+            raise PanicException("boom")
+
+    state = grammar.GrammarState(PanickingMatcher())
+    assert grammar.fill_masks([state], 64) is not None  # the row stays all ones
+    assert state.error == "the grammar engine failed: index out of bounds"
+    assert not state.finished
+    state.accept(3)  # ignored once failed
