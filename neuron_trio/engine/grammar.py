@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from neuron_trio.engine.grammar_cache import GrammarCache
-from neuron_trio.engine.schema_limits import SchemaSize, check_schema
+from neuron_trio.engine.schema_limits import SchemaSize, check_schema, check_size
 from neuron_trio.engine.schema_prep import close_objects, one_line, rebase_refs, refuse_remote_refs
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
@@ -112,6 +112,7 @@ class ToolCallFormat:
         prepared = []
         for index, tool in enumerate(tools):
             param = f"tools[{tool.name}].function.parameters"
+            check_size(len(tool.parameters), param=param)
             parameters = _decode(tool.parameters, param)
             check_schema(parameters, param=param, size=len(tool.parameters))
             if tool.strict:
@@ -162,6 +163,7 @@ def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, 
     `schema_limits`' bounds; RequestError naming the field otherwise."""
     if constraint.kind == "json":
         param = "response_format.json_schema.schema"
+        check_size(len(constraint.schema), param=param)
         schema = _decode(constraint.schema, param)
         size = check_schema(schema, param=param, size=len(constraint.schema))
         if constraint.strict:

@@ -44,6 +44,7 @@ __all__ = [
     "SchemaSize",
     "SchemaTooComplexError",
     "check_schema",
+    "check_size",
 ]
 
 # Keys whose values are annotations: llguidance never compiles them into the grammar, so
@@ -116,6 +117,17 @@ _SCHEMA, _MAP, _LITERAL = 0, 1, 2
 _MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
 
 
+def check_size(size: int, *, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
+    """SchemaTooComplexError naming `param` if a schema of `size` bytes of JSON text is over
+    `limits.max_bytes`: checked before the text is even decoded."""
+    if size > limits.max_bytes:
+        raise SchemaTooComplexError(
+            f"{param}: the schema is too complex for structured output: its JSON text has "
+            f"bytes: {size}, more than the limit of {limits.max_bytes} (SchemaLimits.max_bytes)",
+            param=param,
+        )
+
+
 def check_schema(
     schema: Any, *, param: str, size: int, limits: SchemaLimits = DEFAULT_LIMITS
 ) -> SchemaSize:
@@ -130,8 +142,7 @@ def check_schema(
             param=param,
         )
 
-    if size > limits.max_bytes:
-        raise refuse("its JSON text has bytes:", size, "max_bytes")
+    check_size(size, param=param, limits=limits)
     tally = SchemaSize()
     stack: list[tuple[Any, int, int]] = [(schema, 1, _SCHEMA)]  # (value, depth, kind)
     while stack:
