@@ -16,9 +16,12 @@ an unknown `format`: a 400 naming them, as DESIGN.md asks), and its Lark grammar
 Schemas (`%json {...}`), which is what a tool call in a model's own format needs.
 
 Compilation (`GrammarCompiler.compile`) parses the grammar once per distinct constraint and
-caches the resulting matcher in its initial state; each sequence gets a deep copy (µs). It runs
-on the model actor's worker thread, never on the event loop (llguidance drops the GIL while it
-builds a grammar).
+caches the resulting matcher in its initial state (`grammar_cache`: bounded in entries and in
+estimated bytes); each sequence gets a deep copy (µs). Before the compiler sees a schema, its
+size and shape are bounded (`schema_limits`) and client conventions made explicit
+(`schema_prep`: strict mode, `$ref`s inside a tool call); a Rust panic in the compiler is a
+400. The service layer runs compiles on the model's own compile thread (`compile_threads`,
+`service.grammar_compiles`), never on the event loop or trio's shared worker threads.
 """
 
 from __future__ import annotations
