@@ -57,6 +57,15 @@ def _rss_mb(pid: int | None) -> float | None:
     return None
 
 
+def _cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of `pid` so far: what an attack cost the node, whatever
+    else loads the machine."""
+    if pid is None:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _alive(base_url: str, pid: int | None) -> bool:
     if pid is not None:
         try:
@@ -208,7 +217,9 @@ def abandoned_compiles(base_url: str, pid: int | None = None, n: int = 60) -> At
     _long_chat_s(base_url, model)  # warm
     with _health_watch() as watch:
         watch(base_url)
+        cpu0 = _cpu_s(pid)
         alone = _long_chat_s(base_url, model)
+        cpu1 = _cpu_s(pid)
         health_alone = watch(base_url)
     before = _rss_mb(pid)
     heavy = [_json_schema(_const(1_999, f"a{i}")) for i in range(n)]  # at the bounds
@@ -217,12 +228,17 @@ def abandoned_compiles(base_url: str, pid: int | None = None, n: int = 60) -> At
         sent = [pool.submit(_chat, base_url, model, body, 0.3) for body in heavy]
         codes = [f.result() for f in sent]  # every client gone after 0.3 s
         during = _long_chat_s(base_url, model)
+        time.sleep(10)  # compiles still running go on costing: count them
+        cpu2 = _cpu_s(pid)
         worst = watch(base_url)
     detail = (
         f"long chat {alone:.2f} s alone (/health max {health_alone:.2f} s), {during:.2f} s "
         f"after {n} abandoned compiles"
     )
-    extra = {"alone_s": alone, "during_s": during, "health_alone_s": health_alone}
+    extra: dict[str, Any] = {"alone_s": alone, "during_s": during, "health_alone_s": health_alone}
+    if cpu0 is not None and cpu1 is not None and cpu2 is not None:
+        extra["attack_cpu_s"] = (cpu2 - cpu1) - (cpu1 - cpu0)  # beyond the chat's own
+        detail += f"; the attack cost {extra['attack_cpu_s']:.1f} CPU s"
     alive = _alive(base_url, pid)
     return AttackRow(
         f"{n} heavy compiles abandoned", _statuses(codes), alive, before, _rss_mb(pid), worst,
