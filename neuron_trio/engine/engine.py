@@ -284,6 +284,10 @@ class Engine:
         large schema: the service layer calls it off the event loop before `add`."""
         return self.grammar.compile(constraint)
 
+    def constraint_compiled(self, constraint: Constraint) -> bool:
+        """`compile_constraint(constraint)` would be a cache hit (fast, thread-safe)."""
+        return self._grammar is not None and self._grammar.is_cached(constraint)
+
     # ---- sequences -----------------------------------------------------------------------
 
     def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:

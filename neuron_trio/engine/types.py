@@ -13,6 +13,7 @@ class ToolFunction:
     name: str
     description: str = ""
     parameters: str = '{"type":"object"}'  # JSON Schema text (compact, as the client sent it)
+    strict: bool = False  # OpenAI's strict mode: objects admit no keys they do not name
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Constraint:
     schema: str = ""
     tools: tuple[ToolFunction, ...] = ()
     parallel: bool = False
+    strict: bool = False  # "json": OpenAI's strict mode (objects closed unless they say not)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import msgspec
 from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.prompt import PromptEngine
 from neuron_trio.engine.types import (
+    Constraint,
     EngineStatistics,
     SamplingParams,
     SequenceEvent,
@@ -38,6 +39,7 @@ class ServingEngine(PromptEngine, Protocol):
     """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe): prompt
     preparation (`engine.prompt.prepare_prompt`), then sequences and steps."""
 
+    def constraint_compiled(self, constraint: Constraint) -> bool: ...
     def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int: ...
     def cancel(self, seq_id: int) -> None: ...
     def cancel_all(self) -> list[int]: ...

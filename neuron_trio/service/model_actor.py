@@ -41,6 +41,7 @@ from neuron_trio.errors import (
 from neuron_trio.executor.api import ModelExecutor, ServingEngine
 from neuron_trio.service.api import GenerationJob, template_message, with_default_max_tokens
 from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
 from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
 from neuron_trio.service.wedge.watchdog import InflightRequest, Watchdog
@@ -145,6 +146,7 @@ class ModelActor:
         self._failures = 0
         self._last_error: str | None = None
         self._burst_gap_s, self._burst_window_s = burst_gap_s, burst_window_s
+        self._compiles: GrammarCompiles | None = None  # started with the first constraint
 
     # ---- what the node reads -------------------------------------------------------------
 
@@ -297,14 +299,21 @@ class ModelActor:
             )
 
         try:
-            # A grammar may take milliseconds (seconds for a huge schema) to compile, and
-            # tools are rendered into the prompt as JSON of any size.
-            # A chat template is the model file's code: it renders on a thread, under its own
-            # deadline and size bounds (engine/text/template_sandbox.py), never on the event loop.
+            if job.params.constraint is not None:
+                # cached for `add`, on the model's compile thread (grammar_compiles)
+                if self._compiles is None:
+                    self._compiles = GrammarCompiles(
+                        engine.compile_constraint,
+                        engine.constraint_compiled,
+                        new_compile_threads(self.name),
+                    )
+                await self._compiles.compile(job.params.constraint)
+            # Tools are rendered into the prompt as JSON of any size. A chat template is the
+            # model file's code: it renders on a thread, under its own deadline and size
+            # bounds (engine/text/template_sandbox.py), never on the event loop.
             if (
                 size > INLINE_ENCODE_CHARS
                 or job.messages is not None
-                or job.params.constraint is not None
                 or job.params.tools
             ):
                 prepared = await trio.to_thread.run_sync(prepare, abandon_on_cancel=True)
@@ -499,6 +508,8 @@ class ModelActor:
             await self._close(executor)
             log.info("model %s: unloaded", self.name)
         finally:
+            if self._compiles is not None:
+                self._compiles.close()
             self._fail_all(
                 UnavailableError(f"model {self.name!r} was stopped", code="model_unloaded")
             )

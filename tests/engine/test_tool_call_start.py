@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from neuron_trio.engine.tool_call_start import CallStartWatcher, rest_of_call_lark
+from neuron_trio.engine.text.tool_call_start import CallStartWatcher, rest_of_call_lark
 
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.text.grammar import ToolCallFormat

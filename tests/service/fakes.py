@@ -115,6 +115,9 @@ class FakeEngine:
     def compile_constraint(self, constraint: Any) -> object:
         return constraint
 
+    def constraint_compiled(self, constraint: Any) -> bool:
+        return False
+
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
         return [ord(c) for c in text]
 

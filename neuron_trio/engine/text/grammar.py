@@ -16,17 +16,18 @@ an unknown `format`: a 400 naming them, as docs/DESIGN.md asks), and its Lark gr
 Schemas (`%json {...}`), which is what a tool call in a model's own format needs.
 
 Compilation (`GrammarCompiler.compile`) parses the grammar once per distinct constraint and
-caches the resulting matcher in its initial state; each sequence gets a deep copy (µs). It runs
-on the model actor's worker thread, never on the event loop (llguidance drops the GIL while it
-builds a grammar).
+caches the resulting matcher in its initial state (`grammar_cache`: bounded in entries and in
+estimated bytes); each sequence gets a deep copy (µs). Before the compiler sees a schema, its
+size and shape are bounded (`schema_limits`) and client conventions made explicit
+(`schema_prep`: strict mode, `$ref`s inside a tool call); a Rust panic in the compiler is a
+400. The service layer runs compiles on the model's own compile thread (`compile_threads`,
+`service.grammar_compiles`), never on the event loop or trio's shared worker threads.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -34,6 +35,9 @@ import llguidance
 import numpy as np
 import torch
 
+from neuron_trio.engine.text.grammar_cache import GrammarCache
+from neuron_trio.engine.text.schema_limits import SchemaSize, check_schema, check_size
+from neuron_trio.engine.text.schema_prep import close_objects, one_line, rebase_refs, refuse_remote_refs
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
 
@@ -49,13 +53,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Distinct constraints kept compiled (each a few hundred KB at most); least recently used go.
-CACHE_SIZE = 64
-
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
 
 _CALL_JSON_OPTIONS: Any = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
+
+# The compiler's own resource limits, beside `schema_limits`' bounds on its input: errors
+# without the grammar and parser state (a client must never get the compiler's dump).
+# `max_lexer_states` (1-2 KB each, llguidance's docs) bounds what masks add to a grammar
+# after its compile: 20 000 is ~40 MB, where the default 250 000 would allow 500 MB; JSON
+# schemas within the bounds reach a few thousand.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=20_000)
 
 # Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
 # small model asked for `required` repeats calls until max_tokens and the last one is cut off
@@ -94,32 +102,60 @@ class ToolCallFormat:
         """The text that opens a call ("" for llama3, whose call is the answer's JSON)."""
         return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(self.style, "")
 
-    def call_schema(self, tool: ToolFunction) -> dict[str, Any]:
+    def call_schema(self, tool: ToolFunction, parameters: Any = None) -> dict[str, Any]:
+        """The JSON Schema of one call to `tool`; `parameters`: its arguments' schema,
+        prepared (`prepare_parameters`), else the tool's own text."""
         return {
             "type": "object",
             "properties": {
                 "name": {"const": tool.name},
-                self.arguments_key: json.loads(tool.parameters),
+                self.arguments_key: (
+                    json.loads(tool.parameters) if parameters is None else parameters
+                ),
             },
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
         }
 
-    def call_json(self, tools: Sequence[ToolFunction]) -> str:
-        """The Lark element of one call's JSON object, to one of `tools`."""
-        schema = (
-            self.call_schema(tools[0])
-            if len(tools) == 1
-            else {"anyOf": [self.call_schema(t) for t in tools]}
-        )
+    def prepare_parameters(self, tools: Sequence[ToolFunction]) -> list[Any]:
+        """Each tool's parameters, decoded, bounded (`schema_limits`), closed under `strict`
+        and with local `$ref`s pointing where `lark` puts them; RequestError naming the tool."""
+        prepared = []
+        for index, tool in enumerate(tools):
+            param = f"tools[{tool.name}].function.parameters"
+            check_size(len(tool.parameters), param=param)
+            parameters = _decode(tool.parameters, param)
+            check_schema(parameters, param=param, size=len(tool.parameters))
+            if tool.strict:
+                close_objects(parameters)
+            at = f"/properties/{self.arguments_key}"
+            rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
+            prepared.append(parameters)
+        return prepared
+
+    def call_json(
+        self, tools: Sequence[ToolFunction], parameters: Sequence[Any] | None = None
+    ) -> str:
+        """The Lark element of one call's JSON object, to one of `tools`; `parameters`:
+        their prepared schemas (`prepare_parameters`, which runs here when None)."""
+        if parameters is None:
+            parameters = self.prepare_parameters(tools)
+        calls = [self.call_schema(t, a) for t, a in zip(tools, parameters, strict=True)]
+        schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
         # At most one space between tokens: models write `{"name": "f"}` (a space after the
         # colon), and without a bound a tie among whitespace tokens fills max_tokens with it.
         schema = {**schema, "x-guidance": _CALL_JSON_OPTIONS}
         return "%json " + json.dumps(schema, separators=(",", ":"))
 
-    def lark(self, tools: Sequence[ToolFunction], parallel: bool) -> str:
-        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`."""
-        body = self.call_json(tools)
+    def lark(
+        self,
+        tools: Sequence[ToolFunction],
+        parallel: bool,
+        parameters: Sequence[Any] | None = None,
+    ) -> str:
+        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`;
+        `parameters`: their prepared schemas (`prepare_parameters`)."""
+        body = self.call_json(tools, parameters)
         more = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"
         opening = (
             f"<[{self.open_token_id}]>"
@@ -139,40 +175,75 @@ class ToolCallFormat:
         return f"start: {start}\ncall: {call}\n"
 
 
-def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> str:
+def _decode(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestError(
+            f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
+        ) from None
+
+
+def _param_of(constraint: Constraint) -> str:
+    """The request field that a constraint's errors name (`param`: the top-level field)."""
+    return "response_format" if constraint.kind == "json" else "tools"
+
+
+def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, SchemaSize]:
+    """The grammar of `constraint` and what its schemas hold, once they passed
+    `schema_limits`' bounds; RequestError naming the field otherwise."""
     if constraint.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            constraint.schema, defaults=_JSON_OPTIONS
-        )
+        param = "response_format.json_schema.schema"
+        check_size(len(constraint.schema), param=param)
+        schema = _decode(constraint.schema, param)
+        size = check_schema(schema, param=param, size=len(constraint.schema))
+        if constraint.strict:
+            close_objects(schema)
+        refuse_remote_refs(schema, param=param)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        return grammar, size
     if not constraint.tools:
         raise RequestError("tool_choice: no tool to call", param="tool_choice")
-    return llguidance.LLMatcher.grammar_from_lark(
-        tool_format.lark(constraint.tools, constraint.parallel)
-    )
+    parameters = tool_format.prepare_parameters(constraint.tools)
+    lark = tool_format.lark(constraint.tools, constraint.parallel, parameters)
+    # all the tools' schemas together: one compile
+    size = check_schema(parameters, param="tools", size=len(lark))
+    return llguidance.LLMatcher.grammar_from_lark(lark), size
 
 
 class GrammarState:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar.
+
+    A Rust panic while computing a mask or consuming a token (pyo3's PanicException, a
+    BaseException) ends this sequence with the error, as a grammar error does, instead of
+    failing the whole step.
+    """
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+        self._panic: str | None = None
 
     @property
     def error(self) -> str | None:
+        if self._panic is not None:
+            return self._panic
         return _short(self._matcher.get_error()) if self._matcher.is_error() else None
 
     @property
     def finished(self) -> bool:
         """The grammar is complete: only an end-of-turn token may follow (or has)."""
-        return bool(self._matcher.is_stopped())
+        return self._panic is None and bool(self._matcher.is_stopped())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w:
         token 32·w + i)."""
-        if self._matcher.is_error():
+        if self.error is not None:
             return  # the row stays all ones; the engine ends the sequence with the error
         v = bitmask[row]
-        self._matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        try:
+            self._matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        except BaseException as exc:
+            self._caught(exc)
 
     def feed(self, token_ids: Sequence[int]) -> bool:
         """Advance past tokens sampled before this state existed; False if the grammar
@@ -181,8 +252,21 @@ class GrammarState:
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled token (it was allowed by the mask)."""
-        if not self._matcher.consume_token(token_id):
+        if self._panic is not None:
+            return
+        try:
+            accepted = self._matcher.consume_token(token_id)
+        except BaseException as exc:
+            self._caught(exc)
+            return
+        if not accepted:
             log.warning("grammar refused token %d: %s", token_id, _short(self._matcher.get_error()))
+
+    def _caught(self, exc: BaseException) -> None:
+        if not is_rust_panic(exc):
+            raise exc
+        self._panic = f"the grammar engine failed: {one_line(str(exc))}"
+        log.error("grammar: %s", self._panic)
 
 
 class GrammarCompiler:
@@ -207,62 +291,83 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(wrapper), n_vocab=vocab_size, eos_token=stops
         )
-        self._cache: OrderedDict[Constraint | str, Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self.cache = GrammarCache()
+
+    def is_cached(self, constraint: Constraint) -> bool:
+        return self.cache.get(constraint) is not None
 
     def compile(self, constraint: Constraint) -> GrammarState:
-        """A fresh state for `constraint`; RequestError (400) naming what is wrong with it."""
-        with self._lock:
-            template = self._cache.get(constraint)
-            if template is not None:
-                self._cache.move_to_end(constraint)
-                return GrammarState(template.deep_copy())
-        template = self._build(constraint)
-        with self._lock:
-            self._cache[constraint] = template
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        """A fresh state for `constraint`; RequestError (400) naming what is wrong with it.
+
+        A cache miss compiles on the calling thread: the service layer calls this first on
+        a compile thread (`compile_threads`), so that the engine's later call is a hit.
+        """
+        template = self.cache.get(constraint)
+        if template is None:
+            template, weight = self._build(constraint)
+            self.cache.put(constraint, template, weight)
         return GrammarState(template.deep_copy())
 
     def compile_lark(self, lark: str) -> GrammarState:
         """A fresh state for a Lark grammar neuron wrote itself (an auto tool call's rest,
         `tool_call_start`); ValueError if llguidance refuses it. Cached like `compile`."""
-        with self._lock:
-            template = self._cache.get(lark)
-            if template is not None:
-                self._cache.move_to_end(lark)
-                return GrammarState(template.deep_copy())
-        matcher = llguidance.LLMatcher(
-            self._tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0
-        )
-        if matcher.is_error():
-            raise ValueError(_short(matcher.get_error()))
-        with self._lock:
-            self._cache[lark] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return GrammarState(matcher.deep_copy())
+        template = self.cache.get(lark)
+        if template is None:
+            # the tools' schemas passed `prepare_parameters`' bounds as the grammar was written
+            weight = (4 << 20) + 256 * len(lark)
+            try:
+                matcher = llguidance.LLMatcher(
+                    self._tokenizer,
+                    llguidance.LLMatcher.grammar_from_lark(lark),
+                    log_level=0,
+                    limits=_LIMITS,
+                )
+            except BaseException as exc:  # a Rust panic too (a BaseException)
+                if not isinstance(exc, Exception) and not is_rust_panic(exc):
+                    raise
+                raise ValueError(one_line(str(exc))) from None
+            if matcher.is_error():
+                raise ValueError(one_line(matcher.get_error()))
+            template = matcher
+            self.cache.put(lark, template, weight)
+        return GrammarState(template.deep_copy())
 
-    def _build(self, constraint: Constraint) -> Any:
-        param = "response_format" if constraint.kind == "json" else "tools"
+    def _build(self, constraint: Constraint) -> tuple[Any, int]:
+        param = _param_of(constraint)
+        field = "response_format.json_schema.schema" if constraint.kind == "json" else param
         try:
-            grammar = _lark_of(constraint, self.tool_format)
-        except ValueError as exc:
+            grammar, size = _lark_of(constraint, self.tool_format)
+            weight = size.estimated_bytes()
+            self.cache.admit(weight, param=param)  # before the compile: refused costs nothing
+            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_LIMITS)
+        except RequestError:
+            raise
+        except BaseException as exc:
+            # pyo3's PanicException derives from BaseException (a Rust panic in the compiler:
+            # 20 000 const keys did it); catch it here, where llguidance is called.
+            if not isinstance(exc, Exception) and not is_rust_panic(exc):
+                raise
             raise RequestError(
-                f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
+                f"{field}: invalid JSON schema: {one_line(str(exc))}",
+                param=param,
+                code="invalid_schema",
             ) from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(
-                f"{param}: {_short(matcher.get_error())}", param=param, code="invalid_schema"
+                f"{field}: {one_line(matcher.get_error())}", param=param, code="invalid_schema"
             )
-        return matcher
+        return matcher, weight
+
+
+def is_rust_panic(exc: BaseException) -> bool:
+    """`exc` is pyo3's PanicException (a Rust panic surfaced in Python), which is neither an
+    Exception nor importable by a stable name."""
+    return type(exc).__name__ == "PanicException"
 
 
 def _short(error: str) -> str:
     """llguidance's message without its multi-line grammar dump."""
-    text = " ".join(line.strip() for line in error.splitlines() if line.strip())
-    return text[:300] or "the grammar is invalid"
+    return one_line(error)
 
 
 class _Wrapper:

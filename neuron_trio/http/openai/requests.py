@@ -112,7 +112,7 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # neuron always enforces the parameters when it constrains
+    strict: bool | None = None  # enforced when constrained; true also closes objects
 
 
 class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
@@ -133,7 +133,7 @@ class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
     name: FunctionName
     description: str | None = None
     schema: dict[str, Any] | None = None
-    strict: bool | None = None  # neuron always enforces the schema
+    strict: bool | None = None  # always enforced; true also closes objects (OpenAI's strict)
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -421,6 +421,7 @@ def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[To
                 if t.function.parameters is not None
                 else {"type": "object", "properties": {}}
             ),
+            strict=bool(t.function.strict),
         )
         for t in req.tools or ()
     )
@@ -464,7 +465,8 @@ def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[To
             code="missing_field",
         )
     schema = fmt.json_schema.schema if fmt.json_schema.schema is not None else {}
-    return Constraint("json", schema=_compact(schema)), ()
+    strict = bool(fmt.json_schema.strict)  # OpenAI's strict mode: objects closed
+    return Constraint("json", schema=_compact(schema), strict=strict), ()
 
 
 def _include_usage(req: _Common) -> bool:

@@ -186,7 +186,7 @@ def test_compiled_grammars_are_cached_by_constraint() -> None:
     constraint = Constraint("json", schema=PERSON)
     first = compiler.compile(constraint)
     second = compiler.compile(Constraint("json", schema=PERSON))
-    assert len(compiler._cache) == 1
+    assert len(compiler.cache) == 1
     first.accept(VOCAB.index("{"))  # the copies are independent
     assert VOCAB.index("{") in _allowed(second)
 
