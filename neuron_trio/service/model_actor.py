@@ -311,11 +311,7 @@ class ModelActor:
             # Tools are rendered into the prompt as JSON of any size. A chat template is the
             # model file's code: it renders on a thread, under its own deadline and size
             # bounds (engine/text/template_sandbox.py), never on the event loop.
-            if (
-                size > INLINE_ENCODE_CHARS
-                or job.messages is not None
-                or job.params.tools
-            ):
+            if size > INLINE_ENCODE_CHARS or job.messages is not None or job.params.tools:
                 prepared = await trio.to_thread.run_sync(prepare, abandon_on_cancel=True)
             else:
                 prepared = prepare()

@@ -11,12 +11,11 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from neuron_trio.engine import grammar
+from neuron_trio.engine.text import grammar
 from neuron_trio.engine.text.schema_prep import close_objects, one_line, rebase_refs
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
-
-from .test_grammar import EOS, IM_END, VOCAB, _allowed, _compiler
+from tests.engine.text.test_grammar import EOS, IM_END, VOCAB, _allowed, _compiler
 
 
 class Address(BaseModel):

@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from neuron_trio.engine.text.tool_call_start import CallStartWatcher, rest_of_call_lark
 
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.text.grammar import ToolCallFormat
+from neuron_trio.engine.text.tool_call_start import CallStartWatcher, rest_of_call_lark
 from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent, ToolFunction
 from tests.engine import tiny_families
 from tests.engine.tiny_families import write_tiny_family

@@ -37,7 +37,12 @@ import torch
 
 from neuron_trio.engine.text.grammar_cache import GrammarCache
 from neuron_trio.engine.text.schema_limits import SchemaSize, check_schema, check_size
-from neuron_trio.engine.text.schema_prep import close_objects, one_line, rebase_refs, refuse_remote_refs
+from neuron_trio.engine.text.schema_prep import (
+    close_objects,
+    one_line,
+    rebase_refs,
+    refuse_remote_refs,
+)
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
 

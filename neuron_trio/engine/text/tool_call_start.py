@@ -33,6 +33,7 @@ from neuron_trio.engine.text.grammar import (
     ToolCallFormat,
 )
 from neuron_trio.engine.types import ToolFunction
+from neuron_trio.errors import RequestError
 
 __all__ = ["CallStart", "CallStartWatcher", "begin_call_grammar", "rest_of_call_lark"]
 
@@ -186,7 +187,7 @@ def begin_call_grammar(
     tail's tokens; None (the call goes on unconstrained) if the tail does not fit it."""
     try:
         state = compiler.compile_lark(rest_of_call_lark(fmt, tools, parallel, start))
-    except ValueError as exc:  # a schema llguidance refuses: the request was checked, so rare
+    except (ValueError, RequestError) as exc:  # a schema refused (by the bounds, llguidance)
         log.warning("auto tool call: no grammar for the rest of the call: %s", exc)
         return None
     if not state.feed(start.tokens):
