@@ -26,7 +26,8 @@ from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import ConfigError
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
-from tests.engine.test_scheduler import _engine, _prompt, _run
+from tests.engine.drain import drain as _run
+from tests.engine.test_scheduler import _engine, _prompt
 
 
 # --- vLLM's schema, as a subscriber defines it ---------------------------------------------
