@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 import trio
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuron_trio.errors import RequestError
@@ -88,6 +89,13 @@ def _error_message(body: bytes) -> str | None:
     except (msgspec.DecodeError, KeyError, TypeError):
         return None
     return message if isinstance(message, str) else None
+
+
+def _is_client_disconnect(exc: BaseException) -> bool:
+    """`exc` is Starlette's ClientDisconnect, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_client_disconnect(e) for e in exc.exceptions)
+    return isinstance(exc, ClientDisconnect)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -167,9 +175,10 @@ class NeuronMiddleware:
         limit = self.max_body_bytes
         received = 0
         body_done = False
+        client_gone = False
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done
+            nonlocal received, body_done, client_gone
             if body_done:
                 message = await receive()
             else:
@@ -184,6 +193,7 @@ class NeuronMiddleware:
                     raise BodyTooLargeError(limit)
             elif message["type"] == "http.disconnect":
                 body_done = True
+                client_gone = True
             return message
 
         async def discard_rest_of_body() -> None:
@@ -256,7 +266,14 @@ class NeuronMiddleware:
                 )
             else:
                 await self.app(scope, limited_receive, send_wrapper)
-        except Exception:
+        except Exception as exc:
+            if client_gone or _is_client_disconnect(exc):
+                # The client reset its stream or closed: not a server error, whatever the app
+                # raised on the way out (a ClientDisconnect inside a task group's exception
+                # group missed its handler and was counted as a 5xx; issue 25, #11).
+                if status is None or status >= 500:
+                    status = None
+                return
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if status is None:
                 await self._reply(

@@ -209,6 +209,7 @@ def test_data_after_an_early_response_resets_the_stream_and_the_server_stays_up(
     from neuron_trio.http import middleware
 
     monkeypatch.setattr(middleware, "DISCARD_MAX_BYTES", 10_000)
+    monkeypatch.setattr(http_server, "H2_DISCARD_AFTER_RESPONSE_BYTES", 10_000)
     key = tmp_path / "key"
     key.write_text("k\n")
 
@@ -247,6 +248,7 @@ def test_a_trickled_body_after_401_does_not_hold_the_stream(
     from neuron_trio.http import middleware
 
     monkeypatch.setattr(middleware, "DISCARD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(http_server, "H2_DISCARD_AFTER_RESPONSE_BYTES", 0)
     key = tmp_path / "key"
     key.write_text("k\n")
 
