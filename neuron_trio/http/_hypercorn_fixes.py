@@ -58,6 +58,8 @@ FLUSH_BYTES = 1 << 16
 # Fix 2: body a stream may still send after its response has ended (a 413, a 401) before it is
 # reset. Clients that send the whole body before reading (httpx, curl) then read the answer.
 DISCARD_AFTER_RESPONSE_BYTES = 16 << 20
+# Fix 7: free WINDOW_UPDATEs a connection may have earned by the DATA frames it was sent.
+WINDOW_UPDATE_CREDIT_MAX = 10_000
 
 
 def _peer_of(stream: Any) -> str:
@@ -176,10 +178,11 @@ def apply_hypercorn_fixes() -> None:
             empty = not event.flow_controlled_length and event.stream_ended is None
             return ControlFrame.EMPTY_DATA if empty else None
         if isinstance(event, h2.events.WindowUpdated):
-            # A client acknowledging the response data it read is not flooding: only a
-            # WINDOW_UPDATE with no DATA sent since the previous one counts.
-            if self.__dict__.get("_neuron_data_sent", False):
-                self._neuron_data_sent = False
+            # A client acknowledging the response data it read is not flooding: each DATA
+            # frame sent earns two free WINDOW_UPDATEs (the stream's and the connection's).
+            credit = self.__dict__.get("_neuron_wu_credit", 0)
+            if credit > 0:
+                self._neuron_wu_credit = credit - 1
                 return None
             return ControlFrame.WINDOW_UPDATE
         return None
@@ -296,7 +299,8 @@ def apply_hypercorn_fixes() -> None:
             data = await self.stream_buffers[stream_id].pop(max(0, chunk_size))
             if data:
                 self.connection.send_data(stream_id, data)
-                self._neuron_data_sent = True
+                credit = self.__dict__.get("_neuron_wu_credit", 0)
+                self._neuron_wu_credit = min(WINDOW_UPDATE_CREDIT_MAX, credit + 2)
             else:
                 self.priority.block(stream_id)
             if self.stream_buffers[stream_id].complete:

@@ -142,7 +142,7 @@ def hypercorn_config(config: NeuronConfig) -> HypercornConfig:
     hc.h2_flood_budget = NodeFloodBudget(H2_NODE_RATE_PER_S, H2_NODE_BURST)  # type: ignore[attr-defined]
     hc.h2_discard_max_bytes = H2_DISCARD_AFTER_RESPONSE_BYTES  # type: ignore[attr-defined]
     hc.connection_table = ConnectionTable(  # type: ignore[attr-defined]
-        server.max_connections, min(server.max_connections, server.max_connections_per_peer)
+        server.max_connections, server.max_connections_per_peer
     )
     # No hypercorn read_timeout: it counts silence on the whole connection, and a client
     # reading a long generation sends nothing for minutes. Idle connections close after
