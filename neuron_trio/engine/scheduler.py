@@ -160,7 +160,8 @@ class Scheduler:
         keys = seq.block_keys
         for i in range(len(keys), written // BLOCK_TOKENS):
             key = block_key(
-                keys[-1] if keys else None, seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
+                keys[-1] if keys else seq.cache_root,
+                seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS),
             )
             self.pool.register(seq.blocks[i], key)
             keys.append(key)
@@ -200,7 +201,7 @@ class Scheduler:
         if seq.blocks or not self.pool.prefix_cache:
             return
         n = seq.prefill_len
-        seq.blocks, seq.block_keys = self.pool.lookup(seq.tokens(0, n), n - 1)
+        seq.blocks, seq.block_keys = self.pool.lookup(seq.tokens(0, n), n - 1, seq.cache_root)
         seq.prefilled = len(seq.blocks) * BLOCK_TOKENS
 
     def _grow(

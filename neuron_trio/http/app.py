@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from neuron_trio.http.access_log import access_info
 from neuron_trio.http.generation import ClientGone, SSEResponse, complete
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
+from neuron_trio.http.tenancy import is_operator, job_cache_salt, redact_node_info, tenant_of
 from neuron_trio.http.openai import (
     ParsedRequest,
     decode_struct,
@@ -173,9 +175,12 @@ async def _off_loop_if_large(parse: Callable[[bytes], ParsedRequest], body: byte
 
 
 class _Routes:
-    def __init__(self, node: NodeService, *, max_messages: int) -> None:
+    def __init__(
+        self, node: NodeService, *, max_messages: int, isolate_tenants: bool = False
+    ) -> None:
         self.node = node
         self.max_messages = max_messages
+        self.isolate_tenants = isolate_tenants
         self._metrics_limiter: trio.CapacityLimiter | None = None
 
     def _refuse_while_draining(self) -> None:
@@ -198,7 +203,8 @@ class _Routes:
         )
 
     async def node_info(self, request: Request) -> Response:
-        return JSONResponse(await self.node.node_info())
+        doc = await self.node.node_info()
+        return JSONResponse(doc if is_operator(request.scope) else redact_node_info(doc))
 
     async def metrics(self, request: Request) -> Response:
         # Built on a worker thread, one scrape at a time: the exposition of a few thousand
@@ -261,6 +267,10 @@ class _Routes:
         access = access_info(request.scope)
         if access is not None:
             access.model = parsed.job.model
+        tenant = tenant_of(request.scope) if self.isolate_tenants else None
+        salt = job_cache_salt(tenant, parsed.job.cache_salt)
+        if salt != parsed.job.cache_salt:
+            parsed = replace(parsed, job=replace(parsed.job, cache_salt=salt))
         if parsed.stream:
             return SSEResponse(self.node, parsed)
         doc = await complete(self.node, parsed, request.receive, access)
@@ -303,7 +313,11 @@ def _route_resolver(routes: list[Route]) -> Any:
 
 def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
     """The ASGI app serving `node`. Raises ConfigError if `api_key_file` is unusable."""
-    r = _Routes(node, max_messages=config.server.max_messages)
+    r = _Routes(
+        node,
+        max_messages=config.server.max_messages,
+        isolate_tenants=config.server.prefix_cache_isolation == "api_key",
+    )
     routes = [
         Route("/health", r.health, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),
@@ -331,6 +345,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         route_of=_route_resolver(routes),
         api_keys=read_api_keys(config.server.api_key_file),
         admin_keys=read_api_keys(config.server.admin_key_file, "server.admin_key_file"),
+        metrics_keys=read_api_keys(config.server.metrics_key_file, "server.metrics_key_file"),
         max_body_bytes=config.server.max_body_bytes,
         read_timeout_s=config.server.read_timeout_s,
     )
