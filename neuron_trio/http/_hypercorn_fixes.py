@@ -41,6 +41,7 @@ logs and leaves hypercorn alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -204,7 +205,34 @@ def apply_hypercorn_fixes() -> None:
             self._neuron_flood = guard
         return guard
 
+    def _forget_reset_stream(self: Any, stream_id: int) -> None:
+        """A stream the client reset: drop its send buffer and priority entry now. hypercorn
+        drops them only once a response's data has gone out, so a stream reset before any
+        response stayed for the connection's life, and the 1,001st made the priority tree
+        raise TooManyStreamsError, which stopped the whole server (issue 25, found by
+        bench/attack_drill.py). A late send from the app finds no buffer (hypercorn ignores
+        that)."""
+        buffer = self.stream_buffers.pop(stream_id, None)
+        if buffer is not None:
+            with contextlib.suppress(priority.MissingStreamError):
+                self.priority.remove_stream(stream_id)
+
     async def _handle_events(self: Any, events: list[Any]) -> None:
+        try:
+            await _handle_events_guarded(self, events)
+        except Exception:
+            # Whatever a peer's frames make hypercorn or h2 raise ends that connection, never
+            # the server (an exception here escapes into the listener's nursery).
+            log.exception(
+                "closing an HTTP/2 connection from %s after an unexpected error",
+                self.client[0] if self.client else "?",
+            )
+            with contextlib.suppress(Exception):
+                self.connection.close_connection(h2.errors.ErrorCodes.INTERNAL_ERROR)
+                await self._flush()
+            await self.send(Closed())
+
+    async def _handle_events_guarded(self: Any, events: list[Any]) -> None:
         pending: list[Any] = []
         guard = _flood_guard(self)
         for event in events:
@@ -217,6 +245,10 @@ def apply_hypercorn_fixes() -> None:
                     continue
             elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
                 self.__dict__.get("_neuron_dropped", {}).pop(event.stream_id, None)
+            if isinstance(event, h2.events.StreamReset):
+                if pending:  # let hypercorn close the stream first, then forget its buffer
+                    await original_events(self, pending)
+                    pending = []
             kind = _control_frame(self, event) if guard is not None else None
             if kind is not None and guard is not None:
                 verdict = guard.spend(kind, trio.current_time())
@@ -237,6 +269,10 @@ def apply_hypercorn_fixes() -> None:
                     await self._flush()
                     await self.send(Closed())
                     return
+            if isinstance(event, h2.events.StreamReset):
+                await original_events(self, [event])
+                _forget_reset_stream(self, event.stream_id)
+                continue
             pending.append(event)
         await original_events(self, pending)
 

@@ -274,8 +274,10 @@ def test_many_connections_resetting_meet_the_node_budget(monkeypatch: pytest.Mon
                     client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
                 await client.flush()
             calmed = 0
-            for client in clients:
-                with trio.move_on_after(10):
+            for i, client in enumerate(clients):
+                # The first two may spend the node's 200 between them; every later one is
+                # closed once it has spent its grace (10) with the node's budget gone.
+                with trio.move_on_after(2 if i < 2 else 50):
                     await client.until(lambda client=client: client.goaway is not None)
                 if client.goaway is not None:
                     assert client.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
@@ -283,7 +285,7 @@ def test_many_connections_resetting_meet_the_node_budget(monkeypatch: pytest.Mon
                 await client.aclose()
             # 1,000 resets against a node budget of 200: most connections were closed, though
             # none went past its own (10,000) budget.
-            assert calmed >= 7
+            assert calmed >= 8
             async with h2_client(srv.url) as other:
                 assert (await other.get("/health")).status_code == 200
 
@@ -393,3 +395,29 @@ def test_connections_from_one_address_beyond_its_limit_are_closed_at_once() -> N
             await extra.aclose()
 
     run(main)
+
+
+def test_resets_beyond_a_thousand_streams_on_one_connection_do_not_stop_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream reset before any response kept its priority-tree entry for the connection's
+    life; the 1,001st made hypercorn raise TooManyStreamsError into the listener's nursery and
+    the whole daemon exited (found by bench/attack_drill.py: 1,000 resets, then one more)."""
+    _cheap_floods(monkeypatch)
+    monkeypatch.setattr(http_server, "H2_RESET_BURST", 100_000.0)
+
+    async def main() -> None:
+        async with serving(FakeNode()) as srv:
+            client = await Frames.open(srv.url)
+            for i in range(1200):
+                sid = client.request("POST", "/v1/chat/completions", body=None, end=False)
+                client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+                if i % 100 == 99:
+                    await client.flush()
+            probe = client.request("GET", "/health")
+            await client.flush()
+            await client.until(lambda: probe in client.ended)
+            assert client.status[probe] == 200 and client.goaway is None
+            await client.aclose()
+
+    run(main, timeout=60)
