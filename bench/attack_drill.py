@@ -41,8 +41,8 @@ import h2.settings
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attack_rows import AttackRow  # noqa: E402
-from daemon_harness import MODEL, cpu_seconds, rss_bytes, running_daemon  # noqa: E402
+from attack_rows import AttackRow
+from daemon_harness import MODEL, cpu_seconds, rss_bytes, running_daemon
 
 HEALTH_PERIOD_S = 0.1
 HEALTH_LIMIT_S = 1.0
@@ -156,7 +156,7 @@ class RawH2:
     def __init__(self, target: Target) -> None:
         self.sock = socket.create_connection(target.host_port, timeout=10)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        self.authority = "%s:%d" % target.host_port
+        self.authority = "{}:{}".format(*target.host_port)
         self.auth = target.headers()
         self.goaway: int | None = None
         self.closed = False
@@ -233,7 +233,9 @@ def _flood(target: Target, name: str, frames: int, send: Callable[[RawH2, int], 
 
 
 def attack_ping_flood(target: Target) -> list[AttackRow]:
-    return [_flood(target, "h2 PING flood", 500_000, lambda c, i: c.conn.ping(i.to_bytes(8, "big")))]
+    return [
+        _flood(target, "h2 PING flood", 500_000, lambda c, i: c.conn.ping(i.to_bytes(8, "big")))
+    ]
 
 
 def attack_settings_flood(target: Target) -> list[AttackRow]:
@@ -262,7 +264,7 @@ def attack_rapid_reset(target: Target, connections: int = 50, per: int = 1000) -
 
 
 def attack_one_byte_connections(target: Target, count: int = 4096) -> list[AttackRow]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 512), hard))
     held: list[socket.socket] = []
@@ -293,10 +295,13 @@ def attack_one_byte_connections(target: Target, count: int = 4096) -> list[Attac
 
 def attack_big_body_h2(target: Target) -> list[AttackRow]:
     body = b'{"model":"%s","messages":[{"role":"user","content":"%s"}]}' % (
-        target.model.encode(), b"x" * 3_000_000
+        target.model.encode(),
+        b"x" * 3_000_000,
     )
     statuses: Counter[str] = Counter()
-    with httpx.Client(http1=False, http2=True, base_url=target.url, timeout=30, headers=target.headers()) as client:
+    with httpx.Client(
+        http1=False, http2=True, base_url=target.url, timeout=30, headers=target.headers()
+    ) as client:
         for _ in range(3):
             try:
                 statuses[str(client.post("/v1/chat/completions", content=body).status_code)] += 1
@@ -331,13 +336,25 @@ def attack_resets_before_body(target: Target, count: int = 200) -> list[AttackRo
     client.close()
     time.sleep(0.5)
     counted = _http_5xx(target) - before
-    return [AttackRow(f"{count} h2 resets before the body", Counter({"5xx counted": int(counted)}), "0 expected")]
+    return [
+        AttackRow(
+            f"{count} h2 resets before the body",
+            Counter({"5xx counted": int(counted)}),
+            "0 expected",
+        )
+    ]
 
 
 def attack_huge_model_value(target: Target) -> list[AttackRow]:
     doc = {"model": "m" * 900_000, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(target.url + "/v1/chat/completions", json=doc, headers=target.headers(), timeout=30)
-    return [AttackRow("900 KB model value", Counter([str(r.status_code)]), f"answer {len(r.content)} bytes")]
+    r = httpx.post(
+        target.url + "/v1/chat/completions", json=doc, headers=target.headers(), timeout=30
+    )
+    return [
+        AttackRow(
+            "900 KB model value", Counter([str(r.status_code)]), f"answer {len(r.content)} bytes"
+        )
+    ]
 
 
 def attack_prefix_cache_timing(target: Target, tries: int = 3) -> list[AttackRow]:
@@ -352,7 +369,13 @@ def attack_prefix_cache_timing(target: Target, tries: int = 3) -> list[AttackRow
         if salt:
             doc["cache_salt"] = salt
         started = time.perf_counter()
-        with httpx.stream("POST", target.url + "/v1/chat/completions", json=doc, headers=target.headers(), timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            target.url + "/v1/chat/completions",
+            json=doc,
+            headers=target.headers(),
+            timeout=60,
+        ) as r:
             for _ in r.iter_bytes():
                 return time.perf_counter() - started
         return time.perf_counter() - started
@@ -377,7 +400,9 @@ def attack_open_endpoints(target: Target) -> list[AttackRow]:
     statuses[f"/v1/node {node.status_code}"] += 1
     paths = node.status_code == 200 and '"/' in node.text
     detail = "file paths shown" if paths else "no file paths"
-    return [AttackRow("open /metrics, /v1/node paths", statuses, detail + " (with the API key given)")]
+    return [
+        AttackRow("open /metrics, /v1/node paths", statuses, detail + " (with the API key given)")
+    ]
 
 
 NETWORK_ATTACKS: list[Callable[[Target], list[AttackRow]]] = [
@@ -396,7 +421,9 @@ NETWORK_ATTACKS: list[Callable[[Target], list[AttackRow]]] = [
 # --- other engineers' attacks ------------------------------------------------------------------
 
 
-def optional_attacks(target: Target, names: list[str]) -> Iterator[tuple[str, Callable[[], list[AttackRow]]]]:
+def optional_attacks(
+    target: Target, names: list[str]
+) -> Iterator[tuple[str, Callable[[], list[AttackRow]]]]:
     """`attack_*` functions of the optional modules that exist, bound to the target."""
     for name in names:
         try:
@@ -418,7 +445,16 @@ def optional_attacks(target: Target, names: list[str]) -> Iterator[tuple[str, Ca
 
 
 def print_table(rows: list[AttackRow]) -> None:
-    header = ("attack", "statuses", "RSS +MB", "/health max s", "others", "survived", "ok", "detail")
+    header = (
+        "attack",
+        "statuses",
+        "RSS +MB",
+        "/health max s",
+        "others",
+        "survived",
+        "ok",
+        "detail",
+    )
     lines = [header]
     for r in rows:
         lines.append((
@@ -431,7 +467,9 @@ def print_table(rows: list[AttackRow]) -> None:
         ))  # fmt: skip
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header) - 1)]
     for line in lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)) + "  " + line[-1])
+        print(
+            "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)) + "  " + line[-1]
+        )
 
 
 def run_drill(target: Target, only: str | None) -> list[AttackRow]:
@@ -452,7 +490,9 @@ def run_drill(target: Target, only: str | None) -> list[AttackRow]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="a running daemon (default: start the built-in model)")
     parser.add_argument("--pid", type=int, help="its process id, for RSS and survival")
     parser.add_argument("--api-key")

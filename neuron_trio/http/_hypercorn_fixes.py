@@ -11,17 +11,25 @@
 2. DATA for an ended stream. hypercorn looks the stream up with `self.streams[id]` and the
    KeyError escapes the connection's handler nursery, which is the server's: one client that
    keeps sending a body after a 401 or 413 stopped every connection. Such DATA is now
-   acknowledged (so the connection's flow-control window does not shrink) and the stream is
-   reset with NO_ERROR, as RFC 9113 §8.1 allows after a complete response.
-3. Rapid reset as a rate. hypercorn's defence against rapid reset (CVE-2023-44487) is
+   acknowledged (so the connection's flow-control window does not shrink) and dropped, up to
+   `h2_discard_max_bytes` a stream (clients such as httpx and curl send the whole body before
+   reading the answer); past that, once the response has ended, the stream is reset with
+   NO_ERROR, as RFC 9113 §8.1 allows after a complete response. An error response also lifts
+   h2's content-length check on the rest of the body (a client that stops early ended the
+   stream short, and h2 closed the whole connection with PROTOCOL_ERROR).
+3. Floods as rates. hypercorn's defence against rapid reset (CVE-2023-44487) is
    `keep_alive_max_requests`: GOAWAY and a closed socket after N requests on a connection,
    streams in flight included, which a router holding one connection for days cannot live
-   with. `hypercorn_config` turns that count off; instead a client that resets streams
-   faster than `h2_reset_rate_per_s` (beyond a burst of `h2_reset_burst`) gets GOAWAY
-   ENHANCE_YOUR_CALM and its connection is closed. Honest clients never come near it.
-4. A connection limit. With `max_connections` on the config, a connection accepted beyond
-   it is closed at once (before any byte is read), so descriptors stay well below the
-   process's limit and accept(2) never meets EMFILE.
+   with. `hypercorn_config` turns that count off; instead resets and control frames spend
+   tokens from the connection's budgets and the node's (h2_floods.py); a connection over
+   budget gets GOAWAY ENHANCE_YOUR_CALM and is closed. Honest clients never come near it. A
+   stream reset before its response leaves no send buffer or priority entry behind (the
+   1,001st such stream made the priority tree raise and stopped the server), and any other
+   error raised by a peer's frames ends that connection only.
+4. A connection table. With `connection_table` on the config (connections.py), a
+   connection from a peer over its limit is closed at once, and one beyond the node's limit
+   takes the place of a connection doing nothing, or is closed at once if all are busy; so
+   descriptors stay well below the process's limit and accept(2) never meets EMFILE.
 5. A connection the client closed is closed at once. On EOF hypercorn closes the streams,
    which restarts the connection's idle timer, and the connection's task group then waits
    for that timer: the socket stayed open for `keep_alive_timeout` (75 s here) after the
@@ -245,10 +253,10 @@ def apply_hypercorn_fixes() -> None:
                     continue
             elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
                 self.__dict__.get("_neuron_dropped", {}).pop(event.stream_id, None)
-            if isinstance(event, h2.events.StreamReset):
-                if pending:  # let hypercorn close the stream first, then forget its buffer
-                    await original_events(self, pending)
-                    pending = []
+            if isinstance(event, h2.events.StreamReset) and pending:
+                # events before the reset first: hypercorn handles the reset on its own below
+                await original_events(self, pending)
+                pending = []
             kind = _control_frame(self, event) if guard is not None else None
             if kind is not None and guard is not None:
                 verdict = guard.spend(kind, trio.current_time())

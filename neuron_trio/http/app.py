@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ from neuron_trio.http.access_log import access_info
 from neuron_trio.http.generation import ClientGone, SSEResponse, complete
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
-from neuron_trio.http.tenancy import is_operator, job_cache_salt, redact_node_info, tenant_of
 from neuron_trio.http.openai import (
     ParsedRequest,
     decode_struct,
@@ -47,6 +46,7 @@ from neuron_trio.http.openai import (
     parse_chat_request,
     parse_completion_request,
 )
+from neuron_trio.http.tenancy import is_operator, job_cache_salt, redact_node_info, tenant_of
 from neuron_trio.service.api import NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]

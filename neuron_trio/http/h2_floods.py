@@ -16,7 +16,7 @@ So each connection spends tokens from two buckets (`FloodGuard.spend`):
   router that resets a few streams a second is never the one cut while many floods run.
 
 What counts (`ControlFrame`): PING, SETTINGS, PRIORITY, a DATA frame with no payload that
-does not end its stream, a WINDOW_UPDATE when no DATA went out since the last one (a client
+does not end its stream, a WINDOW_UPDATE beyond the two each DATA frame sent earns (a client
 acknowledging response data is not flooding), an unknown frame type, and a stream reset by
 the client. Pure logic, no I/O: time comes in as `now` (trio.current_time() in the server).
 """
@@ -42,7 +42,9 @@ class ControlFrame(enum.Enum):
 class FloodVerdict(enum.Enum):
     OK = "ok"
     CONNECTION_OVER_BUDGET = "connection"  # this connection alone floods
-    NODE_OVER_BUDGET = "node"  # the node's budget is spent and this connection is among the spenders
+    NODE_OVER_BUDGET = (
+        "node"  # the node's budget is spent and this connection is among the spenders
+    )
 
 
 @dataclass
