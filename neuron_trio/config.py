@@ -52,10 +52,23 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Open connections; one accepted beyond it is closed at once. Keep it below the unit's
     # LimitNOFILE (65536), which also covers model files, NCCL sockets and the journal.
     max_connections: PositiveInt = 4096
+    # Open connections from one peer address; one more from it is closed at once. When the
+    # node is full, a connection doing nothing (never a complete request, or idle) makes room
+    # for a new one; one with a request in flight is never closed for it.
+    max_connections_per_peer: PositiveInt = 256
     # The longest wait for the next piece of a request body; past it: 408.
     read_timeout_s: PositiveFloat = 30.0
     # Messages in one chat request; more: 400.
     max_messages: PositiveInt = 2048
+    # Which requests may reuse each other's cached prompt prefixes (KV blocks): "none", any
+    # two with the same `cache_salt` (or none); "api_key", only requests made with the same
+    # API key (and the same cache_salt), so tenants never learn each other's prompts from
+    # timing. Needs api_key_file.
+    prefix_cache_isolation: Literal["none", "api_key"] = "none"
+    # When set, GET /metrics needs a key from this file (Authorization: Bearer). Unset with
+    # api_key_file set: /metrics needs the admin key (admin_key_file) or, without one, an API
+    # key. Without any key file /metrics is open.
+    metrics_key_file: str | None = None
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -269,7 +282,9 @@ def _validate(config: NeuronConfig, origin: str) -> None:
             fail(f"server.listen[{i}]", str(exc))
     if (config.server.tls_cert is None) != (config.server.tls_key is None):
         fail("server.tls_cert", "tls_cert and tls_key must be set together")
-    for key in ("tls_cert", "tls_key", "api_key_file", "admin_key_file"):
+    if config.server.prefix_cache_isolation == "api_key" and config.server.api_key_file is None:
+        fail("server.prefix_cache_isolation", '"api_key" needs server.api_key_file')
+    for key in ("tls_cert", "tls_key", "api_key_file", "admin_key_file", "metrics_key_file"):
         value = getattr(config.server, key)
         if value is not None and not Path(value).is_file():
             fail(f"server.{key}", f"{value} is not a readable file")

@@ -12,7 +12,11 @@ module decides which block ids go where:
   so do requests whose prompts share a prefix. A block is written only by the one sequence
   that allocated it, before it is full; shared blocks are full, so never written again.
 - Prefix cache: a full block is keyed by `block_key(parent's key, its tokens)`, so a key
-  names its tokens and everything before them. `lookup` finds the longest chain of cached
+  names its tokens and everything before them. A request with a cache salt (the client's
+  `cache_salt`, the tenant's API key, or both) starts its chain from `salt_root(salt)` instead
+  of nothing: its blocks are shared only with requests of the same salt, and another client
+  cannot time a hit on them (issue 25, #6). Keys are one-way digests: a key published to a
+  router names the salt's blocks without revealing the salt. `lookup` finds the longest chain of cached
   blocks for a prompt; a cached block whose last reference goes stays cached ("evictable")
   until `allocate` runs out of free blocks and evicts the least recently used one.
 - Events: with a `KVEventLog` in `events`, evictions and cache resets are recorded there (the
@@ -49,6 +53,17 @@ def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
+
+
+def salt_root(salt: bytes | None) -> bytes | None:
+    """The parent of a salted chain's first block (None: no salt, the shared chain).
+
+    A digest personalised apart from `block_key`'s, so that no token sequence of the shared
+    chain can produce a salted root.
+    """
+    if salt is None:
+        return None
+    return hashlib.blake2b(salt, digest_size=16, person=b"neuron-salt").digest()
 
 
 class NoFreeBlockError(Exception):
@@ -153,14 +168,17 @@ class BlockPool:
         self._key_of[block] = key
         return True
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
-        """The longest chain of cached full blocks that starts `tokens`, covering at most
-        `limit` tokens; each block returned has one more reference. Also their keys."""
+    def lookup(
+        self, tokens: list[int], limit: int, root: bytes | None = None
+    ) -> tuple[list[int], list[bytes]]:
+        """The longest chain of cached full blocks that starts `tokens` (under `root`, a
+        `salt_root`), covering at most `limit` tokens; each block returned has one more
+        reference. Also their keys."""
         if not self.prefix_cache:
             return [], []
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent: bytes | None = None
+        parent: bytes | None = root
         for i in range(min(limit, len(tokens)) // BLOCK_TOKENS):
             key = block_key(parent, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
             block = self._block_of.get(key)

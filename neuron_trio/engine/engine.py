@@ -38,6 +38,7 @@ from neuron_trio.engine.block_pool import (
     PROBE_BLOCK,
     BlockPool,
     blocks_for,
+    salt_root,
 )
 from neuron_trio.engine.finish import apply_finish_rules, is_stop_token
 from neuron_trio.engine.gguf.file import GGUFFile
@@ -290,11 +291,20 @@ class Engine:
 
     # ---- sequences -----------------------------------------------------------------------
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        chat: bool,
+        cache_salt: bytes | None = None,
+    ) -> int:
         """Start a request's sequence (its `params.n` choices: n of max_batch); its id, which
         every event of the request carries. NoFreeSlotError when max_batch sequences run
-        (queue, retry); `can_admit` says whether to add now.
+        (queue, retry); `can_admit` says whether to add now. With `cache_salt`, its prompt
+        shares cached prefix blocks only with requests of the same salt.
         """
+        root = salt_root(cache_salt)
         self.validate(prompt_ids, params)
         if params.max_tokens is None:  # to the end of the context
             params = replace(params, max_tokens=self._room(len(prompt_ids)))
@@ -307,6 +317,7 @@ class Engine:
             if index and params.seed is not None:
                 choice_params = replace(params, seed=params.seed + index)
             seq = self._new_sequence(list(prompt_ids), choice_params, chat)
+            seq.cache_root = root
             seq.group_id = group[0].seq_id if group else seq.seq_id
             seq.index = index
             self.scheduler.admit(seq)

@@ -163,7 +163,7 @@ class Scheduler:
             return
         keys = seq.block_keys
         for i in range(len(keys), written // BLOCK_TOKENS):
-            parent = keys[-1] if keys else None
+            parent = keys[-1] if keys else seq.cache_root
             tokens = seq.tokens(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
             key = block_key(parent, tokens)
             events = self.pool.events
@@ -208,7 +208,7 @@ class Scheduler:
         if seq.blocks or not self.pool.prefix_cache:
             return
         n = seq.prefill_len
-        seq.blocks, seq.block_keys = self.pool.lookup(seq.tokens(0, n), n - 1)
+        seq.blocks, seq.block_keys = self.pool.lookup(seq.tokens(0, n), n - 1, seq.cache_root)
         seq.prefilled = len(seq.blocks) * BLOCK_TOKENS
 
     def _grow(

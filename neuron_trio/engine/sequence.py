@@ -33,6 +33,7 @@ class Sequence:
     prefilled: int = 0  # tokens (of `prefill_len`) already in its KV blocks
     blocks: list[int] = field(default_factory=list)  # its block table, in position order
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    cache_root: bytes | None = None  # block_pool.salt_root of its request's salt: its chain's start
     preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -11,17 +11,25 @@
 2. DATA for an ended stream. hypercorn looks the stream up with `self.streams[id]` and the
    KeyError escapes the connection's handler nursery, which is the server's: one client that
    keeps sending a body after a 401 or 413 stopped every connection. Such DATA is now
-   acknowledged (so the connection's flow-control window does not shrink) and the stream is
-   reset with NO_ERROR, as RFC 9113 §8.1 allows after a complete response.
-3. Rapid reset as a rate. hypercorn's defence against rapid reset (CVE-2023-44487) is
+   acknowledged (so the connection's flow-control window does not shrink) and dropped, up to
+   `h2_discard_max_bytes` a stream (clients such as httpx and curl send the whole body before
+   reading the answer); past that, once the response has ended, the stream is reset with
+   NO_ERROR, as RFC 9113 §8.1 allows after a complete response. An error response also lifts
+   h2's content-length check on the rest of the body (a client that stops early ended the
+   stream short, and h2 closed the whole connection with PROTOCOL_ERROR).
+3. Floods as rates. hypercorn's defence against rapid reset (CVE-2023-44487) is
    `keep_alive_max_requests`: GOAWAY and a closed socket after N requests on a connection,
    streams in flight included, which a router holding one connection for days cannot live
-   with. `hypercorn_config` turns that count off; instead a client that resets streams
-   faster than `h2_reset_rate_per_s` (beyond a burst of `h2_reset_burst`) gets GOAWAY
-   ENHANCE_YOUR_CALM and its connection is closed. Honest clients never come near it.
-4. A connection limit. With `max_connections` on the config, a connection accepted beyond
-   it is closed at once (before any byte is read), so descriptors stay well below the
-   process's limit and accept(2) never meets EMFILE.
+   with. `hypercorn_config` turns that count off; instead resets and control frames spend
+   tokens from the connection's budgets and the node's (h2_floods.py); a connection over
+   budget gets GOAWAY ENHANCE_YOUR_CALM and is closed. Honest clients never come near it. A
+   stream reset before its response leaves no send buffer or priority entry behind (the
+   1,001st such stream made the priority tree raise and stopped the server), and any other
+   error raised by a peer's frames ends that connection only.
+4. A connection table. With `connection_table` on the config (connections.py), a
+   connection from a peer over its limit is closed at once, and one beyond the node's limit
+   takes the place of a connection doing nothing, or is closed at once if all are busy; so
+   descriptors stay well below the process's limit and accept(2) never meets EMFILE.
 5. A connection the client closed is closed at once. On EOF hypercorn closes the streams,
    which restarts the connection's idle timer, and the connection's task group then waits
    for that timer: the socket stayed open for `keep_alive_timeout` (75 s here) after the
@@ -41,11 +49,14 @@ logs and leaves hypercorn alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+
+from neuron_trio.http.connections import ConnectionEntry, ConnectionTable
+from neuron_trio.http.h2_floods import ControlFrame, FloodGuard, FloodVerdict, NodeFloodBudget
 
 log = logging.getLogger(__name__)
 
@@ -53,48 +64,26 @@ _APPLIED = False
 
 # Fix 6: pending frames are written once they reach this size, even if more could be framed.
 FLUSH_BYTES = 1 << 16
+# Fix 2: body a stream may still send after its response has ended (a 413, a 401) before it is
+# reset. Clients that send the whole body before reading (httpx, curl) then read the answer.
+DISCARD_AFTER_RESPONSE_BYTES = 16 << 20
+# Fix 7: free WINDOW_UPDATEs a connection may have earned by the DATA frames it was sent.
+WINDOW_UPDATE_CREDIT_MAX = 10_000
 
 
-@dataclass
-class ConnectionGate:
-    """Counts open connections against `limit`; `refused` counts those closed at once."""
-
-    limit: int
-    open: int = 0
-    refused: int = 0
-
-    def try_enter(self) -> bool:
-        if self.open >= self.limit:
-            self.refused += 1
-            return False
-        self.open += 1
-        return True
-
-    def leave(self) -> None:
-        self.open -= 1
+def _peer_of(stream: Any) -> str:
+    """The peer's address (host only) of a trio SocketStream or SSLStream; "?" if unknown."""
+    transport = getattr(stream, "transport_stream", stream)
+    try:
+        return str(transport.socket.getpeername()[0])
+    except (AttributeError, OSError, IndexError):
+        return "?"
 
 
-@dataclass
-class ResetBucket:
-    """A token bucket over a connection's stream resets: `rate` per second, `burst` at most.
-
-    `allow(now)` spends one token and says whether one was left.
-    """
-
-    rate: float
-    burst: float
-    tokens: float = field(default=-1.0)
-    stamp: float = 0.0
-
-    def allow(self, now: float) -> bool:
-        if self.tokens < 0:  # first reset on this connection
-            self.tokens, self.stamp = self.burst, now
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < 1.0:
-            return False
-        self.tokens -= 1.0
-        return True
+async def _close_transport(stream: Any) -> None:
+    """Close a connection from outside its task: the socket under any TLS, so that its task's
+    pending receive fails at once (trio wakes it with ClosedResourceError)."""
+    await trio.aclose_forcefully(getattr(stream, "transport_stream", stream))
 
 
 def apply_hypercorn_fixes() -> None:
@@ -107,8 +96,8 @@ def apply_hypercorn_fixes() -> None:
         import h2.events
         import h2.exceptions
         import priority
-        from hypercorn.events import Closed
-        from hypercorn.protocol.events import StreamClosed
+        from hypercorn.events import Closed, Updated
+        from hypercorn.protocol.events import Response, StreamClosed
         from hypercorn.protocol.h2 import H2Protocol, StreamBuffer
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:  # pragma: no cover - a hypercorn without these modules
@@ -119,8 +108,10 @@ def apply_hypercorn_fixes() -> None:
     original_run = getattr(TCPServer, "run", None)
     original_read = getattr(TCPServer, "_read_data", None)
     original_idle = getattr(TCPServer, "_idle_timeout", None)
+    original_protocol_send = getattr(TCPServer, "protocol_send", None)
     if (
         original_idle is None
+        or original_protocol_send is None
         or not hasattr(H2Protocol, "send_task")
         or not hasattr(H2Protocol, "_send_data")
         or original_send is None
@@ -142,21 +133,116 @@ def apply_hypercorn_fixes() -> None:
                     await self._flush()
                 except h2.exceptions.ProtocolError:
                     pass  # already ended, reset, or the connection is closing
+            _forget_content_length(self, event.stream_id)
+        elif isinstance(event, Response) and event.status_code >= 400:
+            _forget_content_length(self, event.stream_id)
         await original_send(self, event)
 
+    def _forget_content_length(self: Any, stream_id: int) -> None:
+        """An error response (or the end of any response) may come before the request body
+        has: the rest of the body no longer matters, so h2 must not check it against the
+        request's content-length. curl stops sending when it sees an early 413's headers and
+        ends the stream short; h2 calls that a connection error (GOAWAY PROTOCOL_ERROR) and
+        the client never read its 413 (issue 25, #11)."""
+        stream = self.connection.streams.get(stream_id)
+        if stream is not None and hasattr(stream, "_expected_content_length"):
+            stream._expected_content_length = None
+
     def _drop_data(self: Any, event: Any) -> None:
-        """DATA for a stream whose response has ended: acknowledge it, reset the stream."""
+        """DATA for a stream whose response has ended: acknowledge and drop it while the
+        stream has dropped at most `h2_discard_max_bytes`; past that, once the response's
+        END_STREAM has gone out, reset the stream with NO_ERROR."""
         try:
             self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         except h2.exceptions.ProtocolError:
             pass
+        dropped: dict[int, int] = self.__dict__.setdefault("_neuron_dropped", {})
+        total = dropped.get(event.stream_id, 0) + event.flow_controlled_length
+        budget = int(getattr(self.config, "h2_discard_max_bytes", DISCARD_AFTER_RESPONSE_BYTES))
+        if total <= budget or event.stream_id in self.stream_buffers:
+            # Within the budget, or the response is still being sent (a reset now would cut
+            # it): keep reading, so a client that sends its whole body first (httpx, curl)
+            # then reads the answer whole.
+            dropped[event.stream_id] = total
+            return
+        dropped.pop(event.stream_id, None)
         try:
             self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
         except h2.exceptions.ProtocolError:
             pass  # already reset or closed on both sides: nothing more to say
 
+    def _control_frame(self: Any, event: Any) -> ControlFrame | None:
+        """What `event` costs against the flood budgets (h2_floods.py), if anything."""
+        if isinstance(event, h2.events.StreamReset):
+            return ControlFrame.RESET if event.remote_reset else None
+        if isinstance(event, h2.events.PingReceived | h2.events.PingAckReceived):
+            return ControlFrame.PING
+        if isinstance(event, h2.events.RemoteSettingsChanged | h2.events.SettingsAcknowledged):
+            return ControlFrame.SETTINGS
+        if isinstance(event, h2.events.PriorityUpdated):
+            return ControlFrame.PRIORITY
+        if isinstance(event, h2.events.UnknownFrameReceived):
+            return ControlFrame.UNKNOWN
+        if isinstance(event, h2.events.DataReceived):
+            empty = not event.flow_controlled_length and event.stream_ended is None
+            return ControlFrame.EMPTY_DATA if empty else None
+        if isinstance(event, h2.events.WindowUpdated):
+            # A client acknowledging the response data it read is not flooding: each DATA
+            # frame sent earns two free WINDOW_UPDATEs (the stream's and the connection's).
+            credit = self.__dict__.get("_neuron_wu_credit", 0)
+            if credit > 0:
+                self._neuron_wu_credit = credit - 1
+                return None
+            return ControlFrame.WINDOW_UPDATE
+        return None
+
+    def _flood_guard(self: Any) -> FloodGuard | None:
+        guard: FloodGuard | None = self.__dict__.get("_neuron_flood")
+        if guard is None:
+            node: NodeFloodBudget | None = getattr(self.config, "h2_flood_budget", None)
+            if node is None:
+                return None
+            guard = FloodGuard(
+                node,
+                rate=float(getattr(self.config, "h2_control_rate_per_s", 50.0)),
+                burst=float(getattr(self.config, "h2_control_burst", 200.0)),
+                reset_rate=float(getattr(self.config, "h2_reset_rate_per_s", 100.0)),
+                reset_burst=float(getattr(self.config, "h2_reset_burst", 1000.0)),
+                grace=float(getattr(self.config, "h2_flood_grace", 50.0)),
+            )
+            self._neuron_flood = guard
+        return guard
+
+    def _forget_reset_stream(self: Any, stream_id: int) -> None:
+        """A stream the client reset: drop its send buffer and priority entry now. hypercorn
+        drops them only once a response's data has gone out, so a stream reset before any
+        response stayed for the connection's life, and the 1,001st made the priority tree
+        raise TooManyStreamsError, which stopped the whole server (issue 25, found by
+        bench/attack_drill.py). A late send from the app finds no buffer (hypercorn ignores
+        that)."""
+        buffer = self.stream_buffers.pop(stream_id, None)
+        if buffer is not None:
+            with contextlib.suppress(priority.MissingStreamError):
+                self.priority.remove_stream(stream_id)
+
     async def _handle_events(self: Any, events: list[Any]) -> None:
+        try:
+            await _handle_events_guarded(self, events)
+        except Exception:
+            # Whatever a peer's frames make hypercorn or h2 raise ends that connection, never
+            # the server (an exception here escapes into the listener's nursery).
+            log.exception(
+                "closing an HTTP/2 connection from %s after an unexpected error",
+                self.client[0] if self.client else "?",
+            )
+            with contextlib.suppress(Exception):
+                self.connection.close_connection(h2.errors.ErrorCodes.INTERNAL_ERROR)
+                await self._flush()
+            await self.send(Closed())
+
+    async def _handle_events_guarded(self: Any, events: list[Any]) -> None:
         pending: list[Any] = []
+        guard = _flood_guard(self)
         for event in events:
             if isinstance(event, h2.events.DataReceived):
                 if pending:  # a stream may be created by an event before this one
@@ -165,20 +251,25 @@ def apply_hypercorn_fixes() -> None:
                 if event.stream_id not in self.streams:
                     _drop_data(self, event)
                     continue
-            elif isinstance(event, h2.events.StreamReset) and event.remote_reset:
-                bucket = getattr(self, "_neuron_resets", None)
-                if bucket is None:
-                    bucket = ResetBucket(
-                        rate=float(getattr(self.config, "h2_reset_rate_per_s", 100.0)),
-                        burst=float(getattr(self.config, "h2_reset_burst", 1000.0)),
-                    )
-                    self._neuron_resets = bucket
-                if not bucket.allow(trio.current_time()):
+            elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                self.__dict__.get("_neuron_dropped", {}).pop(event.stream_id, None)
+            if isinstance(event, h2.events.StreamReset) and pending:
+                # events before the reset first: hypercorn handles the reset on its own below
+                await original_events(self, pending)
+                pending = []
+            kind = _control_frame(self, event) if guard is not None else None
+            if kind is not None and guard is not None:
+                verdict = guard.spend(kind, trio.current_time())
+                if verdict is not FloodVerdict.OK:
                     log.warning(
-                        "closing an HTTP/2 connection from %s: it reset streams faster than "
-                        "%g/s (rapid reset)",
+                        "closing an HTTP/2 connection from %s: %s frames faster than %s allows "
+                        "(%s)",
                         self.client[0] if self.client else "?",
-                        bucket.rate,
+                        kind.value,
+                        "its budget"
+                        if verdict is FloodVerdict.CONNECTION_OVER_BUDGET
+                        else "the node's budget",
+                        ", ".join(f"{k.value} {n}" for k, n in guard.counts.items()),
                     )
                     if pending:
                         await original_events(self, pending)
@@ -186,22 +277,46 @@ def apply_hypercorn_fixes() -> None:
                     await self._flush()
                     await self.send(Closed())
                     return
+            if isinstance(event, h2.events.StreamReset):
+                await original_events(self, [event])
+                _forget_reset_stream(self, event.stream_id)
+                continue
             pending.append(event)
         await original_events(self, pending)
 
     async def run(self: Any) -> None:
-        gate: ConnectionGate | None = getattr(self.config, "connection_gate", None)
-        if gate is None:
+        table: ConnectionTable | None = getattr(self.config, "connection_table", None)
+        if table is None:
             await original_run(self)
             return
-        if not gate.try_enter():
+        admission = table.enter(_peer_of(self.stream), self)
+        if admission.victim is not None:
+            # Make room: close a connection that is doing nothing (connections.py).
+            await _close_transport(admission.victim.handle.stream)
+        if admission.entry is None:
             # Closed before anything is read: the client sees a reset, tries another node.
             await trio.aclose_forcefully(self.stream)
             return
+        self._neuron_conn = admission.entry
         try:
             await original_run(self)
+        except (trio.ClosedResourceError, trio.BrokenResourceError, OSError):
+            if not admission.entry.gone:
+                raise
+            # Evicted mid-handshake or mid-read: closing its socket is how it ends.
         finally:
-            gate.leave()
+            table.leave(admission.entry)
+
+    async def protocol_send(self: Any, event: Any) -> None:
+        if isinstance(event, Updated):
+            table: ConnectionTable | None = getattr(self.config, "connection_table", None)
+            entry: ConnectionEntry | None = self.__dict__.get("_neuron_conn")
+            if table is not None and entry is not None:
+                if event.idle:
+                    table.idle(entry)
+                else:
+                    table.busy(entry)
+        await original_protocol_send(self, event)
 
     async def _read_data(self: Any) -> None:
         await original_read(self)
@@ -228,6 +343,8 @@ def apply_hypercorn_fixes() -> None:
             data = await self.stream_buffers[stream_id].pop(max(0, chunk_size))
             if data:
                 self.connection.send_data(stream_id, data)
+                credit = self.__dict__.get("_neuron_wu_credit", 0)
+                self._neuron_wu_credit = min(WINDOW_UPDATE_CREDIT_MAX, credit + 2)
             else:
                 self.priority.block(stream_id)
             if self.stream_buffers[stream_id].complete:
@@ -265,4 +382,5 @@ def apply_hypercorn_fixes() -> None:
     TCPServer._idle_timeout = _idle_timeout  # type: ignore[method-assign]
     H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
     TCPServer.run = run  # type: ignore[method-assign]
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
     _APPLIED = True

@@ -25,6 +25,19 @@ log = logging.getLogger("neuron_trio.access")
 ACCESS_SCOPE_KEY = "neuron.access"
 QUIET_ROUTES = frozenset({"/health", "/metrics"})
 MAX_ERROR_CHARS = 300
+# Every client-controlled field is cut to this many characters, with control characters
+# replaced: a 900 KB `model` value wrote a 900 KB log line (issue 25, #10), and a newline in
+# a path could forge a second line.
+MAX_FIELD_CHARS = 200
+_CONTROL = {c: "?" for c in [*range(0x20), 0x7F]}
+
+
+def bounded(value: object, limit: int = MAX_FIELD_CHARS) -> str:
+    """`value` as one short line: control characters as "?", cut at `limit` with a count."""
+    text = str(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}…(+{len(text) - limit} chars)"
+    return text.translate(_CONTROL)
 
 
 @dataclass
@@ -53,15 +66,15 @@ def log_access(scope: Scope, route: str, status: int, ended: float, info: Access
         return
     client = scope.get("client")
     parts = [
-        str(scope.get("method", "")),
-        str(scope.get("path", "")),
+        bounded(scope.get("method", ""), 16),
+        bounded(scope.get("path", "")),
         str(status),
         f"{ended - info.started:.3f}s",
         "h2" if scope.get("http_version") == "2" else f"http/{scope.get('http_version', '?')}",
         str(client[0]) if client else "-",
     ]
     if info.model is not None:
-        parts.append(f"model={info.model}")
+        parts.append(f"model={bounded(info.model)}")
     if info.prompt_tokens is not None:
         parts.append(f"prompt={info.prompt_tokens}")
     if info.completion_tokens is not None:
@@ -71,8 +84,5 @@ def log_access(scope: Scope, route: str, status: int, ended: float, info: Access
     if info.first_token_at is not None:
         parts.append(f"ttft={info.first_token_at - info.started:.3f}s")
     if info.error is not None:
-        error = info.error.replace('"', "'")
-        if len(error) > MAX_ERROR_CHARS:
-            error = error[:MAX_ERROR_CHARS] + "…"
-        parts.append(f'error="{error}"')
+        parts.append(f'error="{bounded(info.error.replace(chr(34), chr(39)), MAX_ERROR_CHARS)}"')
     log.info("%s", " ".join(parts))

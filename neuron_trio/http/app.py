@@ -51,7 +51,8 @@ from neuron_trio.http.openai.completion_batch import CompletionBatch, parse_comp
 from neuron_trio.http.openai.models_api import model_object
 from neuron_trio.http.orca import OrcaLoadReports
 from neuron_trio.http.responses_endpoint import ResponsesEndpoint
-from neuron_trio.service.api import NodeService
+from neuron_trio.http.tenancy import is_operator, job_cache_salt, redact_node_info, tenant_of
+from neuron_trio.service.api import GenerationJob, NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]
 
@@ -181,11 +182,22 @@ async def _off_loop_if_large(parse: Callable[[bytes], P], body: bytes) -> P:
 
 
 class _Routes:
-    def __init__(self, node: NodeService, *, max_messages: int) -> None:
+    def __init__(
+        self, node: NodeService, *, max_messages: int, isolate_tenants: bool = False
+    ) -> None:
         self.node = node
         self.max_messages = max_messages
+        self.isolate_tenants = isolate_tenants
         self._metrics_limiter: trio.CapacityLimiter | None = None
-        self.responses = ResponsesEndpoint(node)
+        self.responses = ResponsesEndpoint(node, salted=self.salted)
+
+    def salted(self, request: Request, job: GenerationJob) -> GenerationJob:
+        """`job` with its prefix-cache salt: the client's `cache_salt` and, with
+        `prefix_cache_isolation = "api_key"`, the caller's tenant (http/tenancy.py). Every
+        generating route passes its jobs through here."""
+        tenant = tenant_of(request.scope) if self.isolate_tenants else None
+        salt = job_cache_salt(tenant, job.cache_salt)
+        return job if salt == job.cache_salt else replace(job, cache_salt=salt)
 
     def _refuse_while_draining(self) -> None:
         if self.node.draining:
@@ -207,7 +219,8 @@ class _Routes:
         )
 
     async def node_info(self, request: Request) -> Response:
-        return JSONResponse(await self.node.node_info())
+        doc = await self.node.node_info()
+        return JSONResponse(doc if is_operator(request.scope) else redact_node_info(doc))
 
     async def metrics(self, request: Request) -> Response:
         # Built on a worker thread, one scrape at a time: the exposition of a few thousand
@@ -278,6 +291,9 @@ class _Routes:
         if access is not None:
             access.model = batch.first.job.model
         batch = batch.with_fingerprint(self._fingerprint(batch.first.job.model))
+        batch = replace(
+            batch, parts=tuple(replace(p, job=self.salted(request, p.job)) for p in batch.parts)
+        )
         if batch.first.stream:
             return BatchSSEResponse(self.node, batch)
         doc = await complete_batch(self.node, batch, request.receive, access)
@@ -287,7 +303,11 @@ class _Routes:
         access = access_info(request.scope)
         if access is not None:
             access.model = parsed.job.model
-        parsed = replace(parsed, system_fingerprint=self._fingerprint(parsed.job.model))
+        parsed = replace(
+            parsed,
+            job=self.salted(request, parsed.job),
+            system_fingerprint=self._fingerprint(parsed.job.model),
+        )
         if parsed.stream:
             return SSEResponse(self.node, parsed)
         doc = await complete(self.node, parsed, request.receive, access)
@@ -330,7 +350,11 @@ def _route_resolver(routes: list[Route]) -> Any:
 
 def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
     """The ASGI app serving `node`. Raises ConfigError if `api_key_file` is unusable."""
-    r = _Routes(node, max_messages=config.server.max_messages)
+    r = _Routes(
+        node,
+        max_messages=config.server.max_messages,
+        isolate_tenants=config.server.prefix_cache_isolation == "api_key",
+    )
     routes = [
         Route("/health", r.health, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),
@@ -360,6 +384,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         route_of=_route_resolver(routes),
         api_keys=read_api_keys(config.server.api_key_file),
         admin_keys=read_api_keys(config.server.admin_key_file, "server.admin_key_file"),
+        metrics_keys=read_api_keys(config.server.metrics_key_file, "server.metrics_key_file"),
         max_body_bytes=config.server.max_body_bytes,
         read_timeout_s=config.server.read_timeout_s,
     )

@@ -9,7 +9,9 @@ Order, outside in (one class, so each request pays for one wrapper, not five):
    (and bounded) cancel scope; without it hypercorn never restarts a connection's idle timer
    after a streaming response and a drain waits its whole graceful timeout (docs/STACK-NOTES.md);
 4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`; with admin
-   keys, loading and unloading models needs one of those (another valid key: 403);
+   keys, loading and unloading models needs one of those (another valid key: 403); with API
+   keys or metrics keys, `/metrics` needs an operator's key (`_metrics_keys`); the request's
+   tenant (its key's digest) and whether it is an operator go into the scope (tenancy.py);
 5. body limit: a `Content-Length` over the limit is a 413 at once; otherwise `receive()`
    counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it;
    each wait for the next piece of body is bounded by `read_timeout_s` (408).
@@ -30,12 +32,14 @@ from typing import Any
 
 import msgspec
 import trio
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuron_trio.errors import RequestError
 from neuron_trio.http.access_log import ACCESS_SCOPE_KEY, AccessInfo, log_access
 from neuron_trio.http.metrics import HttpMetrics
 from neuron_trio.http.openai import error_body
+from neuron_trio.http.tenancy import OPERATOR_SCOPE_KEY, TENANT_SCOPE_KEY, key_digest
 
 __all__ = ["BodyTooLargeError", "NeuronMiddleware", "json_error_messages"]
 
@@ -90,6 +94,13 @@ def _error_message(body: bytes) -> str | None:
     return message if isinstance(message, str) else None
 
 
+def _is_client_disconnect(exc: BaseException) -> bool:
+    """`exc` is Starlette's ClientDisconnect, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_client_disconnect(e) for e in exc.exceptions)
+    return isinstance(exc, ClientDisconnect)
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -106,6 +117,7 @@ class NeuronMiddleware:
         route_of: Callable[[Scope], str],
         api_keys: tuple[bytes, ...] = (),
         admin_keys: tuple[bytes, ...] = (),
+        metrics_keys: tuple[bytes, ...] = (),
         max_body_bytes: int,
         read_timeout_s: float = 30.0,
     ) -> None:
@@ -114,6 +126,7 @@ class NeuronMiddleware:
         self.route_of = route_of
         self.api_keys = api_keys
         self.admin_keys = admin_keys
+        self.metrics_keys = metrics_keys
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
 
@@ -125,9 +138,29 @@ class NeuronMiddleware:
             ok |= hmac.compare_digest(token, key)
         return ok
 
+    def _metrics_keys(self) -> tuple[bytes, ...]:
+        """Who may read /metrics (its prefix-cache counters tell one tenant of another's hits):
+        the metrics keys and admin keys; with neither, any API key; with no key file at all,
+        anyone (an empty tuple)."""
+        if self.metrics_keys or self.admin_keys:
+            return self.metrics_keys + self.admin_keys if self.api_keys or self.metrics_keys else ()
+        return self.api_keys
+
+    def _bearer(self, scope: Scope) -> bytes:
+        header = _header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        return token.strip() if scheme.lower() == b"bearer" else b""
+
     def _auth_status(self, scope: Scope) -> int | None:
-        """None if the request may go on; else 401 (no valid key) or 403 (not an admin key)."""
+        """None if the request may go on; else 401 (no valid key) or 403 (not an admin key).
+        Marks the scope with the caller's tenant and whether it is an operator."""
         path: str = scope["path"]
+        if path == "/metrics":
+            keys = self._metrics_keys()
+            if not keys:
+                return None
+            token = self._bearer(scope)
+            return None if token and self._matches(token, keys) else 401
         if path != "/v1" and not path.startswith("/v1/"):
             return None
         admin_route = self.admin_keys and (
@@ -135,12 +168,13 @@ class NeuronMiddleware:
             or (scope["method"] == "DELETE" and path.startswith(ADMIN_ROUTES[0] + "/"))
         )
         if not self.api_keys and not admin_route:
-            return None
-        header = _header(scope, b"authorization") or b""
-        scheme, _, token = header.partition(b" ")
-        token = token.strip() if scheme.lower() == b"bearer" else b""
+            return None  # no keys: everyone is an operator (the scope says nothing)
+        token = self._bearer(scope)
         is_admin = bool(token) and self._matches(token, self.admin_keys)
         is_user = bool(token) and (is_admin or self._matches(token, self.api_keys))
+        if is_user:
+            scope[TENANT_SCOPE_KEY] = key_digest(token)
+        scope[OPERATOR_SCOPE_KEY] = is_admin or (is_user and not self.admin_keys)
         if admin_route:
             if is_admin:
                 return None
@@ -167,9 +201,10 @@ class NeuronMiddleware:
         limit = self.max_body_bytes
         received = 0
         body_done = False
+        client_gone = False
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done
+            nonlocal received, body_done, client_gone
             if body_done:
                 message = await receive()
             else:
@@ -184,6 +219,7 @@ class NeuronMiddleware:
                     raise BodyTooLargeError(limit)
             elif message["type"] == "http.disconnect":
                 body_done = True
+                client_gone = True
             return message
 
         async def discard_rest_of_body() -> None:
@@ -256,7 +292,14 @@ class NeuronMiddleware:
                 )
             else:
                 await self.app(scope, limited_receive, send_wrapper)
-        except Exception:
+        except Exception as exc:
+            if client_gone or _is_client_disconnect(exc):
+                # The client reset its stream or closed: not a server error, whatever the app
+                # raised on the way out (a ClientDisconnect inside a task group's exception
+                # group missed its handler and was counted as a 5xx; issue 25, #11).
+                if status is None or status >= 500:
+                    status = None
+                return
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if status is None:
                 await self._reply(

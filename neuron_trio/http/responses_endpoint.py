@@ -9,6 +9,8 @@ A response that finished is stored (unless `store: false`) in a bounded `Respons
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -39,7 +41,7 @@ from neuron_trio.http.openai.responses_api import (
 )
 from neuron_trio.http.openai.responses_stream import ResponsesStreamWriter
 from neuron_trio.http.response_store import ResponseStore
-from neuron_trio.service.api import NodeService
+from neuron_trio.service.api import GenerationJob, NodeService
 
 __all__ = ["ResponsesEndpoint"]
 
@@ -54,9 +56,16 @@ class _PreviousId(msgspec.Struct):
 
 
 class ResponsesEndpoint:
-    def __init__(self, node: NodeService, store: ResponseStore | None = None) -> None:
+    def __init__(
+        self,
+        node: NodeService,
+        store: ResponseStore | None = None,
+        *,
+        salted: Callable[[Request, GenerationJob], GenerationJob] | None = None,
+    ) -> None:
         self.node = node
         self.store = store if store is not None else ResponseStore()
+        self._salted = salted  # the app's prefix-cache salting (cache_salt, tenants)
 
     async def create(self, request: Request) -> Response:
         if self.node.draining:
@@ -73,6 +82,9 @@ class ResponsesEndpoint:
             parsed = parse_responses_request(body, history)
         else:
             parsed = await trio.to_thread.run_sync(parse_responses_request, body, history)
+        if self._salted is not None:
+            chat = replace(parsed.chat, job=self._salted(request, parsed.chat.job))
+            parsed = replace(parsed, chat=chat)
         access = access_info(request.scope)
         if access is not None:
             access.model = parsed.request.model

@@ -22,7 +22,9 @@ from hypercorn.trio import serve
 from starlette.types import ASGIApp
 
 from neuron_trio.config import NeuronConfig
-from neuron_trio.http._hypercorn_fixes import ConnectionGate, apply_hypercorn_fixes
+from neuron_trio.http._hypercorn_fixes import apply_hypercorn_fixes
+from neuron_trio.http.connections import ConnectionTable
+from neuron_trio.http.h2_floods import NodeFloodBudget
 
 __all__ = ["BoundAddress", "RateLimitFilter", "hypercorn_config", "serve_http"]
 
@@ -39,6 +41,21 @@ TLS_HANDSHAKE_TIMEOUT_S = 10.0
 # streams of clients that went away stays far below it.
 H2_RESET_RATE_PER_S = 100.0
 H2_RESET_BURST = 1000.0
+# Control frames (PING, SETTINGS, PRIORITY, empty DATA, WINDOW_UPDATE with no data sent since
+# the last, unknown frames) per connection: honest clients send a handful; a flood is told
+# ENHANCE_YOUR_CALM (h2_floods.py). Before: 500,000 PINGs were all answered.
+H2_CONTROL_RATE_PER_S = 50.0
+H2_CONTROL_BURST = 200.0
+# The node-wide budget, shared by every connection (control frames and resets together): many
+# connections flooding just under their own limits (50 x 1,000 resets cost 15 s of CPU) meet
+# this one; then only connections that spent more than H2_FLOOD_GRACE lately are closed.
+H2_NODE_RATE_PER_S = 200.0
+H2_NODE_BURST = 500.0
+H2_FLOOD_GRACE = 20.0
+# Body a stream may still send after its response ended (an early 413 or 401), read and
+# dropped so that clients that send the whole body before reading (httpx, curl) get the
+# answer; past it the stream is reset with NO_ERROR (RFC 9113 §8.1).
+H2_DISCARD_AFTER_RESPONSE_BYTES = 16 << 20
 # trio logs every failed accept(2) (EMFILE: out of descriptors) with a traceback, ten times a
 # second; keep one line per this many seconds, with a count of those dropped.
 ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
@@ -119,7 +136,14 @@ def hypercorn_config(config: NeuronConfig) -> HypercornConfig:
     # Read by _hypercorn_fixes (hypercorn's Config has no such settings of its own).
     hc.h2_reset_rate_per_s = H2_RESET_RATE_PER_S  # type: ignore[attr-defined]
     hc.h2_reset_burst = H2_RESET_BURST  # type: ignore[attr-defined]
-    hc.connection_gate = ConnectionGate(server.max_connections)  # type: ignore[attr-defined]
+    hc.h2_control_rate_per_s = H2_CONTROL_RATE_PER_S  # type: ignore[attr-defined]
+    hc.h2_control_burst = H2_CONTROL_BURST  # type: ignore[attr-defined]
+    hc.h2_flood_grace = H2_FLOOD_GRACE  # type: ignore[attr-defined]
+    hc.h2_flood_budget = NodeFloodBudget(H2_NODE_RATE_PER_S, H2_NODE_BURST)  # type: ignore[attr-defined]
+    hc.h2_discard_max_bytes = H2_DISCARD_AFTER_RESPONSE_BYTES  # type: ignore[attr-defined]
+    hc.connection_table = ConnectionTable(  # type: ignore[attr-defined]
+        server.max_connections, server.max_connections_per_peer
+    )
     # No hypercorn read_timeout: it counts silence on the whole connection, and a client
     # reading a long generation sends nothing for minutes. Idle connections close after
     # keep_alive_timeout; a request body that stalls gets 408 (server.read_timeout_s).

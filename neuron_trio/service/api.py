@@ -88,6 +88,9 @@ class GenerationJob:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
+    # Prompt prefixes are shared (from the prefix cache) only between jobs with the same salt:
+    # the client's cache_salt and, with prefix_cache_isolation = "api_key", its key's digest.
+    cache_salt: bytes | None = None
 
 
 def with_default_max_tokens(

@@ -570,7 +570,12 @@ class ModelActor:
         ):
             request = self._queue.popleft()
             try:
-                seq_id = engine.add(request.prompt_ids, request.job.params, chat=request.chat)
+                seq_id = engine.add(
+                    request.prompt_ids,
+                    request.job.params,
+                    chat=request.chat,
+                    cache_salt=request.job.cache_salt,
+                )
             except NeuronError as exc:  # validated on arrival: should not happen
                 request.stream.fail(exc)
                 self._finish(request, "error")

@@ -166,7 +166,7 @@ def test_body_limit_with_and_without_content_length(http2: bool) -> None:
     run(body)
 
 
-def test_api_key_guards_v1_but_not_health_or_metrics(tmp_path: Path) -> None:
+def test_api_key_guards_v1_and_metrics_but_not_health(tmp_path: Path) -> None:
     key_file = tmp_path / "api-key"
     key_file.write_text("s3cret-key\nrotated-key\n")
 
@@ -188,7 +188,10 @@ def test_api_key_guards_v1_but_not_health_or_metrics(tmp_path: Path) -> None:
                 assert ok.status_code == 200
             assert_error(await client.post("/v1/chat/completions", json=chat_body()), 401)
             assert (await client.get("/health")).status_code == 200
-            assert (await client.get("/metrics")).status_code == 200
+            # /metrics tells one tenant of another's prefix-cache hits: a key (issue 25, #6)
+            assert_error(await client.get("/metrics"), 401)
+            ok = await client.get("/metrics", headers={"Authorization": "Bearer s3cret-key"})
+            assert ok.status_code == 200
 
     run(body)
 

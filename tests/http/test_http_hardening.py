@@ -209,6 +209,7 @@ def test_data_after_an_early_response_resets_the_stream_and_the_server_stays_up(
     from neuron_trio.http import middleware
 
     monkeypatch.setattr(middleware, "DISCARD_MAX_BYTES", 10_000)
+    monkeypatch.setattr(http_server, "H2_DISCARD_AFTER_RESPONSE_BYTES", 10_000)
     key = tmp_path / "key"
     key.write_text("k\n")
 
@@ -247,6 +248,7 @@ def test_a_trickled_body_after_401_does_not_hold_the_stream(
     from neuron_trio.http import middleware
 
     monkeypatch.setattr(middleware, "DISCARD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(http_server, "H2_DISCARD_AFTER_RESPONSE_BYTES", 0)
     key = tmp_path / "key"
     key.write_text("k\n")
 
@@ -289,15 +291,27 @@ def test_a_stalled_body_gets_408() -> None:
 
 
 def test_connections_beyond_the_limit_are_closed_at_once() -> None:
+    """Every connection busy (a stream in flight): one more is closed at once. (An idle one
+    would make room instead: test_http_abuse.py.)"""
+    node = FakeNode()
+    release = trio.Event()
+
+    async def gate(i: int) -> None:
+        await release.wait()
+
+    node.gate = gate
+
     async def body() -> None:
-        async with serving(FakeNode(), make_config(max_connections=3)) as srv:
+        async with serving(node, make_config(max_connections=3)) as srv:
             accept_log = logging.getLogger("trio.serve_listeners")
             assert any(isinstance(f, RateLimitFilter) for f in accept_log.filters)
             held = [await Frames.open(srv.url) for _ in range(3)]
-            for c in held:  # each is served
-                sid = c.request("GET", "/health")
+            for c in held:  # each is served, and busy
+                sid = c.request(
+                    "POST", "/v1/chat/completions", body=msgspec.json.encode(chat_body(stream=True))
+                )
                 await c.flush()
-                await c.until(lambda c=c, sid=sid: sid in c.ended)
+                await c.until(lambda c=c, sid=sid: sid in c.status)
             extra = await Frames.open(srv.url)
             with trio.fail_after(5):
                 await extra.until(lambda: False)  # returns when the server closes it
@@ -318,6 +332,7 @@ def test_connections_beyond_the_limit_are_closed_at_once() -> None:
                         await again.aclose()
                         await trio.sleep(0.1)
             assert served is not None, "the closed connection still counts against the limit"
+            release.set()
             for c in [*held[1:], served, extra]:
                 await c.aclose()
 

@@ -102,6 +102,7 @@ class FakeEngine:
         self.seqs: dict[int, list[Any]] = {}  # seq_id -> [params, produced, prompt_len]
         self.next_id = 1
         self.added: list[list[int]] = []
+        self.salts: list[bytes | None] = []  # cache_salt of each add
         self.cancelled: list[int] = []
         self.steps = 0
         self.batches: list[int] = []  # sequences in each step
@@ -130,11 +131,19 @@ class FakeEngine:
         if len(prompt_ids) + params.max_tokens > self.context:
             raise ContextLengthError("too long")
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool) -> int:
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        chat: bool,
+        cache_salt: bytes | None = None,
+    ) -> int:
         assert self.free_slots > 0
         seq_id, self.next_id = self.next_id, self.next_id + 1
         self.seqs[seq_id] = [params, 0, len(prompt_ids)]
         self.added.append(list(prompt_ids))
+        self.salts.append(cache_salt)
         return seq_id
 
     def cancel(self, seq_id: int) -> None:

@@ -61,7 +61,12 @@ Seed = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=4)]
 Stop = Annotated[str, msgspec.Meta(min_length=1)] | StopList
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
-ModelId = Annotated[str, msgspec.Meta(min_length=1)]
+# Longer than any model name (config.ModelName: 128) and bounded, so a 900 KB `model` is a
+# 400 that does not echo it, not a 404 carrying it into the log.
+ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Prefix-cache isolation (http/tenancy.py): requests share cached prompt blocks only with
+# requests of the same salt. Use a high-entropy value (a salt can be guessed like a prompt).
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 CallerId = Annotated[str, msgspec.Meta(max_length=1024)]  # user, safety_identifier, ...
 # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512
 Metadata = Annotated[
@@ -168,6 +173,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: bool | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -469,6 +475,10 @@ def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[To
     return Constraint("json", schema=_compact(schema), strict=strict), ()
 
 
+def _salt(cache_salt: str | None) -> bytes | None:
+    return cache_salt.encode() if cache_salt is not None else None
+
+
 def _include_usage(req: _Common) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
 
@@ -494,7 +504,9 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
     parallel = req.parallel_tool_calls is not False
     params = replace(params, constraint=constraint, tools=tools, parallel_tool_calls=parallel)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
-    job = GenerationJob(model=req.model, params=params, messages=messages)
+    job = GenerationJob(
+        model=req.model, params=params, messages=messages, cache_salt=_salt(req.cache_salt)
+    )
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
 
 
@@ -524,6 +536,7 @@ def completion_parsed(req: CompletionRequest, prompt: str | tuple[int, ...]) -> 
         params=params,
         prompt=text if isinstance(prompt, str) else None,
         prompt_ids=None if isinstance(prompt, str) else prompt,
+        cache_salt=_salt(req.cache_salt),
     )
     # Text offsets in completion logprobs count from the end of a text prompt; for token ids
     # (whose text the HTTP layer does not decode) they count from the completion's start.
