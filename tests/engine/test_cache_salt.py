@@ -7,7 +7,8 @@ with salts, another salt (another tenant) never hits the victim's blocks at all.
 from __future__ import annotations
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, BlockPool, block_key, salt_root
-from tests.engine.test_scheduler import _engine, _greedy, _prompt, _run
+from tests.engine.drain import drain as _run
+from tests.engine.test_scheduler import _engine, _greedy, _prompt
 
 
 def test_salt_roots_are_one_way_and_apart_from_the_shared_chain() -> None:

@@ -12,10 +12,9 @@ import httpx
 import pytest
 import zmq
 
-from tests.e2e.test_startup_e2e import _wait_ready
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.http.orca_envoy import HEADER, parse_orca_headers
-from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import free_port, spawn_neuron, wait_ready
 from tests.service.test_kv_events_publisher import DECODER, END_SEQ, BlockStored
 
 pytestmark = pytest.mark.slow
@@ -73,7 +72,7 @@ def test_a_real_node_reports_its_load_and_publishes_its_prompt_blocks(tmp_path: 
     proc = spawn_neuron(config, log)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, base, log)
+        wait_ready(proc, port, log)
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
         r = httpx.post(
             f"{base}/v1/completions",
