@@ -11,7 +11,7 @@ NEURON = {"config", "errors", "failpoints", "gpu", "engine", "executor", "servic
 TOP = NEURON | {"daemon", "cli", "status"}
 
 # The engine's shared vocabulary, which its sub-packages may use: plain data, no torch.
-ENGINE_CORE = {"engine.types", "engine.block_pool"}
+ENGINE_CORE = {"engine.types", "engine.block_pool", "engine.kv_events"}
 # The engine's own modules beside its sub-packages: they join gguf, model and text together.
 ENGINE_TOP = {
     f"engine.{p.stem}"
@@ -29,11 +29,10 @@ FORBIDDEN: dict[str, set[str]] = {
     "gpu": {"engine", "executor", "service", "http", "daemon", "cli", "status", "torch"},
     "engine": {"executor", "service", "http", "daemon", "cli", "trio", "starlette", "hypercorn"},
     "engine.types": {"engine", "torch"} - {"engine.types"},
-    "engine.block_pool": {"torch", "engine.gguf", "engine.model.transformer", "engine.text"}
-    | ENGINE_TOP,
-    "engine.gguf": {"engine.model.transformer", "engine.text"} | ENGINE_TOP,
-    "engine.model.transformer": {"engine.text"} | ENGINE_TOP,
-    "engine.text": {"engine.model.transformer"} | ENGINE_TOP,
+    "engine.block_pool": {"torch", "engine.gguf", "engine.model", "engine.text"} | ENGINE_TOP,
+    "engine.gguf": {"engine.model", "engine.text"} | ENGINE_TOP,
+    "engine.model": {"engine.text"} | ENGINE_TOP,
+    "engine.text": {"engine.model"} | ENGINE_TOP,
     "executor": {"service", "http", "daemon", "cli", "status", "starlette", "hypercorn"},
     "executor.tp": {"executor.executor", "executor.api"},
     "service": {"http", "daemon", "cli", "status", "starlette", "hypercorn"},
@@ -106,9 +105,9 @@ def test_every_package_is_in_a_layer() -> None:
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import torch\nfrom neuron_trio.http import app\nfrom neuron_trio.engine.model.transformer import loader\n"
+        "import torch\nfrom neuron_trio.http import app\nfrom neuron_trio.engine.model import loader\n"
     )
     found = _imports(bad)
-    assert {"torch", "http", "http.app", "engine.model.transformer", "engine.model.loader"} <= found
+    assert {"torch", "http", "http.app", "engine.model", "engine.model.loader"} <= found
     assert _forbids(FORBIDDEN["engine.text"], "engine.model.loader")
     assert not _forbids(FORBIDDEN["engine.text"], "engine.types")

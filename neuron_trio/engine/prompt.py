@@ -39,19 +39,21 @@ def prepare_prompt(
     text: str | None = None,
     messages: list[dict[str, Any]] | None = None,
     ids: Sequence[int] | None = None,
+    compile_constraint: bool = True,
 ) -> PreparedPrompt:
     """The token ids of one request's prompt, given as exactly one of `ids` (used as they
     are), `messages` (a chat, rendered with the model's template and `params.tools`) or
     `text` (a raw completion; None is the empty prompt).
 
     A request's constraint is compiled here (then cached, so `add` finds it), except with
-    `ids`, which `add` compiles. Raises RequestError (ContextLengthError) if the request
+    `ids`, which `add` compiles, and unless `compile_constraint` is False (the model actor
+    compiles on a thread of its own first, `service/grammar_compiles.py`). Raises RequestError (ContextLengthError) if the request
     cannot run: a template that refuses the messages, an invalid schema, a prompt too long.
     """
     if ids is not None:
         prepared = PreparedPrompt(list(ids), chat=False)
     else:
-        if params.constraint is not None:
+        if params.constraint is not None and compile_constraint:
             engine.compile_constraint(params.constraint)  # cached for `add`
         if messages is not None:
             rendered = engine.render_chat(messages, params.tools)

@@ -296,6 +296,7 @@ class ModelActor:
                 if job.messages is None
                 else [template_message(m) for m in job.messages],
                 ids=job.prompt_ids,
+                compile_constraint=False,  # done first, on the compile thread (below)
             )
 
         try:

@@ -295,8 +295,11 @@ def test_connections_beyond_the_limit_are_closed_at_once() -> None:
     would make room instead: test_http_abuse.py.)"""
     node = FakeNode()
     release = trio.Event()
+    generating = 0
 
     async def gate(i: int) -> None:
+        nonlocal generating
+        generating += 1
         await release.wait()
 
     node.gate = gate
@@ -306,12 +309,15 @@ def test_connections_beyond_the_limit_are_closed_at_once() -> None:
             accept_log = logging.getLogger("trio.serve_listeners")
             assert any(isinstance(f, RateLimitFilter) for f in accept_log.filters)
             held = [await Frames.open(srv.url) for _ in range(3)]
-            for c in held:  # each is served, and busy
-                sid = c.request(
+            for k, c in enumerate(held, 1):  # each is served, and busy
+                c.request(
                     "POST", "/v1/chat/completions", body=msgspec.json.encode(chat_body(stream=True))
                 )
                 await c.flush()
-                await c.until(lambda c=c, sid=sid: sid in c.status)
+                # a stream's headers wait for its first token: wait for the node instead
+                with trio.fail_after(10):
+                    while generating < k:
+                        await trio.sleep(0.01)
             extra = await Frames.open(srv.url)
             with trio.fail_after(5):
                 await extra.until(lambda: False)  # returns when the server closes it
