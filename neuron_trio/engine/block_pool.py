@@ -15,8 +15,9 @@ module decides which block ids go where:
   names its tokens and everything before them. A request with a cache salt (the client's
   `cache_salt`, the tenant's API key, or both) starts its chain from `salt_root(salt)` instead
   of nothing: its blocks are shared only with requests of the same salt, and another client
-  cannot time a hit on them (issue 25, #6). Keys are one-way digests: a key published to a
-  router names the salt's blocks without revealing the salt. `lookup` finds the longest chain of cached
+  cannot time a hit on them (issue 25, #6). Keys are one-way digests that never reveal the
+  salt, and salted chains are never published as KV-cache events (`kv_events.py`: their root
+  is never stored, so none of their blocks is). `lookup` finds the longest chain of cached
   blocks for a prompt; a cached block whose last reference goes stays cached ("evictable")
   until `allocate` runs out of free blocks and evicts the least recently used one.
 - Events: with a `KVEventLog` in `events`, evictions and cache resets are recorded there (the

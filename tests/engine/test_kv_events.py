@@ -50,6 +50,21 @@ def test_engine_records_each_newly_cached_block_with_its_parent_and_tokens() -> 
     assert log.statistics().published_blocks == 2
 
 
+def test_a_salted_request_publishes_nothing_and_leaves_the_shared_chain_to_others() -> None:
+    engine, _ = _engine(max_batch=2, context=64, prefill_chunk=64)
+    log = KVEventLog()
+    engine.record_kv_events(log)
+    prompt = _prompt(40)  # two full blocks
+    engine.add(prompt, GREEDY, chat=False, cache_salt=b"tenant-a")
+    _run(engine)
+    assert log.drain() == []  # neither a hash nor a token of the tenant's prompt
+    engine.add(prompt, GREEDY, chat=False)  # the same tokens, unsalted: computed and published
+    _run(engine)
+    assert [r.key for r in log.drain() if isinstance(r, BlockStoredRecord)] == [
+        key for key, _ in _chain(prompt)
+    ]
+
+
 def test_no_events_without_a_log_and_none_after_it_is_removed() -> None:
     engine, _ = _engine(prefill_chunk=64)
     log = KVEventLog()
