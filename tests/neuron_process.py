@@ -10,6 +10,7 @@ Only the standard library is imported here, so a benchmark that measures the chi
     wait_ready(proc, port, log_path)         # /health 200, or the log's tail in the error
     ...
     stop_neuron(proc)                        # SIGTERM, then SIGKILL; the exit status
+    with builtin_daemon(tmp) as (url, proc): …  # all of it, for the built-in model
     done = run_neuron("serve", "--config", str(config))  # to its exit: code, stdout, stderr
 """
 
@@ -23,7 +24,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +157,41 @@ def stop_neuron(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+BUILTIN_MODEL = "smollm2-135m"
+
+
+@contextmanager
+def builtin_daemon(
+    tmp: Path,
+    *,
+    context: int = 1024,
+    max_batch: int = 4,
+    tp: Mapping[str, Any] | None = None,
+    ready_s: float = 180,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A daemon serving the built-in model as `smollm2-135m` on the CPU, its state under
+    `tmp`: (`http://127.0.0.1:PORT`, the process) once `/health` is 200; stopped on exit."""
+    port = free_port()
+    sections: dict[str, Mapping[str, Any]] = {
+        "server": {"listen": [f"127.0.0.1:{port}"]},
+        "node": {"state_dir": tmp / "state"},
+    }
+    if tp:
+        sections["tp"] = tp
+    model = {
+        "name": BUILTIN_MODEL,
+        "source": "builtin:smollm2-135m",
+        "devices": "cpu",
+        "context": context,
+        "max_batch": max_batch,
+    }
+    config = write_config(tmp / "neuron.toml", models=[model], **sections)
+    log_path = tmp / "neuron.log"
+    proc = spawn_neuron(config, log_path)
+    try:
+        wait_ready(proc, port, log_path, ready_s)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        stop_neuron(proc)

@@ -8,8 +8,6 @@ suite stays within a few minutes on two cores.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +16,9 @@ import pytest
 
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
-from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import builtin_daemon
 
 MODEL = "smollm2-135m"
-READY_S = 180.0
 CONTEXT = 1024  # small: the "prompt too long" cases need few tokens to exceed it
 
 
@@ -39,46 +36,8 @@ def neuron_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     except SourceError as e:
         pytest.skip(str(e))
     tmp = tmp_path_factory.mktemp("conformance")
-    port = free_port()
-    config = tmp / "neuron.toml"
-    config.write_text(
-        f"""
-        [server]
-        listen = ["127.0.0.1:{port}"]
-        [node]
-        state_dir = "{tmp / "state"}"
-        [tp]
-        probe_interval_s = 3600
-        [[default_models]]
-        name = "{MODEL}"
-        source = "builtin:smollm2-135m"
-        devices = "cpu"
-        context = {CONTEXT}
-        max_batch = 4
-        """
-    )
-    log_path = tmp / "neuron.log"
-    proc = spawn_neuron(config, log_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with builtin_daemon(tmp, context=CONTEXT, tp={"probe_interval_s": 3600}) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,14 +15,13 @@ from pydantic import BaseModel, Field
 
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
-from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import builtin_daemon
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-READY_S = 180.0
 CONST_30K = {"const": {f"k{i}": i for i in range(30_000)}}  # ~480 KB: a SIGSEGV before
 
 
@@ -43,45 +41,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         builtin_model_path()
     except SourceError as e:
         pytest.skip(str(e))
-    tmp = tmp_path_factory.mktemp("grammar-attacks")
-    port = free_port()
-    config = tmp / "neuron.toml"
-    config.write_text(
-        f"""
-        [server]
-        listen = ["127.0.0.1:{port}"]
-        [node]
-        state_dir = "{tmp / "state"}"
-        [[default_models]]
-        name = "{MODEL}"
-        source = "builtin:smollm2-135m"
-        devices = "cpu"
-        context = 1024
-        max_batch = 4
-        """
-    )
-    log_path = tmp / "neuron.log"
-    proc = spawn_neuron(config, log_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with builtin_daemon(tmp_path_factory.mktemp("grammar-attacks")) as (url, proc):
         yield Daemon(url, proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _chat(daemon: Daemon, **extra: Any) -> httpx.Response:
