@@ -129,7 +129,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 def test_dashboard_and_rules_use_the_real_metrics(node: Node) -> None:
-    text = httpx.get(node.base + "/metrics", timeout=10).text
+    auth = {"Authorization": f"Bearer {KEY}"}  # with api_key_file set, /metrics needs a key
+    text = httpx.get(node.base + "/metrics", headers=auth, timeout=10).text
     exported = exported_names(text) | {"up"}
     rules = yaml.safe_load(RULES.read_text())
     queries = [*dashboard_exprs(json.loads(DASHBOARD.read_text())), *rules_exprs(rules)]
@@ -182,6 +183,7 @@ global:
 rule_files: ["{RULES}"]
 scrape_configs:
   - job_name: neuron
+    authorization: {{credentials: "{KEY}"}}  # with api_key_file set, /metrics needs a key
     static_configs: [{{targets: ["{target}"]}}]
 """
     )
