@@ -20,17 +20,18 @@ import argparse
 import contextlib
 import http.client
 import importlib
-import inspect
 import os
 import resource
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import h2.config
@@ -55,6 +56,7 @@ class Target:
     api_key: str | None
     admin_key: str | None
     model: str = MODEL
+    model_dir: Path | None = None  # one of the daemon's node.model_dirs (hostile model files)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -428,24 +430,57 @@ NETWORK_ATTACKS: list[Callable[[Target], list[AttackRow]]] = [
 # --- other engineers' attacks ------------------------------------------------------------------
 
 
-def optional_attacks(
-    target: Target, names: list[str]
-) -> Iterator[tuple[str, Callable[[], list[AttackRow]]]]:
-    """`attack_*` functions of the optional modules that exist, bound to the target."""
-    for name in names:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            print(f"({name} not present: skipped)", file=sys.stderr)
-            continue
-        for attr, fn in sorted(vars(module).items()):
-            if not attr.startswith("attack_") or not callable(fn):
-                continue
-            params = list(inspect.signature(fn).parameters)
-            key = target.admin_key if len(params) > 1 and "admin" in params[1] else target.api_key
-            yield f"{name}.{attr}", (lambda fn=fn, key=key: list(fn(target.url, key)))
+def optional_attacks(target: Target) -> Iterator[tuple[str, Callable[[], list[AttackRow]]]]:
+    """The attacks of bench/attacks_grammar.py and bench/attacks_modelfiles.py (when present),
+    bound to the target, their rows translated into the drill's."""
+    grammar = _optional_module("attacks_grammar")
+    if grammar is not None:
+        for fn in grammar.ATTACKS:
+
+            def run_grammar(fn: Callable[..., Any] = fn) -> list[AttackRow]:
+                row = fn(target.url, target.pid)  # its statuses: "400 x10", ...
+                detail = f"{row.statuses}; {row.detail}".strip("; ")
+                return [AttackRow(fn.__name__, detail=detail, survived=row.survived)]
+
+            yield f"grammar.{fn.__name__}", run_grammar
+    modelfiles = _optional_module("attacks_modelfiles")
+    if modelfiles is None:
+        return
+    if target.model_dir is None:
+        print("(attacks_modelfiles: no --model-dir: skipped)", file=sys.stderr)
+        return
+    for name in modelfiles.ATTACKS:
+
+        def run_modelfile(name: str = name) -> list[AttackRow]:
+            rows = modelfiles.run_modelfile_attacks(
+                target.url,
+                target.admin_key,
+                model_dir=target.model_dir,
+                api_key=target.api_key,
+                pid=target.pid,
+                only=[name],
+            )
+            return [
+                AttackRow(
+                    r.attack,
+                    Counter(str(code) for code in r.statuses),
+                    detail=r.detail,
+                    survived=r.survived,
+                )
+                for r in rows
+            ]
+
+        yield f"modelfiles.{name}", run_modelfile
+
+
+def _optional_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        print(f"({name} not present: skipped)", file=sys.stderr)
+        return None
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -484,7 +519,7 @@ def run_drill(target: Target, only: str | None) -> list[AttackRow]:
     attacks: list[tuple[str, Callable[[], list[AttackRow]]]] = [
         (fn.__name__, (lambda fn=fn: fn(target))) for fn in NETWORK_ATTACKS
     ]
-    attacks += list(optional_attacks(target, ["attacks_grammar", "attacks_modelfiles"]))
+    attacks += list(optional_attacks(target))
     for name, attack in attacks:
         if only and only not in name:
             continue
@@ -506,13 +541,27 @@ def main() -> int:
     parser.add_argument("--admin-key")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--only", help="run the attacks whose name contains this")
+    parser.add_argument(
+        "--model-dir", type=Path, help="one of the daemon's node.model_dirs (model-file attacks)"
+    )
     args = parser.parse_args()
     if args.url:
-        target = Target(args.url.rstrip("/"), args.pid, args.api_key, args.admin_key, args.model)
+        target = Target(
+            args.url.rstrip("/"),
+            args.pid,
+            args.api_key,
+            args.admin_key,
+            args.model,
+            args.model_dir,
+        )
         rows = run_drill(target, args.only)
     else:
-        with running_daemon({"max_batch": 4, "context": 2048}) as daemon:
-            target = Target(daemon.url, daemon.pid, None, None)
+        with (
+            tempfile.TemporaryDirectory(prefix="neuron-attacks-") as tmp,
+            running_daemon({"max_batch": 4, "context": 2048}, state_dir=Path(tmp)) as daemon,
+        ):
+            # the harness's node.model_dirs is its state directory
+            target = Target(daemon.url, daemon.pid, None, None, model_dir=Path(tmp))
             rows = run_drill(target, args.only)
             print(f"(daemon log: {daemon.log_tail(3)!r})", file=sys.stderr)
     print_table(rows)
