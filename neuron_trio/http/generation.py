@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
@@ -33,7 +33,15 @@ from neuron_trio.http.openai import (
 )
 from neuron_trio.service.api import NodeService, SequenceEvent
 
-__all__ = ["ClientGone", "GenerationFailedError", "SSEResponse", "complete", "run_until_disconnect"]
+__all__ = [
+    "ClientGone",
+    "GenerationFailedError",
+    "SSEResponse",
+    "StreamedResponse",
+    "complete",
+    "run_until_disconnect",
+    "started_events",
+]
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +161,14 @@ _SSE_HEADERS = [
 ]
 
 
-class SSEResponse(Response):
-    """A streaming completion as server-sent events, ending in `data: [DONE]`.
+class StreamedResponse(Response):
+    """A generation streamed as server-sent events: the request's `Transcript` fills as
+    events arrive and goes to the access log at the end, however the stream ended; a client
+    that disconnects cancels the stream (`run_until_disconnect`). Subclasses write `_stream`,
+    and start the response only after `started_events` (so a request the node could not serve
+    is a plain 503, not a 200 whose only event is an error)."""
 
-    Errors raised while entering `node.generate` (unknown model, queue full, draining) come
-    out before the response starts, so they become ordinary JSON error responses. Once the
-    stream has started, an error (a wedged model: UnavailableError) is sent as one event
-    `data: {"error": {...}}` and the stream ends without `[DONE]`.
-    """
-
-    def __init__(self, node: NodeService, parsed: ParsedRequest) -> None:
-        self.node = node
-        self.parsed = parsed
-        self.status_code = 200
+    status_code = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         access = access_info(scope)
@@ -180,19 +183,33 @@ class SSEResponse(Response):
             _note(access, transcript)
 
     async def _stream(self, send: Send, transcript: Transcript, access: AccessInfo | None) -> None:
+        raise NotImplementedError
+
+
+class SSEResponse(StreamedResponse):
+    """A streaming completion as server-sent events, ending in `data: [DONE]`.
+
+    Errors raised while entering `node.generate` (unknown model, queue full, draining) come
+    out before the response starts, so they become ordinary JSON error responses. Once the
+    stream has started, an error (a wedged model: UnavailableError) is sent as one event
+    `data: {"error": {...}}` and the stream ends without `[DONE]`.
+    """
+
+    def __init__(self, node: NodeService, parsed: ParsedRequest) -> None:
+        self.node = node
+        self.parsed = parsed
+
+    async def _stream(self, send: Send, transcript: Transcript, access: AccessInfo | None) -> None:
         parsed = self.parsed
         async with self.node.generate(parsed.job) as events:
-            stream = aiter(events)
-            pending = await _first_event(stream, transcript)
+            stream = await started_events(events, transcript)
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             writer = ChunkWriter(parsed)
             try:
                 opening = writer.opening()
                 if opening:
                     await send(_body(opening, True))
-                async for event in _chain(pending, stream):
-                    if event is not pending:
-                        transcript.add(event)
+                async for event in stream:
                     reason = event.finish_reason
                     if reason is not None and reason not in _FINISHED:
                         break
@@ -243,13 +260,22 @@ async def _first_event(events: AsyncIterator[SequenceEvent], t: Transcript) -> S
     return event
 
 
-async def _chain(
-    first: SequenceEvent | None, rest: AsyncIterator[SequenceEvent]
+async def started_events(
+    events: AsyncIterable[SequenceEvent], t: Transcript
 ) -> AsyncIterator[SequenceEvent]:
-    if first is not None:
-        yield first
-    async for event in rest:
-        yield event
+    """Await the stream's first event (`_first_event`: a request the node could not serve
+    raises here, before any response starts), then iterate every event, each added to `t`."""
+    stream = aiter(events)
+    first = await _first_event(stream, t)
+
+    async def all_events() -> AsyncIterator[SequenceEvent]:
+        if first is not None:
+            yield first
+        async for event in stream:
+            t.add(event)
+            yield event
+
+    return all_events()
 
 
 def _error_event(exc: ApiError) -> bytes:

@@ -17,17 +17,19 @@ import msgspec
 import trio
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from neuron_trio.errors import ApiError, UnavailableError
 from neuron_trio.http.access_log import AccessInfo, access_info
 from neuron_trio.http.generation import (
     _SSE_HEADERS,
     ClientGone,
+    StreamedResponse,
     _body,
     _finish_error,
     _note,
     run_until_disconnect,
+    started_events,
 )
 from neuron_trio.http.openai.responses import Transcript, now
 from neuron_trio.http.openai.responses_api import (
@@ -141,35 +143,22 @@ def _json(doc: dict[str, Any]) -> Response:
     return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
-class ResponsesSSE(Response):
+class ResponsesSSE(StreamedResponse):
     """A streamed response; errors before the start are ordinary JSON errors."""
 
     def __init__(self, endpoint: ResponsesEndpoint, parsed: ParsedResponsesRequest) -> None:
         self.endpoint = endpoint
         self.parsed = parsed
-        self.status_code = 200
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        access = access_info(scope)
-        transcript = Transcript()
-
-        async def stream() -> None:
-            await self._stream(send, transcript, access)
-
-        try:
-            await run_until_disconnect(receive, stream)
-        finally:
-            _note(access, transcript)
 
     async def _stream(self, send: Send, t: Transcript, access: AccessInfo | None) -> None:
         parsed = self.parsed
         async with self.endpoint.node.generate(parsed.chat.job) as events:
+            stream = await started_events(events, t)
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             writer = ResponsesStreamWriter(parsed, new_item_id("resp"), now())
             try:
                 await send(_body(writer.opening(), True))
-                async for event in events:
-                    t.add(event)
+                async for event in stream:
                     reason = event.finish_reason
                     if reason is not None and reason not in _FINISHED:
                         break

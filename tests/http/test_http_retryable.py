@@ -27,6 +27,10 @@ def test_a_stream_that_fails_before_its_first_event_is_a_retryable_503() -> None
                 "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True}
             )
             assert_error(r, 503)
+            r = await client.post(
+                "/v1/responses", json={"model": "fake-model", "input": "x", "stream": True}
+            )
+            assert_error(r, 503)
 
     run(body)
 
