@@ -189,12 +189,21 @@ class _Routes:
         self.max_messages = max_messages
         self.isolate_tenants = isolate_tenants
         self._metrics_limiter: trio.CapacityLimiter | None = None
-        self.responses = ResponsesEndpoint(node, salted=self.salted)
+        self.responses = ResponsesEndpoint(node, admit=self.admit)
 
-    def salted(self, request: Request, job: GenerationJob) -> GenerationJob:
-        """`job` with its prefix-cache salt: the client's `cache_salt` and, with
-        `prefix_cache_isolation = "api_key"`, the caller's tenant (http/tenancy.py). Every
-        generating route passes its jobs through here."""
+    def admit(self, request: Request, job: GenerationJob) -> GenerationJob:
+        """`job` checked and salted as every generating route needs: at most
+        `server.max_messages` messages, and its prefix-cache salt (the client's `cache_salt`
+        and, with `prefix_cache_isolation = "api_key"`, the caller's tenant: http/tenancy.py).
+        Chat, completions and the Responses API pass their jobs through here."""
+        count = len(job.messages or ())
+        if count > self.max_messages:
+            raise RequestError(
+                f"messages: {count} messages; at most {self.max_messages} "
+                "(server.max_messages) in one request",
+                param="messages",
+                code="too_many_messages",
+            )
         tenant = tenant_of(request.scope) if self.isolate_tenants else None
         salt = job_cache_salt(tenant, job.cache_salt)
         return job if salt == job.cache_salt else replace(job, cache_salt=salt)
@@ -269,14 +278,6 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         self._refuse_while_draining()
         parsed = await _off_loop_if_large(parse_chat_request, await request.body())
-        count = len(parsed.job.messages or ())
-        if count > self.max_messages:
-            raise RequestError(
-                f"messages: {count} messages; at most {self.max_messages} "
-                "(server.max_messages) in one request",
-                param="messages",
-                code="too_many_messages",
-            )
         return await self._generate(request, parsed)
 
     async def completions(self, request: Request) -> Response:
@@ -292,7 +293,7 @@ class _Routes:
             access.model = batch.first.job.model
         batch = batch.with_fingerprint(self._fingerprint(batch.first.job.model))
         batch = replace(
-            batch, parts=tuple(replace(p, job=self.salted(request, p.job)) for p in batch.parts)
+            batch, parts=tuple(replace(p, job=self.admit(request, p.job)) for p in batch.parts)
         )
         if batch.first.stream:
             return BatchSSEResponse(self.node, batch)
@@ -305,7 +306,7 @@ class _Routes:
             access.model = parsed.job.model
         parsed = replace(
             parsed,
-            job=self.salted(request, parsed.job),
+            job=self.admit(request, parsed.job),
             system_fingerprint=self._fingerprint(parsed.job.model),
         )
         if parsed.stream:

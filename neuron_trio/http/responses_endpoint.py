@@ -63,11 +63,12 @@ class ResponsesEndpoint:
         node: NodeService,
         store: ResponseStore | None = None,
         *,
-        salted: Callable[[Request, GenerationJob], GenerationJob] | None = None,
+        admit: Callable[[Request, GenerationJob], GenerationJob] | None = None,
     ) -> None:
         self.node = node
         self.store = store if store is not None else ResponseStore()
-        self._salted = salted  # the app's prefix-cache salting (cache_salt, tenants)
+        # the app's check and salting of every job (server.max_messages, cache_salt, tenants)
+        self._admit = admit
 
     async def create(self, request: Request) -> Response:
         if self.node.draining:
@@ -84,8 +85,8 @@ class ResponsesEndpoint:
             parsed = parse_responses_request(body, history)
         else:
             parsed = await trio.to_thread.run_sync(parse_responses_request, body, history)
-        if self._salted is not None:
-            chat = replace(parsed.chat, job=self._salted(request, parsed.chat.job))
+        if self._admit is not None:
+            chat = replace(parsed.chat, job=self._admit(request, parsed.chat.job))
             parsed = replace(parsed, chat=chat)
         access = access_info(request.scope)
         if access is not None:

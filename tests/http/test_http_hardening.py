@@ -526,5 +526,10 @@ def test_more_messages_than_max_messages_is_a_400() -> None:
             assert node.jobs == []
             r = await http.post("/v1/chat/completions", json=chat_body(messages=many[:100]))
             assert r.status_code == 200
+            # the Responses API's input items become chat messages: the same cap
+            items = [{"role": "user", "content": "x"}] * 101
+            r = await http.post("/v1/responses", json={"model": "fake-model", "input": items})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "too_many_messages"
 
     run(body)
