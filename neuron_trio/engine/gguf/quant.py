@@ -255,6 +255,36 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
     return _DEQUANT[qtype](flat.reshape(-1, type_size)).reshape(shape)
 
 
+FIVE_BIT = frozenset({QType.Q5_0, QType.Q5_1})
+
+
+def five_bit_codes(
+    raw: torch.Tensor, qtype: QType, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q5_0/Q5_1 tensor's own codes, for a kernel that keeps them (no float round trip):
+    (q uint8 `[out, in]` in 0..31, scale and minimum float16 `[out, in / 32]`) with
+    w = scale · q + minimum exactly as `dequantize` computes it (Q5_0: minimum = -16 · d)."""
+    if qtype not in FIVE_BIT:
+        raise ValueError(f"{qtype.name} is not a 5-bit format")
+    out_f, in_f = shape
+    block, type_size = BLOCK_SIZES[qtype]
+    if in_f % block:
+        raise ValueError(f"{qtype.name}: last dimension {in_f} is not a multiple of {block}")
+    blocks = raw.reshape(-1, type_size)
+    d = blocks[:, 0:2].contiguous().view(torch.float16)  # [n, 1]
+    if qtype == QType.Q5_0:
+        minimum, first = d * -16.0, 2
+    else:
+        minimum, first = blocks[:, 2:4].contiguous().view(torch.float16), 4
+    q = _nibbles(blocks[:, first + 4 :]) | _fifth_bits(blocks[:, first : first + 4])
+    groups = in_f // block
+    return (
+        q.reshape(out_f, in_f),
+        d.reshape(out_f, groups).clone(),
+        minimum.reshape(out_f, groups).clone(),
+    )
+
+
 def raw_nbytes(qtype: QType, n_elements: int) -> int:
     """Bytes that `n_elements` values take in format `qtype`."""
     block, type_size = BLOCK_SIZES[qtype]

@@ -9,7 +9,9 @@
 
    Weights: w = scale · q + minimum with q in 0..15, per row and group of 32 (packing.pack_q4),
    scale and minimum in float16 (as Q4_1 keeps them: a Q4_1 weight comes back exactly), laid
-   out in tiles of 8 rows by packing.tile_q4 (see the kernel below).
+   out in tiles of 8 rows by packing.tile_q4 (see the kernel below). With a fifth bit (`high`,
+   packing.tile_high) q is 0..31: Q5_0 and Q5_1 weights, exactly, at the same speed as 4 bits
+   plus 4 bytes a row and group (their files' own size, where int8 would read ~1.5x more).
 
    Threads: OpenMP over output rows. Built with -fopenmp and imported after torch, so the
    libgomp.so.1 torch already loaded is the one used: one thread pool, no oversubscription.
@@ -37,6 +39,7 @@
 #define GROUP 32
 #define FLAG_X_BF16 1
 #define FLAG_Y_BF16 2
+#define FLAG_CENTRED 4 /* 5-bit weights of Q5_0: minimum = -16 · scale, not read (saves its bytes) */
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
@@ -249,6 +252,8 @@ typedef struct {
     const float *dx, *sx;
     uint8_t *qxu;         /* int8 weights: room for qx + 128 (vnni16_run fills it) */
     const int32_t *wsum;  /* int8 weights: 128 x each row's group sums, in tiles [.., groups, 8] */
+    const uint32_t *high; /* 5-bit weights: the fifth bits, per tile and group 8 steps x 32 bits
+                             (bit 4 r + i: row r's weight i of the step), or NULL (4 bits) */
     int batch, in, out, flags;
     void *y;
 } job_t;
@@ -257,9 +262,24 @@ TARGET_AVX2 static inline void store8(const job_t *j, int b, int r0, const float
     store8_f(j->y, j->flags & FLAG_Y_BF16, (size_t)b * j->out + r0, _mm256_loadu_ps(v));
 }
 
+/* w (a step's 8 rows x 4 weights, 0..15) plus 16 where the step's bit 4 r + i is set. */
+TARGET_VNNI static inline __m256i fifth_vnni(__m256i w, uint32_t bits) {
+    return _mm256_mask_add_epi8(w, (__mmask32)bits, w, _mm256_set1_epi8(16));
+}
+
+TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
+    /* byte n gets byte n / 8 of the bits, keeps bit n % 8 of it, and that becomes 16 */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(b, select), select);
+    return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
 #define TILE_KERNEL(NAME, TARGET, DOT)                                                         \
     TARGET static inline __attribute__((always_inline)) void NAME##_tile(                      \
-        const job_t *j, int t, int b0, const int nb) {                                         \
+        const job_t *j, int t, int b0, const int nb, const int five) {                         \
         const int groups = j->in / GROUP;                                                      \
         const uint8_t *wt = j->qs + (size_t)t * groups * 128;                                  \
         const uint16_t *st = (const uint16_t *)j->scale + (size_t)t * groups * 8;              \
@@ -278,11 +298,18 @@ TARGET_AVX2 static inline void store8(const job_t *j, int b, int r0, const float
                 w[k] = _mm256_and_si256(v, low);                                               \
                 w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                     \
             }                                                                                  \
+            if (five) {                                                                        \
+                const uint32_t *h = j->high + ((size_t)t * groups + g) * 8;                    \
+                for (int k = 0; k < 8; k++) w[k] = fifth_##NAME(w[k], h[k]);                   \
+            }                                                                                  \
             /* the scales in steps of 1 / LOW_STEPS (exact: a power of two), once for all k */   \
             const __m256 sc = _mm256_mul_ps(                                                   \
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))),       \
                 _mm256_set1_ps(1.0f / LOW_STEPS));                                             \
-            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8))); \
+            const __m256 mn = j->flags & FLAG_CENTRED                                          \
+                ? _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))), \
+                                _mm256_set1_ps(-16.0f))                                        \
+                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8)));      \
             for (int k = 0; k < nb; k++) {                                                     \
                 const size_t xg = (size_t)(b0 + k) * groups + g;                               \
                 const __m256i hi = group8_##NAME(w, (const int32_t *)(j->qx + xg * GROUP));      \
@@ -298,13 +325,22 @@ TARGET_AVX2 static inline void store8(const job_t *j, int b, int r0, const float
             store8(j, b0 + k, t * 8, v);                                                       \
         }                                                                                      \
     }                                                                                          \
+    TARGET static inline __attribute__((always_inline)) void NAME##_rows(const job_t *j,      \
+                                                                          int t, const int five) { \
+        int b = 0;                                                                             \
+        for (; b + 4 <= j->batch; b += 4) NAME##_tile(j, t, b, 4, five);                       \
+        for (; b + 2 <= j->batch; b += 2) NAME##_tile(j, t, b, 2, five);                       \
+        for (; b < j->batch; b++) NAME##_tile(j, t, b, 1, five);                               \
+    }                                                                                          \
     TARGET static void NAME##_run(const job_t *j) {                                            \
         const int tiles = j->out / 8;                                                          \
-        _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++) {              \
-            int b = 0;                                                                         \
-            for (; b + 4 <= j->batch; b += 4) NAME##_tile(j, t, b, 4);                         \
-            for (; b + 2 <= j->batch; b += 2) NAME##_tile(j, t, b, 2);                         \
-            for (; b < j->batch; b++) NAME##_tile(j, t, b, 1);                                 \
+        /* two copies of the loop (4 and 5 bits), so that neither tests for the fifth bit */   \
+        if (j->high == NULL) {                                                                 \
+            _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++)            \
+                NAME##_rows(j, t, 0);                                                          \
+        } else {                                                                               \
+            _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++)            \
+                NAME##_rows(j, t, 1);                                                          \
         }                                                                                      \
     }
 
@@ -378,7 +414,8 @@ TARGET_VNNI static inline __m512i group16(const __m512i *w, const int32_t *x4) {
 }
 
 TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const job_t *j, int t,
-                                                                          int b0, const int nb) {
+                                                                          int b0, const int nb,
+                                                                          const int five) {
     const int groups = j->in / GROUP;
     const size_t span = (size_t)groups * 128;
     const uint8_t *w0 = j->qs + (size_t)t * span, *w1 = w0 + span;
@@ -408,9 +445,18 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
             w[k] = _mm512_and_si512(v, low);
             w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
+        if (five) { /* tile t's bits in the low half, tile t + 1's in the high half */
+            const uint32_t *h0 = j->high + ((size_t)t * groups + g) * 8, *h1 = h0 + groups * 8;
+            for (int k = 0; k < 8; k++) {
+                const __mmask64 m = (__mmask64)h0[k] | (__mmask64)h1[k] << 32;
+                w[k] = _mm512_mask_add_epi8(w[k], m, w[k], _mm512_set1_epi8(16));
+            }
+        }
         const __m512 sc = _mm512_mul_ps(join_ph(s0 + (size_t)g * 8, s1 + (size_t)g * 8),
                                         _mm512_set1_ps(1.0f / LOW_STEPS)); /* as in the tiles */
-        const __m512 mn = join_ph(m0 + (size_t)g * 8, m1 + (size_t)g * 8);
+        const __m512 mn = j->flags & FLAG_CENTRED /* as in the tiles */
+            ? _mm512_mul_ps(join_ph(s0 + (size_t)g * 8, s1 + (size_t)g * 8), _mm512_set1_ps(-16.0f))
+            : join_ph(m0 + (size_t)g * 8, m1 + (size_t)g * 8);
         /* unrolled: the 8 rows' sums stay in registers (a loop kept them on the stack, a load
            and a store per row and group: ~3-5% of the products at batch 8) */
 #pragma GCC unroll 8
@@ -529,11 +575,15 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
    256-bit tiles, read in one stream, beat a pair's two streams (~1.5x on the head, whose
    28 MB do not stay in cache). The same bits either way. */
 
-#define PAIR_TILE(NB) (int8 ? vnni16_tile8(j, 2 * p, b, NB) : vnni16_tile(j, 2 * p, b, NB))
-#define ONE_TILE(NB) (int8 ? vnni_tile8(j, 2 * p, b, NB) : vnni_tile(j, 2 * p, b, NB))
+#define PAIR_TILE(NB)                                                                          \
+    (int8 ? vnni16_tile8(j, 2 * p, b, NB)                                                      \
+          : (five ? vnni16_tile(j, 2 * p, b, NB, 1) : vnni16_tile(j, 2 * p, b, NB, 0)))
+#define ONE_TILE(NB)                                                                           \
+    (int8 ? vnni_tile8(j, 2 * p, b, NB)                                                        \
+          : (five ? vnni_tile(j, 2 * p, b, NB, 1) : vnni_tile(j, 2 * p, b, NB, 0)))
 
 TARGET_VNNI static void vnni16_run(const job_t *j) {
-    const int int8 = j->minimum == NULL;
+    const int int8 = j->minimum == NULL, five = j->high != NULL;
     if (j->batch == 1) {
         (int8 ? vnni_run8 : vnni_run)(j);
         return;
@@ -1214,15 +1264,16 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
     Py_RETURN_FALSE;
 }
 
-/* matmul(x, batch, in, weights, scale, minimum, out, y, flags, prologue, aux, eps): 4-bit
-   weights when `minimum` is non-zero, else int8 weights with one scale per row; `prologue`
+/* matmul(x, batch, in, weights, scale, minimum, out, y, flags, prologue, aux, eps[, high]):
+   4-bit weights when `minimum` is non-zero (5-bit with `high`, their fifth bits), else int8
+   weights with one scale per row; `prologue`
    (PRO_*) first transforms x (`aux`: RMSNorm's weight, float32). int8 weights take no
    prologue, and `aux` is then their group sums x 128 (int32, in the tiles' layout
    [tiles, groups, 8]: packing.q8_group_sums). */
 static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "matmul takes 12 arguments");
+    if (nargs != 12 && nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "matmul takes 12 or 13 arguments");
         return NULL;
     }
     if (RUN == NULL) {
@@ -1236,7 +1287,13 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const double eps = PyFloat_AsDouble(args[11]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    long long high = 0;
+    if (nargs == 13) {
+        high = PyLong_AsLongLong(args[12]);
+        if (high == -1 && PyErr_Occurred()) return NULL;
+    }
     job_t j;
+    j.high = (const uint32_t *)(intptr_t)high;
     const void *x = (const void *)(intptr_t)v[0];
     j.batch = (int)v[1];
     j.in = (int)v[2];
@@ -1251,6 +1308,10 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (j.batch < 1 || j.in < GROUP || j.in % GROUP || j.out < 8 || j.out % 8) {
         PyErr_SetString(PyExc_ValueError,
                         "matmul: bad shape (in must be a multiple of 32, out of 8)");
+        return NULL;
+    }
+    if (j.high != NULL && j.minimum == NULL) {
+        PyErr_SetString(PyExc_ValueError, "matmul: fifth bits need 4-bit weights (a minimum)");
         return NULL;
     }
     if (mode < PRO_NONE || mode > PRO_GELU || (mode == PRO_RMSNORM && aux == NULL)) {
@@ -1315,7 +1376,7 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyMethodDef METHODS[] = {
     {"matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
-     "matmul(x, batch, in, w, scale, minimum, out, y, flags, prologue, aux, eps): y = x . W^T"},
+     "matmul(x, batch, in, w, scale, minimum, out, y, flags, prologue, aux, eps[, high]): y = x . W^T"},
     {"use", q4_use, METH_O, "use(name) -> bool: force an instruction set this CPU has (tests)"},
     {"attend", (PyCFunction)(void (*)(void))q4_attend, METH_FASTCALL,
      "attend(q, 3 strides, k, 3 strides, v, 3 strides, mask, mask stride, flags, batch, kv, "

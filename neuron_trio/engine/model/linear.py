@@ -1,9 +1,11 @@
 """The projections of a transformer: one interface (`LinearLayer`), one class per kernel.
 
 `Linear` (a dense weight), torch's weight-only `Int4Linear`/`Int8Linear`, the native kernel's
-`Q4Linear` (4-bit, with RMSNorm or the gate's activation fused in at decode) and `Q8Linear`
-(the output head's coarse pass), and `RefinedHead` (a coarse pass, then each row's best logits
-exact). The loader (`engine.model.loader`) picks one per weight; `Block` calls the interface only.
+`Q4Linear` (4- or 5-bit, with RMSNorm or the gate's activation fused in at decode) and
+`Q8Linear` (int8, one scale per row: the output head's coarse pass, and weights in 6- and
+8-bit formats), `StackedLinear` (one projection whose rows are held by layers of different
+kernels), and `RefinedHead` (a coarse pass, then each row's best logits exact). The loader
+(`engine.model.loader`) picks one per weight; `Block` calls the interface only.
 """
 
 from __future__ import annotations
@@ -120,7 +122,10 @@ _PRO_NONE, _PRO_RMSNORM, _PRO_SILU, _PRO_GELU = 0, 1, 2, 3
 class Q4Linear(LinearLayer):
     """Weight-only 4-bit groups of 32 through the native kernel (`_cpu_kernel.c`, see
     packing.native_kernel): int8 activations and integer dot products, as llama.cpp on the same CPU.
-    Input and output in the input's dtype (bfloat16 or float32); CPU only.
+    Input and output in the input's dtype (bfloat16 or float32; `out_dtype` fixes it); CPU
+    only. With `high` (the fifth bits `[out, in]`, 0/1: packing.pack_q5) the codes are 5-bit
+    (Q5_0, Q5_1 weights); then a `minimum` of None means -16 · scale (Q5_0's centred codes,
+    which the kernel then need not read: ~8% fewer bytes a step).
 
     `normed` and `gated` also run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
     saves a decode step ~16 torch ops a layer. With `dense` (a bfloat16 copy of the weight),
@@ -135,29 +140,49 @@ class Q4Linear(LinearLayer):
         kernel: Any,
         nibbles: torch.Tensor,
         scale: torch.Tensor,
-        minimum: torch.Tensor,
+        minimum: torch.Tensor | None,
         dense: torch.Tensor | None = None,
+        high: torch.Tensor | None = None,
+        *,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
-        # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's tiles
-        nibbles, scale, minimum = packing.tile_q4(nibbles, scale, minimum)
+        self.kernel = kernel  # RefinedHead's refinement runs in it too (a coarse head)
+        self.out_dtype = out_dtype
+        centred = minimum is None
+        if centred and high is None:
+            raise ValueError("a minimum of None is for 5-bit codes (Q5_0) only")
+        # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's tiles;
+        # a centred layer's "minimum" is its scale (a valid address the kernel never reads)
+        nibbles, scale, minimum = packing.tile_q4(
+            nibbles, scale, scale if minimum is None else minimum
+        )
+        self._flags = 4 if centred else 0  # the kernel's FLAG_CENTRED
+        tiled_high = None if high is None else packing.tile_high(high)
         self.register_buffer("nibbles", nibbles)
         self.register_buffer("scale", scale)
-        self.register_buffer("minimum", minimum)
+        self.register_buffer("minimum", None if centred else minimum)
+        self.register_buffer("high", tiled_high)
         self.register_buffer("dense", dense)
         self._matmul = kernel.matmul
         # The buffers never move (CPU only, never reassigned): their addresses once, not per call.
-        self._pointers = (nibbles.data_ptr(), scale.data_ptr(), minimum.data_ptr())
+        self._pointers = (
+            nibbles.data_ptr(),
+            scale.data_ptr(),
+            (scale if centred else minimum).data_ptr(),
+        )
+        self._high = 0 if tiled_high is None else tiled_high.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
         dense = self._buffers["dense"]
+        out = x.dtype if self.out_dtype is None else self.out_dtype
         if dense is not None and x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
-            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
-        return self._product(x, x.dtype)
+            return F.linear(x.to(dense.dtype), dense).to(out)
+        return self._product(x, out)
 
     def normed(
         self,
@@ -194,23 +219,39 @@ class Q4Linear(LinearLayer):
         x = x.contiguous()
         n = x.shape[0]
         y = torch.empty(n, self.out_features, dtype=out)
-        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32)
-        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16)
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32), bit 2: centred 5-bit codes
+        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16) | self._flags
         qs, scale, minimum = self._pointers
         self._matmul(
             x.data_ptr(), n, self.in_features, qs, scale, minimum, self.out_features,
-            y.data_ptr(), flags, prologue, aux, eps,
+            y.data_ptr(), flags, prologue, aux, eps, self._high,
         )  # fmt: skip
         return y
 
 
 class Q8Linear(LinearLayer):
     """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
-    output head's coarse pass under "auto" (RefinedHead). Output in float32 (the coarse
-    logits of the tail are then not rounded to bfloat16's steps)."""
+    output head's coarse pass under "auto" (RefinedHead), and layers whose format has more
+    than 5 bits (Q6_K, Q8_0). Output in float32 (the coarse logits of the tail are then not
+    rounded to bfloat16's steps), or with `keep_dtype` in the input's (a layer in a block).
+    With `dense` (a bfloat16 copy), inputs of NATIVE_DENSE_MIN_ROWS rows or more take a dense
+    GEMM instead.
+    """
 
-    def __init__(self, kernel: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    dense: torch.Tensor | None
+
+    def __init__(
+        self,
+        kernel: Any,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        dense: torch.Tensor | None = None,
+        *,
+        keep_dtype: bool = False,
+    ) -> None:
         super().__init__()
+        self.register_buffer("dense", dense)
+        self.keep_dtype = keep_dtype
         self.out_features, self.in_features = weight.shape
         tiled, scale = packing.tile_q8(weight), scale.float().contiguous()
         sums = packing.q8_group_sums(weight)
@@ -222,17 +263,56 @@ class Q8Linear(LinearLayer):
         self._pointers = (tiled.data_ptr(), scale.data_ptr(), sums.data_ptr())  # as in Q4Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dense = self._buffers["dense"]
+        if dense is not None and x.reshape(-1, self.in_features).shape[0] >= NATIVE_DENSE_MIN_ROWS:
+            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
         if x.dtype not in (torch.bfloat16, torch.float32):
             x = x.float()
+        lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).contiguous()
-        y = torch.empty(x.shape[0], self.out_features)
+        out = x.dtype if self.keep_dtype else torch.float32
+        y = torch.empty(x.shape[0], self.out_features, dtype=out)
         weight, scale, sums = self._pointers
-        flags = 1 if x.dtype == torch.bfloat16 else 0  # bfloat16 in, float32 out
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32)
+        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16)
         self._matmul(
             x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
             y.data_ptr(), flags, _PRO_NONE, sums, 0.0,
         )  # fmt: skip
-        return y
+        return y.reshape(*lead, self.out_features)
+
+
+class StackedLinear(LinearLayer):
+    """One projection whose output rows are held by several layers, one after the other: a
+    fused Q/K/V whose parts the file stores in different formats (Q5_0 Q and K with a Q8_0
+    V), each part in its own kernel. Every part reads the same input; the outputs are joined
+    in float32 unless all parts return one dtype."""
+
+    def __init__(self, parts: list[LinearLayer]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _joined([part(x) for part in self.parts])
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        act: torch.dtype,
+        out: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        return _joined([part.normed(x, weight, eps, act, out) for part in self.parts])  # type: ignore[operator]
+
+
+def _joined(outputs: list[torch.Tensor]) -> torch.Tensor:
+    dtypes = {y.dtype for y in outputs}
+    if len(dtypes) > 1:
+        outputs = [y.float() for y in outputs]
+    return torch.cat(outputs, dim=-1)
 
 
 class Int8Linear(LinearLayer):
@@ -286,7 +366,8 @@ class RefinedHead(nn.Module):
         # the k best and their exact logits in one call, ~1 ms less a step at batch 8 than
         # topk, gather and bmm.
         fits = table.dtype == torch.float32 and table.is_contiguous() and table.device.type == "cpu"
-        self._kernel = coarse.kernel if fits and isinstance(coarse, Q8Linear) else None
+        native = fits and isinstance(coarse, (Q8Linear, Q4Linear))
+        self._kernel: Any = coarse.kernel if native else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -12,11 +12,13 @@ dtype:
 - "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weights stay
   quantised, bfloat16 activations and a float32 residual stream. Where the native kernel
   (`_cpu_kernel.c`, packing.native_kernel) was built: 4-bit groups of 32 (weights stored in 4-bit
-  formats) and the output head's coarse pass (int8, one scale per row) run in it with int8
+  formats), 5-bit groups (Q5_0/Q5_1 weights, their own codes: exact) and int8 with one scale
+  per row (the output head's coarse pass, and weights in other formats) run in it with int8
   activations, RMSNorm and SwiGLU fused in, and so do RoPE with the K/V write and decode
   attention; elsewhere torch's int4 (groups of 32) and int8 (one scale per row) kernels. The
-  head's best candidates are recomputed exactly (see AUTO_INT4_HEAD). Weights in other
-  formats take int8. Each such layer also keeps a bfloat16 copy for long prefill chunks,
+  head's best candidates are recomputed exactly (see AUTO_INT4_HEAD). A fused projection
+  whose parts the file stores in different formats is one layer per format (StackedLinear).
+  Each such layer also keeps a bfloat16 copy for long prefill chunks,
   where a dense GEMM beats the int kernels (from 16 rows for torch's, 48 for the native one:
   model.py's thresholds). bench/bench_decode.py measures it (against llama.cpp too) and
   prints auto's top-1 agreement with float32.
@@ -31,8 +33,8 @@ from typing import cast
 
 import torch
 
-from neuron_trio.engine.gguf import quant
-from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.gguf import families, quant
+from neuron_trio.engine.gguf.file import GGUFFile, unpermute_qk
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.kv_cache import KVCache
@@ -40,9 +42,11 @@ from neuron_trio.engine.model.linear import (
     Int4Linear,
     Int8Linear,
     Linear,
+    LinearLayer,
     Q4Linear,
     Q8Linear,
     RefinedHead,
+    StackedLinear,
 )
 from neuron_trio.engine.model.transformer import Block, Transformer, run_to_end
 from neuron_trio.errors import ConfigError, ModelLoadError
@@ -51,15 +55,17 @@ ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "auto" on CPU: the output head's coarse pass is int8 (near-exact against the file's Q8_0
-# head), then each row's HEAD_REFINE best logits are recomputed exactly from the float32
-# table (linear.RefinedHead; +0.24 ms a step at batch 1 on 2 cores, for exact top logits and
-# logprobs instead of bfloat16 ties). An int4 coarse pass decodes ~6% faster on the built-in
-# model (one step 10.9 vs 11.6 ms) with the same top-1 agreement, but its int4 tail triples
-# the KL divergence from float32 (mean 0.0068 vs 0.0025 nats per token; bfloat16: 0.0018),
-# which sampling at temperature 1 would feel: off by default.
-AUTO_INT4_HEAD = False
-HEAD_REFINE = 64  # candidates per row recomputed exactly
+# "auto" on CPU: the output head's coarse pass is 4-bit (the native kernel; torch's int4
+# elsewhere), then each row's HEAD_REFINE best logits are recomputed exactly from the float32
+# table (linear.RefinedHead). Decode reads the head every step and is bound by memory: on a
+# 151,936-token vocabulary the int8 pass was a third of the bytes a step reads, and 4 bits
+# halve it. Top-1 agreement with float32 (bench/bench_decode.py's parity prompts, 8 x 24
+# positions) is the same as with the int8 pass on the built-in model, Gemma 3 and Qwen2.5
+# (191, 181, 188 of 192); the coarse tail moves the mean KL divergence from float32 from
+# 0.0002 / 0.0128 / 0.0025 to 0.0011 / 0.0140 / 0.0029 nats per token, which 256 exact
+# candidates (not 64: 0.0026 / 0.0159 / 0.0035) keep small.
+AUTO_INT4_HEAD = True
+HEAD_REFINE = 256  # candidates per row recomputed exactly
 # Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
 # every other format (Q5_x, Q6_K, Q8_0, floats) takes the int8 kernel.
 _FOUR_BIT = frozenset(
@@ -140,10 +146,47 @@ def _load(
     def vector(name: str) -> torch.Tensor:
         return get(name, (local.dim,)).to(device=device, dtype=residual)
 
-    def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+    # the native kernel ("auto" on the CPU): its layers, decode attention (see Block), the head
+    kernel = packing.native_kernel() if scheme == "cpu-int" and device.type == "cpu" else None
+
+    def kind(name: str) -> str:
+        """How a weight is packed: "five" (its own 5-bit codes), "four" or "other"."""
+        qtype = gf.tensors[gf.storage_name(name)].qtype
+        if kernel is not None and shard is None and qtype in quant.FIVE_BIT:
+            return "five" if gf.storage_name(name) == name else "other"
+        return "four" if qtype in _FOUR_BIT else "other"
+
+    def codes(name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        info = gf.tensors[name]
+        parts = quant.five_bit_codes(gf.raw(name), quant.QType(info.qtype), shape)
+        if gf.config.arch in families.PERMUTED_QK and name.endswith(
+            (".attn_q.weight", ".attn_k.weight")
+        ):
+            heads = c.n_heads if name.endswith(".attn_q.weight") else c.n_kv_heads
+            return tuple(unpermute_qk(part, heads) for part in parts)  # the rows, as `weight`
+        return parts
+
+    def one_format(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
-        four_bit = all(gf.tensors[gf.storage_name(n)].qtype in _FOUR_BIT for n in names)
-        return make_linear(w, scheme, device, four_bit=four_bit)
+        kinds = {kind(n) for n in names}
+        if kinds != {"five"}:
+            return make_linear(w, scheme, device, four_bit=kinds == {"four"})
+        per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
+        q, scale, minimum = (torch.cat(column, dim=0) for column in zip(*per_tensor, strict=True))
+        return make_linear(w, scheme, device, four_bit=False, five_bit=(q, scale, minimum))
+
+    def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+        """One projection over the rows of `names`; one layer per run of a packing kind."""
+        runs: list[tuple[list[str], list[tuple[int, int]]]] = []
+        for name, shape in zip(names, shapes, strict=True):
+            if runs and kind(runs[-1][0][-1]) == kind(name):
+                runs[-1][0].append(name)
+                runs[-1][1].append(shape)
+            else:
+                runs.append(([name], [shape]))
+        if len(runs) == 1 or kernel is None:
+            return one_format(names, shapes)
+        return StackedLinear([cast(LinearLayer, one_format(*run)) for run in runs])
 
     c, hd = local, local.head_dim
     qkv_shapes = [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)]
@@ -171,8 +214,6 @@ def _load(
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
         )
         layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
-    # the native kernel ("auto" on the CPU): decode attention (see Block), the head's passes
-    kernel = packing.native_kernel() if scheme == "cpu-int" and device.type == "cpu" else None
     for layer in model.layers:
         cast(Block, layer).attend_kernel = kernel
     model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
@@ -189,11 +230,15 @@ def _load(
             # a coarse int pass + exact top candidates (tied: from the embedding table itself)
             table = model.tok_embeddings if c.tied_output else head.to(device)
             int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+            native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
+            native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
             coarse: torch.nn.Module
-            if AUTO_INT4_HEAD and int4_ok:
+            if AUTO_INT4_HEAD and native_ok:
+                coarse = Q4Linear(kernel, *packing.pack_q4(head), out_dtype=torch.float32)
+            elif AUTO_INT4_HEAD and int4_ok:
                 packed, scales_zeros = packing.pack_int4(head)
                 coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)
-            elif kernel is not None and c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 8 == 0:
+            elif native_ok:
                 coarse = Q8Linear(kernel, *packing.pack_q8(head))
             else:
                 coarse = Int8Linear(*packing.pack_int8(head))
@@ -211,10 +256,13 @@ def make_linear(
     device: torch.device,
     *,
     four_bit: bool,
+    five_bit: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.nn.Module:
     """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`).
 
-    Under "cpu-int" the layer also keeps a bfloat16 copy for prefill chunks.
+    `five_bit`: the weight's own 5-bit codes (quant.five_bit_codes: q, scale, minimum), which
+    the native kernel keeps exactly. Under "cpu-int" the layer also keeps a bfloat16 copy for
+    prefill chunks.
     """
     if scheme != "cpu-int":
         return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
@@ -222,14 +270,21 @@ def make_linear(
     out_f, in_f = weight.shape
     kernel = packing.native_kernel() if device.type == "cpu" else None
     fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
+    if five_bit is not None and kernel is not None and fits:
+        q, scale, minimum = five_bit
+        nibbles, high = packing.pack_q5(q)
+        centred = torch.equal(minimum.float(), scale.float() * -16.0)  # Q5_0: not stored
+        return Q4Linear(kernel, nibbles, scale, None if centred else minimum, dense, high=high)
     # (its float16 scales: weights beyond float16's range take torch's kernel)
     if four_bit and kernel is not None and fits and float(weight.abs().max()) < 6e4:
         return Q4Linear(kernel, *packing.pack_q4(weight), dense)
     if four_bit and in_f % packing.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = packing.pack_int4(weight)
         return Int4Linear(packed, scales_zeros, out_f, in_f, packing.INT4_GROUP, dense)
-    q, scales = packing.pack_int8(weight)
-    return Int8Linear(q, scales, dense)
+    if kernel is not None and fits:  # int8, one scale per row, in the native kernel
+        return Q8Linear(kernel, *packing.pack_q8(weight), dense, keep_dtype=True)
+    q8, scales = packing.pack_int8(weight)
+    return Int8Linear(q8, scales, dense)
 
 
 class SingleRunner:
@@ -358,6 +413,7 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
     c = gf.config
     scheme = resolve_dtype(dtype, torch.device(device))
     act, _ = _dtypes(scheme)
+    native = torch.device(device).type == "cpu" and packing.native_kernel() is not None
     total = 0
     for name, info in gf.tensors.items():
         n = info.n_elements
@@ -371,6 +427,10 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
         elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
             scales = 4  # float16 scale and minimum (native), or bfloat16 scale and zero (torch)
             total += n // 2 + n // packing.INT4_GROUP * scales + 2 * n
+        elif info.qtype in quant.FIVE_BIT and native:  # nibbles, fifth bits, scales, dense
+            total += n // 2 + n // 8 + n // packing.INT4_GROUP * 4 + 2 * n
+        elif native:  # int8 + float32 row scales + int32 group sums + bf16 dense copy
+            total += n + 4 * info.shape[0] + n // packing.INT4_GROUP * 4 + 2 * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n
     return total

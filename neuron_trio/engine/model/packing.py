@@ -69,6 +69,17 @@ def pack_q4(
     return nibbles.contiguous(), scale16, lo16
 
 
+def pack_q5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """5-bit codes uint8 `[out, in]` (0..31, e.g. quant.five_bit_codes) → (nibbles `[out,
+    in/2]` as pack_q4 lays them, the fifth bits `[out, in]` as 0/1) for the native kernel."""
+    out_f, in_f = q.shape
+    grouped = q.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    half = INT4_GROUP // 2
+    low = grouped & 0x0F
+    nibbles = (low[..., :half] | (low[..., half:] << 4)).reshape(out_f, in_f // 2)
+    return nibbles.contiguous(), (q >> 4) & 1
+
+
 Q4_TILE = 8  # output rows the native kernel computes together
 
 
@@ -86,6 +97,18 @@ def tile_q4(
         return values.reshape(tiles, rows, groups).transpose(1, 2).contiguous()
 
     return tiled.contiguous(), per_group(scale), per_group(minimum)
+
+
+def tile_high(high: torch.Tensor) -> torch.Tensor:
+    """pack_q5's fifth bits `[out, in]` (0/1) → the native kernel's layout: per tile of Q4_TILE
+    rows and group of 32, 8 steps of 32 bits (little-endian), bit 4 r + i of step s holding row
+    r's weight 4 s + i of the group (the lane and byte of that weight in the step's vector)."""
+    out_f, in_f = high.shape
+    tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
+    bits = high.reshape(tiles, Q4_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    bits = bits.reshape(tiles, groups, 8, 4, 8).to(torch.uint8)  # [.., step, byte, bit]
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (bits * weights).sum(-1, dtype=torch.uint8).contiguous()  # [tiles, groups, 8, 4]
 
 
 def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -443,10 +443,10 @@ def test_auto_head_refines_its_best_candidates_exactly(
     head = model.output
     if not isinstance(head, RefinedHead):
         pytest.skip("no int kernels on this build (auto is float32)")
-    int8 = (
-        Q8Linear if packing.native_kernel() is not None else Int8Linear
-    )  # native kernel, if built
-    assert isinstance(head.coarse, Int4Linear if int4_head else int8)
+    native = packing.native_kernel() is not None  # the native kernel's layers, if built
+    int8 = Q8Linear if native else Int8Linear
+    int4 = Q4Linear if native else Int4Linear
+    assert isinstance(head.coarse, int4 if int4_head else int8)
     head.refine = 8
     x = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = head(x)  # [3, V]
