@@ -14,7 +14,8 @@ import msgspec
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.executor.api import RankInfo
 from neuron_trio.service.metrics.model import ModelActorStatistics
-from neuron_trio.service.wedge.watchdog import WatchdogStatistics
+from neuron_trio.service.wedge.forensics import LastForensics
+from neuron_trio.service.wedge.records import WatchdogStatistics
 
 
 class ModelMemory(msgspec.Struct, frozen=True):
@@ -80,13 +81,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     step_failures: int
     last_error: str | None
     watchdog: WatchdogStatistics | None
-
-
-class LastForensics(msgspec.Struct, frozen=True):
-    """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
-
-    path: str
-    report: Any  # as written; {"unreadable": why} if it could not be read
 
 
 class NodeWatchdog(msgspec.Struct, frozen=True):
