@@ -8,14 +8,13 @@ from typing import Any
 
 import pytest
 
-from neuron_trio.engine.text.tokenizer import (
+from neuron_trio.engine.text.gguf_vocab import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_USER_DEFINED,
-    IncrementalDetokenizer,
-    Tokenizer,
 )
+from neuron_trio.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from neuron_trio.errors import ModelLoadError, UnsupportedModelError
 
 # ---- a tiny byte-level vocabulary, built by hand ------------------------------------------
