@@ -59,6 +59,19 @@ BURST_GAP_S = 0.001
 BURST_WINDOW_S = 0.005
 
 
+def _not_loaded(max_batch: int) -> EngineStatistics:
+    """The engine's statistics before there is an engine: nothing in use, nothing counted."""
+    return EngineStatistics(
+        slots_total=max_batch,
+        slots_in_use=0,
+        prefilling=0,
+        decoding=0,
+        steps=0,
+        prompt_tokens_total=0,
+        generated_tokens_total=0,
+    )
+
+
 class ModelActor:
     """One loaded model: its executor, a bounded queue, and the loop that drives steps.
 
@@ -113,7 +126,7 @@ class ModelActor:
         self._stopping = False
         self._force = False
         self._finished = trio.Event()
-        self._engine_stats: EngineStatistics | None = None
+        self._engine_stats = _not_loaded(spec.max_batch)  # the engine's, read between steps
         self._steps = 0
         self._failures = 0
         self._last_error: str | None = None
@@ -146,22 +159,15 @@ class ModelActor:
         return self.state == "serving" and not self._stopping
 
     def statistics(self) -> ModelActorStatistics:
-        stats = self._engine_stats
         return ModelActorStatistics(
             name=self.name,
             state=self.state,
             queued=self.queued,
             running=self.running,
-            slots_in_use=stats.slots_in_use if stats else 0,
             slots_total=self.spec.max_batch,
             steps=self._steps,
             failures=self._failures,
-            kv_blocks_used=stats.kv_blocks_used if stats else 0,
-            kv_blocks_total=stats.kv_blocks_total if stats else 0,
-            kv_blocks_cached=stats.kv_blocks_cached if stats else 0,
-            prefix_cache_queries_tokens=stats.prefix_cache_queries_tokens if stats else 0,
-            prefix_cache_hits_tokens=stats.prefix_cache_hits_tokens if stats else 0,
-            preemptions=stats.preemptions if stats else 0,
+            engine=self._engine_stats,
         )
 
     def inflight(self) -> list[InflightRequest]:
@@ -183,9 +189,9 @@ class ModelActor:
             tp=ex.tp if ex else self.spec.tp,
             max_batch=self.spec.max_batch,
             context=self.spec.context,
-            slots_in_use=stats.slots_in_use,
+            slots_in_use=stats.engine.slots_in_use,
             slots_total=stats.slots_total,
-            kv_cache=KVCacheInfo.from_statistics(stats, prefix_cache=self.spec.prefix_cache),
+            kv_cache=KVCacheInfo.from_statistics(stats.engine, prefix_cache=self.spec.prefix_cache),
             running=stats.running,
             queued=stats.queued,
             max_queue=self.max_queue,

@@ -269,11 +269,11 @@ def write_report(state_dir: str | Path, report: object, *, now: float | None = N
     return path
 
 
-class LastForensics(msgspec.Struct, frozen=True):
+class LastForensics(msgspec.Struct, frozen=True, kw_only=True):
     """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
 
-    path: str
-    report: Any  # as written; {"unreadable": why} if it could not be read
+    path: str = ""
+    report: Any = None  # as written; {"unreadable": why} if it could not be read
 
 
 def find_last_forensics(state_dir: Path) -> LastForensics | None:

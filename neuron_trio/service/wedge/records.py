@@ -27,30 +27,34 @@ class InflightRequest(msgspec.Struct, frozen=True):
     generated_tokens: int
 
 
-class LastWedge(msgspec.Struct):
-    """The model's most recent wedge, in `/v1/node`; filled in as its recovery goes on."""
+class LastWedge(msgspec.Struct, kw_only=True):
+    """The model's most recent wedge, in `/v1/node`; filled in as its recovery goes on.
 
-    what: str  # "step", "probe"
-    at: str  # when the wedged call started (UTC)
-    detected_after_s: float
-    outcome: str  # "recovering", "recovered", "deadman: <reason>"
-    inflight: list[InflightRequest] | None  # the requests in flight at the wedge
+    Defaults, as every `/v1/node` type has them: `neuron status` reads other versions."""
+
+    what: str = ""  # "step", "probe"
+    at: str = ""  # when the wedged call started (UTC)
+    detected_after_s: float = 0.0
+    outcome: str = ""  # "recovering", "recovered", "deadman: <reason>"
+    inflight: list[InflightRequest] | None = None  # the requests in flight at the wedge
     inflight_error: str | msgspec.UnsetType = msgspec.UNSET  # reading them failed
     abort: ReturnOutcome | msgspec.UnsetType = msgspec.UNSET  # tp > 1 only
     abort_s: float | msgspec.UnsetType = msgspec.UNSET
     recovered_after_s: float | msgspec.UnsetType = msgspec.UNSET
 
 
-class WatchdogStatistics(msgspec.Struct, frozen=True):
-    """A model's watchdog, as `/v1/node` shows it (a snapshot: later changes do not show)."""
+class WatchdogStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's watchdog, as `/v1/node` shows it (a snapshot: later changes do not show).
 
-    state: WatchdogState
-    since: str  # when this state began (UTC)
-    step_timeout_s: float
-    abort_deadline_s: float
-    probe_interval_s: float
-    wedges: int
-    aborts: dict[str, int]
-    recoveries: int
-    probes: int  # idle probes run (ok, failed or wedged)
-    last_wedge: LastWedge | None
+    Defaults, as every `/v1/node` type has them: `neuron status` reads other versions."""
+
+    state: WatchdogState = "idle"
+    since: str = ""  # when this state began (UTC)
+    step_timeout_s: float = 0.0
+    abort_deadline_s: float = 0.0
+    probe_interval_s: float = 0.0
+    wedges: int = 0
+    aborts: dict[str, int] = {}
+    recoveries: int = 0
+    probes: int = 0  # idle probes run (ok, failed or wedged)
+    last_wedge: LastWedge | None = None
