@@ -42,7 +42,7 @@ import h2.settings
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attack_rows import AttackRow
+from attack_rows import AttackRow, print_rows
 from daemon_harness import MODEL, cpu_seconds, rss_bytes, running_daemon
 
 HEALTH_PERIOD_S = 0.1
@@ -432,15 +432,13 @@ NETWORK_ATTACKS: list[Callable[[Target], list[AttackRow]]] = [
 
 def optional_attacks(target: Target) -> Iterator[tuple[str, Callable[[], list[AttackRow]]]]:
     """The attacks of bench/attacks_grammar.py and bench/attacks_modelfiles.py (when present),
-    bound to the target, their rows translated into the drill's."""
+    bound to the target (their rows are the drill's own `AttackRow`s)."""
     grammar = _optional_module("attacks_grammar")
     if grammar is not None:
         for fn in grammar.ATTACKS:
 
-            def run_grammar(fn: Callable[..., Any] = fn) -> list[AttackRow]:
-                row = fn(target.url, target.pid)  # its statuses: "400 x10", ...
-                detail = f"{row.statuses}; {row.detail}".strip("; ")
-                return [AttackRow(fn.__name__, detail=detail, survived=row.survived)]
+            def run_grammar(fn: Callable[..., AttackRow] = fn) -> list[AttackRow]:
+                return [fn(target.url, target.pid)]
 
             yield f"grammar.{fn.__name__}", run_grammar
     modelfiles = _optional_module("attacks_modelfiles")
@@ -452,7 +450,7 @@ def optional_attacks(target: Target) -> Iterator[tuple[str, Callable[[], list[At
     for name in modelfiles.ATTACKS:
 
         def run_modelfile(name: str = name) -> list[AttackRow]:
-            rows = modelfiles.run_modelfile_attacks(
+            rows: list[AttackRow] = modelfiles.run_modelfile_attacks(
                 target.url,
                 target.admin_key,
                 model_dir=target.model_dir,
@@ -460,15 +458,7 @@ def optional_attacks(target: Target) -> Iterator[tuple[str, Callable[[], list[At
                 pid=target.pid,
                 only=[name],
             )
-            return [
-                AttackRow(
-                    r.attack,
-                    Counter(str(code) for code in r.statuses),
-                    detail=r.detail,
-                    survived=r.survived,
-                )
-                for r in rows
-            ]
+            return rows
 
         yield f"modelfiles.{name}", run_modelfile
 
@@ -484,34 +474,6 @@ def _optional_module(name: str) -> Any:
 
 
 # --- the table -------------------------------------------------------------------------------
-
-
-def print_table(rows: list[AttackRow]) -> None:
-    header = (
-        "attack",
-        "statuses",
-        "RSS +MB",
-        "/health max s",
-        "others",
-        "survived",
-        "ok",
-        "detail",
-    )
-    lines = [header]
-    for r in rows:
-        lines.append((
-            r.attack, r.status_text(),
-            "-" if r.rss_growth_mb is None else f"{r.rss_growth_mb:.0f}",
-            "-" if r.health_p_max_s is None else f"{r.health_p_max_s:.3f}",
-            {None: "-", True: "ok", False: "FAILED"}[r.others_ok],
-            {None: "-", True: "yes", False: "NO"}[r.survived],
-            "PASS" if r.passed else "FAIL", r.detail,
-        ))  # fmt: skip
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header) - 1)]
-    for line in lines:
-        print(
-            "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)) + "  " + line[-1]
-        )
 
 
 def run_drill(target: Target, only: str | None) -> list[AttackRow]:
@@ -564,7 +526,7 @@ def main() -> int:
             target = Target(daemon.url, daemon.pid, None, None, model_dir=Path(tmp))
             rows = run_drill(target, args.only)
             print(f"(daemon log: {daemon.log_tail(3)!r})", file=sys.stderr)
-    print_table(rows)
+    print_rows(rows)
     return 0 if all(r.passed for r in rows) else 1
 
 

@@ -1,7 +1,7 @@
 """Issue 25's structured-output attacks, replayed against a running neuron: one row each.
 
-Each attack is a function `attack(base_url, pid=None) -> AttackRow` (`ATTACKS` lists them),
-so that a drill can import them and print one table with its own; `pid` (the daemon's
+Each attack is a function `attack(base_url, pid=None) -> AttackRow` (`ATTACKS` lists them;
+the row is bench/attack_rows.py's, so that bench/attack_drill.py prints them with its own); `pid` (the daemon's
 process id, when known) adds RSS and a liveness check beside `/health`:
 
 - const_schema_response_format / const_schema_tool_parameters: `{"const": {30 000 keys}}`
@@ -27,25 +27,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from attack_rows import AttackRow, print_rows  # beside this file (bench/ is on the path)
 
-__all__ = ["ATTACKS", "AttackRow", "main", "run_all"]
-
-
-@dataclass
-class AttackRow:
-    attack: str
-    statuses: str  # "400 x1" ...; "error" for a connection that failed
-    survived: bool  # the process is alive and /health answers 200 afterwards
-    rss_before_mb: float | None = None
-    rss_after_mb: float | None = None
-    health_max_s: float | None = None  # the slowest /health during the attack
-    detail: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+__all__ = ["ATTACKS", "main", "run_all"]
 
 
 def _rss_mb(pid: int | None) -> float | None:
@@ -131,8 +119,26 @@ def _chat(base_url: str, model: str, extra: dict[str, Any], timeout: float = 120
         return "error"
 
 
-def _statuses(codes: list[int | str]) -> str:
-    return ", ".join(f"{code} x{n}" for code, n in sorted(Counter(map(str, codes)).items()))
+def _row(
+    name: str,
+    base_url: str,
+    pid: int | None,
+    codes: list[int | str],
+    rss_before_mb: float | None,
+    health_max_s: float,
+    detail: str,
+) -> AttackRow:
+    """The attack's row: its status codes ("error" for a connection that failed), whether the
+    daemon survived (alive, /health 200), its RSS growth and the slowest /health."""
+    after = _rss_mb(pid)
+    return AttackRow(
+        name,
+        Counter(map(str, codes)),
+        detail,
+        rss_growth_mb=None if rss_before_mb is None or after is None else after - rss_before_mb,
+        health_p_max_s=health_max_s,
+        survived=_alive(base_url, pid),
+    )
 
 
 def _json_schema(schema: Any, strict: bool = False) -> dict[str, Any]:
@@ -165,9 +171,7 @@ def _run(
         watch(base_url)
         codes = [_chat(base_url, model, body) for body in bodies]
         worst = watch(base_url)
-    return AttackRow(
-        name, _statuses(codes), _alive(base_url, pid), before, _rss_mb(pid), worst, detail
-    )
+    return _row(name, base_url, pid, codes, before, worst, detail)
 
 
 def const_schema_response_format(base_url: str, pid: int | None = None) -> AttackRow:
@@ -235,15 +239,10 @@ def abandoned_compiles(base_url: str, pid: int | None = None, n: int = 60) -> At
         f"long chat {alone:.2f} s alone (/health max {health_alone:.2f} s), {during:.2f} s "
         f"after {n} abandoned compiles"
     )
-    extra: dict[str, Any] = {"alone_s": alone, "during_s": during, "health_alone_s": health_alone}
     if cpu0 is not None and cpu1 is not None and cpu2 is not None:
-        extra["attack_cpu_s"] = (cpu2 - cpu1) - (cpu1 - cpu0)  # beyond the chat's own
-        detail += f"; the attack cost {extra['attack_cpu_s']:.1f} CPU s"
-    alive = _alive(base_url, pid)
-    return AttackRow(
-        f"{n} heavy compiles abandoned", _statuses(codes), alive, before, _rss_mb(pid), worst,
-        detail, extra,
-    )  # fmt: skip
+        attack_cpu_s = (cpu2 - cpu1) - (cpu1 - cpu0)  # beyond the chat's own
+        detail += f"; the attack cost {attack_cpu_s:.1f} CPU s"
+    return _row(f"{n} heavy compiles abandoned", base_url, pid, codes, before, worst, detail)
 
 
 ATTACKS: list[Callable[..., AttackRow]] = [
@@ -259,18 +258,6 @@ def run_all(base_url: str, pid: int | None = None) -> list[AttackRow]:
     return [attack(base_url, pid) for attack in ATTACKS]
 
 
-def _print(rows: list[AttackRow]) -> None:
-    print(f"{'attack':36} {'statuses':22} {'alive':5} {'RSS MB':>15} {'/health max':>11}  detail")
-    for r in rows:
-        rss = (
-            f"{r.rss_before_mb:.0f}->{r.rss_after_mb:.0f}"
-            if r.rss_before_mb is not None and r.rss_after_mb is not None
-            else "-"
-        )
-        health = f"{r.health_max_s:.2f} s" if r.health_max_s is not None else "-"
-        print(f"{r.attack:36} {r.statuses:22} {r.survived!s:5} {rss:>15} {health:>11}  {r.detail}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", help="a running neuron (default: start the built-in model)")
@@ -280,7 +267,7 @@ def main() -> None:
     attacks = [a for a in ATTACKS if args.only in (None, a.__name__)]
 
     def run(url: str, pid: int | None) -> None:
-        _print([attack(url, pid) for attack in attacks])
+        print_rows([attack(url, pid) for attack in attacks])
 
     if args.url:
         run(args.url.rstrip("/"), args.pid)

@@ -20,8 +20,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +31,12 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attack_rows import AttackRow, print_rows  # beside this file (bench/ is on the path)
+
 from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
 
 LOOP = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
 BUILTIN_MODEL = "smollm2-135m"
-
-
-@dataclass
-class AttackRow:
-    """One attack's outcome (a row of the drill's table)."""
-
-    attack: str
-    statuses: list[int] = field(default_factory=list)
-    survived: bool = False
-    health_max_s: float = 0.0  # the slowest /health answer during the attack
-    detail: str = ""  # what was expected, or what went wrong
 
 
 class _HealthWatch:
@@ -247,25 +238,14 @@ def run_modelfile_attacks(
         row = AttackRow(name)
         with _HealthWatch(base_url) as watch:
             try:
-                row.statuses, row.detail = attack(attacker)
+                statuses, row.detail = attack(attacker)
+                row.statuses = Counter(map(str, statuses))
             except httpx.HTTPError as exc:
                 row.detail = f"{type(exc).__name__}: {exc}"
-        row.health_max_s = round(watch.slowest, 3)
+        row.health_p_max_s = round(watch.slowest, 3)
         row.survived = attacker.alive() and watch.failures == 0
         rows.append(row)
     return rows
-
-
-def format_table(rows: list[AttackRow], rss: dict[str, int] | None = None) -> str:
-    lines = [f"{'attack':40} {'statuses':18} {'health max s':>12} {'survived':>8}  detail"]
-    for r in rows:
-        codes = ",".join(map(str, r.statuses)) or "-"
-        lines.append(
-            f"{r.attack:40} {codes:18} {r.health_max_s:12.3f} {r.survived!s:>8}  {r.detail}"
-        )
-    if rss:
-        lines.append(", ".join(f"{k}: {v / 2**20:.0f} MiB" for k, v in rss.items()))
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -277,7 +257,8 @@ def main() -> None:
             before = rss_bytes(daemon.pid)
             rows = run_modelfile_attacks(daemon.url, model_dir=state, pid=daemon.pid)
             after = rss_bytes(daemon.pid)
-            print(format_table(rows, {"RSS before": before, "RSS after": after}))
+            print_rows(rows)
+            print(f"RSS before: {before / 2**20:.0f} MiB, RSS after: {after / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,32 @@ class ModelNotFoundError(RequestError):
         super().__init__(f"model {name!r} is not loaded", param="model", code="model_not_found")
 
 
+class TooManyModelsError(RequestError):
+    """Raised by a runtime load if `node.max_models` models are already loaded (409)."""
+
+    status = 409
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"{limit} models are loaded, the most this node holds (node.max_models); "
+            "unload one first",
+            code="too_many_models",
+        )
+
+
+class ModelExistsError(RequestError):
+    """Raised by `load_model` if a model of that name is loaded or loading (409)."""
+
+    status = 409
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"a model named {name!r} is already loaded (or loading); unload it first",
+            param="name",
+            code="model_exists",
+        )
+
+
 class QueueFullError(RequestError):
     """Raised if a model's queue already holds `max_queue` waiting requests (429)."""
 

@@ -2,7 +2,7 @@
 
 Reads the daemon over HTTP/1.1 with the standard library (no client dependency for a command
 an operator runs on the node), with the first key of `server.api_key_file` when the config
-sets one. Exit 0 only when the node is serving (`status` ok); 69 (EX_UNAVAILABLE) when it is
+sets one, and decodes `/v1/node` into the node's own types (`service/node_document.py`). Exit 0 only when the node is serving (`status` ok); 69 (EX_UNAVAILABLE) when it is
 starting, draining, recovering, wedged, or cannot be reached.
 """
 
@@ -17,12 +17,15 @@ import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_trio.config import NeuronConfig, parse_listen
 from neuron_trio.errors import EX_OK, EX_UNAVAILABLE
+from neuron_trio.service.node_document import LastForensics, ModelInfo, NodeInfo
 
 TIMEOUT_S = 10.0  # /v1/node reads NVML live, bounded by its own timeout (5 s)
 
@@ -33,12 +36,17 @@ class StatusError(Exception):
 
 @dataclass(frozen=True)
 class NodeStatus:
-    node: dict[str, Any]  # the /v1/node document
+    node: dict[str, Any]  # the /v1/node document as it came (`--json` shows it so)
     metrics: dict[str, float]  # '<sample name>{k="v",...}' -> value, for the series used here
+
+    @cached_property
+    def document(self) -> NodeInfo:
+        """The document decoded into its types; msgspec.ValidationError if it is not one."""
+        return msgspec.convert(self.node, NodeInfo)
 
     @property
     def serving(self) -> bool:
-        return self.node.get("status") == "ok"
+        return self.document.status == "ok"
 
     def exit_code(self) -> int:
         return EX_OK if self.serving else EX_UNAVAILABLE
@@ -128,7 +136,12 @@ def fetch_status(url: str, *, key: str | None, config: NeuronConfig | None = Non
     except ValueError:
         raise StatusError(f"{base}/v1/node: not JSON: {raw[:200]!r}") from None
     metrics = parse_metrics(_get(base + "/metrics", key, context).decode("utf-8", "replace"))
-    return NodeStatus(node=node, metrics=metrics)
+    status = NodeStatus(node=node, metrics=metrics)
+    try:
+        status.document  # noqa: B018 (decoded now: a wrong document is a StatusError)
+    except msgspec.ValidationError as exc:
+        raise StatusError(f"{base}/v1/node: not a node document: {exc}") from None
+    return status
 
 
 # --- the screen -------------------------------------------------------------------------------
@@ -146,7 +159,7 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m {secs}s" if minutes else f"{secs}s"
 
 
-def _uptime(started_at: str | None, now: float) -> str:
+def _uptime(started_at: str, now: float) -> str:
     if not started_at:
         return "?"
     try:
@@ -165,26 +178,23 @@ def _sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     )
 
 
-def _model_lines(model: dict[str, Any], metrics: dict[str, float], rate: Any) -> list[str]:
-    name = str(model.get("name"))
-    tokens = f"{rate:.1f} tok/s (1 min)" if isinstance(rate, int | float) else "- tok/s (1 min)"
-    devices = ",".join(str(d) for d in model.get("devices") or []) or "?"
+def _model_lines(model: ModelInfo, metrics: dict[str, float], rate: float | None) -> list[str]:
+    name = model.name
+    tokens = f"{rate:.1f} tok/s (1 min)" if rate is not None else "- tok/s (1 min)"
+    devices = ",".join(model.devices) or "?"
     lines = [
-        f"  {name:<20} {model.get('state', '?'):<10} tp {model.get('tp', '?')} on {devices}, "
-        f"weights {model.get('weights') or model.get('dtype') or '?'}",
-        f"    slots {model.get('slots_in_use', '?')}/{model.get('slots_total', '?')}"
-        f"   queue {model.get('queued', '?')}/{model.get('max_queue', '?')}   {tokens}",
+        f"  {name:<20} {model.state or '?':<10} tp {model.tp} on {devices}, "
+        f"weights {model.weights or model.dtype or '?'}",
+        f"    slots {model.slots_in_use}/{model.slots_total}"
+        f"   queue {model.queued}/{model.max_queue}   {tokens}",
     ]
-    kv = model.get("kv_cache")
-    if isinstance(kv, dict):  # a node older than the paged KV cache has none
-        queries = kv.get("prefix_cache_queries_tokens") or 0
-        hits = (
-            f"{100 * (kv.get('prefix_cache_hits_tokens') or 0) / queries:.0f}%" if queries else "-"
-        )
+    kv = model.kv_cache
+    if kv is not None:  # a node older than the paged KV cache has none
+        queries = kv.prefix_cache_queries_tokens or 0  # None: hidden from a non-operator
+        hits = f"{100 * (kv.prefix_cache_hits_tokens or 0) / queries:.0f}%" if queries else "-"
         lines.append(
-            f"    kv blocks {kv.get('blocks_used', '?')}/{kv.get('blocks_total', '?')}"
-            f" (+{kv.get('blocks_cached', '?')} cached)   prefix hits {hits}"
-            f"   preemptions {kv.get('preemptions', '?')}"
+            f"    kv blocks {kv.blocks_used}/{kv.blocks_total} (+{kv.blocks_cached} cached)"
+            f"   prefix hits {hits}   preemptions {kv.preemptions}"
         )
     served = _sum(metrics, "neuron_model_requests_total", model=name)
     rejected = _sum(
@@ -193,32 +203,28 @@ def _model_lines(model: dict[str, Any], metrics: dict[str, float], rate: Any) ->
     unavailable = _sum(metrics, "neuron_model_requests_total", model=name, outcome="unavailable")
     lines.append(
         f"    requests {served:.0f} (429 {rejected:.0f}, failed in flight {unavailable:.0f})"
-        f"   steps {model.get('steps', '?')}, failed {model.get('step_failures', '?')}"
+        f"   steps {model.steps}, failed {model.step_failures}"
     )
-    wd = model.get("watchdog") or {}
-    if wd:
-        aborts = wd.get("aborts") or {}
-        abort_text = ", ".join(f"{k} {v}" for k, v in aborts.items()) or "none"
+    wd = model.watchdog
+    if wd is not None:
+        abort_text = ", ".join(f"{k} {v}" for k, v in wd.aborts.items()) or "none"
         lines.append(
-            f"    watchdog {wd.get('state', '?')}: wedges {wd.get('wedges', 0)}, "
-            f"aborts ({abort_text}), recoveries {wd.get('recoveries', 0)}, "
-            f"probes {wd.get('probes', 0)}"
+            f"    watchdog {wd.state}: wedges {wd.wedges}, aborts ({abort_text}), "
+            f"recoveries {wd.recoveries}, probes {wd.probes}"
         )
-        last = wd.get("last_wedge")
-        if last:
-            abort = (
-                f", abort {last['abort']} after {last.get('abort_s', '?')} s"
-                if last.get("abort")
-                else ""
-            )
-            lines.append(f"    last wedge: {last.get('what')} at {last.get('at')}{abort}")
-    if model.get("last_error"):
-        lines.append(f"    last error: {model['last_error']}")
+        last = wd.last_wedge
+        if last is not None:
+            abort_s = "?" if last.abort_s is msgspec.UNSET else last.abort_s
+            abort = f", abort {last.abort} after {abort_s} s" if last.abort else ""
+            lines.append(f"    last wedge: {last.what} at {last.at}{abort}")
+    if model.last_error:
+        lines.append(f"    last error: {model.last_error}")
     return lines
 
 
-def _gpu_lines(node: dict[str, Any]) -> list[str]:
-    gpus = node.get("gpus") or {}
+def _gpu_lines(gpus: Any) -> list[str]:
+    # The live NVML snapshot (`gpu/nvml.py`, written with its own `to_dict`), as it came.
+    gpus = gpus or {}
     if not gpus.get("available"):
         return [f"gpus      none ({gpus.get('reason') or gpus.get('error') or 'no NVML'})"]
     lines = []
@@ -236,53 +242,50 @@ def _gpu_lines(node: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _forensics_lines(node: dict[str, Any]) -> list[str]:
-    last = node.get("last_forensics")
+def _forensics_lines(last: LastForensics | str | None) -> list[str]:
     if not last:
         return ["forensics none (no deadman exit recorded in the state directory)"]
-    report = last.get("report") or {}
+    if isinstance(last, str):  # hidden from a caller that is not an operator
+        return [f"forensics {last}"]
+    # The report as the deadman wrote it (`service/wedge/forensics.py`), or why it is unreadable.
+    report = last.report if isinstance(last.report, dict) else {}
     if "unreadable" in report:
-        return [f"forensics {last.get('path')}: unreadable ({report['unreadable']})"]
+        return [f"forensics {last.path}: unreadable ({report['unreadable']})"]
     return [
         f"forensics {report.get('at', '?')}: {report.get('reason', '?')}: {report.get('what', '?')}"
         f" wedged for {report.get('wedged_for_s', '?')} s, "
         f"{report.get('inflight_count', '?')} requests in flight",
-        f"          {last.get('path')}",
+        f"          {last.path}",
     ]
 
 
 def render(status: NodeStatus, *, url: str, now: float | None = None) -> str:
     """The human screen (plain text, about 80 columns)."""
-    node = status.node
+    node = status.document
     now = time.time() if now is None else now
-    wd = node.get("watchdog") or {}
-    verdict = "SERVING" if status.serving else f"NOT SERVING ({node.get('status')})"
+    wd = node.watchdog
+    verdict = "SERVING" if status.serving else f"NOT SERVING ({node.status})"
     lines = [
-        f"neuron on {node.get('hostname', '?')} ({url}): {verdict}",
-        f"boot      {node.get('boot_id', '?')}, start {node.get('starts', '?')} in this state "
-        f"dir, up {_uptime(node.get('started_at'), now)} (since {node.get('started_at', '?')})"
-        + (
-            "; the process before did NOT stop cleanly"
-            if node.get("previous_stop_clean") is False
-            else ""
-        ),
-        f"watchdog  step timeout {wd.get('step_timeout_s', '?')} s, abort deadline "
-        f"{wd.get('abort_deadline_s', '?')} s, probe every {wd.get('probe_interval_s', '?')} s"
-        + (f"; DEADMAN FIRING: {wd.get('deadman_reason')}" if wd.get("deadman_firing") else ""),
-        *_gpu_lines(node),
-        *_forensics_lines(node),
+        f"neuron on {node.hostname or '?'} ({url}): {verdict}",
+        f"boot      {node.boot_id or '?'}, start {node.starts} in this state "
+        f"dir, up {_uptime(node.started_at, now)} (since {node.started_at or '?'})"
+        + ("; the process before did NOT stop cleanly" if not node.previous_stop_clean else ""),
+        f"watchdog  step timeout {wd.step_timeout_s:g} s, abort deadline "
+        f"{wd.abort_deadline_s:g} s, probe every {wd.probe_interval_s:g} s"
+        + (f"; DEADMAN FIRING: {wd.deadman_reason}" if wd.deadman_firing else ""),
+        *_gpu_lines(node.gpus),
+        *_forensics_lines(node.last_forensics),
     ]
-    failpoints = node.get("failpoints") or {}
-    if failpoints.get("configured") or failpoints.get("fired"):
+    failpoints = node.failpoints
+    if failpoints.configured or failpoints.fired:
         lines.append(
-            f"FAILPOINTS {json.dumps(failpoints.get('configured') or {})}, fired "
-            f"{json.dumps(failpoints.get('fired') or [])} (fault injection: never in production)"
+            f"FAILPOINTS {json.dumps(failpoints.configured)}, fired "
+            f"{json.dumps(failpoints.fired)} (fault injection: never in production)"
         )
-    models = node.get("models") or []
-    lines.append(f"models    {len(models)}")
-    rates = node.get("generated_tokens_per_s_1m") or {}
-    for model in models:
-        lines.extend(_model_lines(model, status.metrics, rates.get(model.get("name"))))
+    lines.append(f"models    {len(node.models)}")
+    for model in node.models:
+        rate = node.generated_tokens_per_s_1m.get(model.name)
+        lines.extend(_model_lines(model, status.metrics, rate))
     return "\n".join(lines) + "\n"
 
 

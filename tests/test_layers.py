@@ -39,6 +39,15 @@ FORBIDDEN: dict[str, set[str]] = {
     "service.wedge": SERVICE_ACTORS,
     "service.process": SERVICE_ACTORS | {"service.wedge", "service.metrics", "torch"},
     "service.metrics": SERVICE_ACTORS | {"service.wedge", "service.process"},
+    # The actors' parts, one idea each (the queue, the executor's calls, a prompt's intake, a
+    # model's placement): none imports the actors.
+    "service.request_table": SERVICE_ACTORS,
+    "service.executor_calls": SERVICE_ACTORS,
+    "service.prompt_intake": SERVICE_ACTORS,
+    "service.model_start": SERVICE_ACTORS,
+    # What `neuron status` decodes: plain types, neither torch nor trio.
+    "service.node_document": SERVICE_ACTORS | {"torch", "trio"},
+    "service.wedge.records": SERVICE_ACTORS | {"torch", "trio"},
     "http": {"engine", "executor", "daemon", "cli", "status", "torch"},
 }
 

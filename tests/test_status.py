@@ -268,3 +268,28 @@ def test_an_unreadable_api_key_file_is_78(
     code, out, err = run_status(capsys, "--config", str(config))
     assert code == 78 and out == ""
     assert "api_key_file" in err
+
+
+def test_render_reads_the_document_a_non_operator_gets() -> None:
+    """With `admin_key_file` set, `neuron status` asks with a tenant's key: the last forensics
+    report is hidden (a string) and the prefix cache's counters null."""
+    from neuron_trio.http.tenancy import HIDDEN, redact_node_info
+
+    node = {
+        "status": "ok",
+        "last_forensics": {"path": "/state/forensics/x.json", "report": {"reason": "r"}},
+        "models": [
+            {
+                "name": "m",
+                "path": "/models/m.gguf",
+                "kv_cache": {
+                    "blocks_total": 10,
+                    "prefix_cache_queries_tokens": 64,
+                    "prefix_cache_hits_tokens": 32,
+                },
+            }
+        ],
+    }
+    text = render(NodeStatus(node=redact_node_info(node), metrics={}), url="http://n")
+    assert f"forensics {HIDDEN}" in text
+    assert "prefix hits -" in text and "kv blocks 0/10" in text

@@ -10,46 +10,33 @@ watched for `http.disconnect` in a sibling task, and one task owns every `genera
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from neuron_trio.errors import ApiError
-from neuron_trio.http.access_log import AccessInfo, access_info
+from neuron_trio.http.access_log import AccessInfo
 from neuron_trio.http.generation import (
-    _SSE_HEADERS,
+    FINISHED,
+    StreamedResponse,
     _body,
     _error_event,
-    _finish_error,
+    finish_error,
+    note_transcripts,
     run_until_disconnect,
 )
 from neuron_trio.http.openai import SSE_DONE, Transcript
-from neuron_trio.http.openai.completion_batch import BatchWriter, CompletionBatch, usage
+from neuron_trio.http.openai.completion_batch import BatchWriter, CompletionBatch
 from neuron_trio.service.api import NodeService, SequenceEvent
 
 __all__ = ["BatchSSEResponse", "complete_batch"]
 
 log = logging.getLogger(__name__)
 
-_FINISHED = ("stop", "length", "tool_calls")
 
 _Item = tuple[int, SequenceEvent | ApiError]  # (prompt, what its stream said)
-
-
-def _note(access: AccessInfo | None, transcripts: list[Transcript]) -> None:
-    if access is None:
-        return
-    counts = usage(transcripts)
-    access.prompt_tokens = counts["prompt_tokens"]
-    access.completion_tokens = counts["completion_tokens"]
-    access.finish_reason = next(
-        (t.finish_reason for t in transcripts if t.finish_reason not in _FINISHED),
-        transcripts[0].finish_reason if transcripts else None,
-    )
 
 
 async def _open_all(stack: AsyncExitStack, node: NodeService, batch: CompletionBatch) -> list[Any]:
@@ -75,11 +62,11 @@ async def complete_batch(
     try:
         gone, _ = await run_until_disconnect(receive, collect)
     finally:
-        _note(access, transcripts)
+        note_transcripts(access, transcripts)
     if gone:
         return None
     for t in transcripts:
-        failure = _finish_error(t)
+        failure = finish_error(t)
         if failure is not None:
             raise failure
     return BatchWriter(batch).body(transcripts)
@@ -96,28 +83,17 @@ async def _drain(
         scope.cancel()
 
 
-class BatchSSEResponse(Response):
+class BatchSSEResponse(StreamedResponse):
     """A streaming batch: every prompt's chunks as they come, one `[DONE]` at the end.
 
-    A failure of any prompt (a wedged model) ends the whole stream with one error event.
+    Every prompt is queued before the response starts; a failure of any prompt after that
+    (a wedged model) ends the whole stream with one error event.
     """
 
     def __init__(self, node: NodeService, batch: CompletionBatch) -> None:
         self.node = node
         self.batch = batch
-        self.status_code = 200
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        access = access_info(scope)
-        transcripts = [Transcript() for _ in self.batch.parts]
-
-        async def stream() -> None:
-            await self._stream(send, transcripts, access)
-
-        try:
-            await run_until_disconnect(receive, stream)
-        finally:
-            _note(access, transcripts)
+        self.streams = len(batch.parts)
 
     async def _stream(
         self, send: Send, transcripts: list[Transcript], access: AccessInfo | None
@@ -125,7 +101,7 @@ class BatchSSEResponse(Response):
         writer = BatchWriter(self.batch)
         async with AsyncExitStack() as stack:
             streams = await _open_all(stack, self.node, self.batch)
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await self._start(send)
             sender, receiver = trio.open_memory_channel[_Item](0)
             error: ApiError | None = None
             async with trio.open_nursery() as nursery:
@@ -140,19 +116,17 @@ class BatchSSEResponse(Response):
                             break
                         transcripts[part].add(item)
                         reason = item.finish_reason
-                        if reason is not None and reason not in _FINISHED:
+                        if reason is not None and reason not in FINISHED:
                             nursery.cancel_scope.cancel()
                             break
                         data = writer.chunks(part, item, reason)
                         if data:
-                            await send(_body(data, True))
-                            if access is not None and access.first_token_at is None:
-                                access.first_token_at = time.perf_counter()
+                            await self._send_chunk(send, data, access)
             if error is not None:
                 await send(_body(_error_event(error), False))
                 return
             for t in transcripts:
-                failure = _finish_error(t)
+                failure = finish_error(t)
                 if failure is not None:
                     await send(_body(_error_event(failure), False))
                     return

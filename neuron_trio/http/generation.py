@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -31,23 +31,27 @@ from neuron_trio.http.openai import (
     now,
     sse_data,
 )
-from neuron_trio.service.api import NodeService, SequenceEvent
+from neuron_trio.service.api import GenerationJob, NodeService, SequenceEvent
 
 __all__ = [
+    "FINISHED",
     "ClientGone",
     "GenerationFailedError",
     "SSEResponse",
     "StreamedResponse",
     "complete",
+    "finish_error",
+    "note_transcripts",
     "run_until_disconnect",
     "started_events",
+    "transcribe",
 ]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_FINISHED = ("stop", "length", "tool_calls")
+FINISHED = ("stop", "length", "tool_calls")  # the finish reasons of a sequence that ended well
 
 
 class GenerationFailedError(ApiError):
@@ -62,9 +66,9 @@ class GenerationFailedError(ApiError):
         )
 
 
-def _finish_error(t: Transcript) -> ApiError | None:
+def finish_error(t: Transcript) -> ApiError | None:
     """The error a finished sequence ended with, if it did not end normally."""
-    if t.finish_reason in _FINISHED:
+    if t.finish_reason in FINISHED:
         return None
     if t.finish_reason == "cancelled":
         return UnavailableError("the node cancelled this request", code="cancelled")
@@ -118,35 +122,51 @@ class ClientGone(Response):
         return None
 
 
-def _note(access: AccessInfo | None, t: Transcript) -> None:
-    """Put what the transcript says into the request's access line."""
-    if access is not None:
-        access.prompt_tokens = t.prompt_tokens
-        access.completion_tokens = t.completion_tokens
-        access.finish_reason = t.finish_reason
+def note_transcripts(access: AccessInfo | None, transcripts: Sequence[Transcript]) -> None:
+    """Put what a request's transcripts say into its access line: tokens summed over them (a
+    completions batch has one a prompt), the finish reason of the first that ended abnormally,
+    else the first one's."""
+    if access is None:
+        return
+    access.prompt_tokens = sum(t.prompt_tokens for t in transcripts)
+    access.completion_tokens = sum(t.completion_tokens for t in transcripts)
+    access.finish_reason = next(
+        (t.finish_reason for t in transcripts if t.finish_reason not in FINISHED),
+        transcripts[0].finish_reason if transcripts else None,
+    )
+
+
+async def transcribe(
+    node: NodeService, job: GenerationJob, receive: Receive, access: AccessInfo | None
+) -> Transcript | None:
+    """Run `job` to its end: its transcript, or None if the client left first. Raises the
+    error the node or the sequence ended with (`finish_error`)."""
+    t = Transcript()
+
+    async def collect() -> None:
+        async with node.generate(job) as events:
+            async for event in events:
+                t.add(event)
+
+    try:
+        gone, _ = await run_until_disconnect(receive, collect)
+    finally:
+        note_transcripts(access, [t])
+    if gone:
+        return None
+    failure = finish_error(t)
+    if failure is not None:
+        raise failure
+    return t
 
 
 async def complete(
     node: NodeService, parsed: ParsedRequest, receive: Receive, access: AccessInfo | None = None
 ) -> dict[str, Any] | None:
     """Run a non-streaming request to its end; the response document, or None if the client left."""
-    t = Transcript()
-
-    async def collect() -> Transcript:
-        async with node.generate(parsed.job) as events:
-            async for event in events:
-                t.add(event)
-        return t
-
-    try:
-        gone, transcript = await run_until_disconnect(receive, collect)
-    finally:
-        _note(access, t)
-    if gone or transcript is None:
+    transcript = await transcribe(node, parsed.job, receive, access)
+    if transcript is None:
         return None
-    failure = _finish_error(transcript)
-    if failure is not None:
-        raise failure
     return completion_response(parsed, new_id(parsed.kind), now(), transcript)
 
 
@@ -162,28 +182,60 @@ _SSE_HEADERS = [
 
 
 class StreamedResponse(Response):
-    """A generation streamed as server-sent events: the request's `Transcript` fills as
-    events arrive and goes to the access log at the end, however the stream ended; a client
-    that disconnects cancels the stream (`run_until_disconnect`). Subclasses write `_stream`,
-    and start the response only after `started_events` (so a request the node could not serve
-    is a plain 503, not a 200 whose only event is an error)."""
+    """A generation streamed as server-sent events: the request's `Transcript`s (one a
+    generation it streams: `streams`) fill as events arrive and go to the access log at the
+    end, however the stream ended; a client that disconnects cancels the stream
+    (`run_until_disconnect`). Subclasses write `_stream`, and start the response only after
+    `started_events` or once every generation is queued (so a request the node could not
+    serve is a plain error response, not a 200 whose only event is an error)."""
 
     status_code = 200
+    streams = 1  # the generations this response carries (a completions batch: several)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         access = access_info(scope)
-        transcript = Transcript()
+        transcripts = [Transcript() for _ in range(self.streams)]
 
         async def stream() -> None:
-            await self._stream(send, transcript, access)
+            await self._stream(send, transcripts, access)
 
         try:
             await run_until_disconnect(receive, stream)
         finally:
-            _note(access, transcript)
+            note_transcripts(access, transcripts)
 
-    async def _stream(self, send: Send, transcript: Transcript, access: AccessInfo | None) -> None:
+    async def _stream(
+        self, send: Send, transcripts: list[Transcript], access: AccessInfo | None
+    ) -> None:
         raise NotImplementedError
+
+    @staticmethod
+    async def _start(send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+
+    @staticmethod
+    async def _send_chunk(send: Send, data: bytes, access: AccessInfo | None) -> None:
+        """One chunk, more to follow; the first one's time goes to the access line."""
+        await send(_body(data, True))
+        if access is not None and access.first_token_at is None:
+            access.first_token_at = time.perf_counter()
+
+    async def _send_events(
+        self,
+        send: Send,
+        events: AsyncIterable[SequenceEvent],
+        access: AccessInfo | None,
+        chunks: Callable[[SequenceEvent], bytes],
+    ) -> None:
+        """Each event's `chunks`, up to the last event or one that ends the request
+        abnormally (its error is then the transcript's: `finish_error`)."""
+        async for event in events:
+            reason = event.finish_reason
+            if reason is not None and reason not in FINISHED:
+                break
+            data = chunks(event)
+            if data:
+                await self._send_chunk(send, data, access)
 
 
 class SSEResponse(StreamedResponse):
@@ -199,26 +251,22 @@ class SSEResponse(StreamedResponse):
         self.node = node
         self.parsed = parsed
 
-    async def _stream(self, send: Send, transcript: Transcript, access: AccessInfo | None) -> None:
-        parsed = self.parsed
+    async def _stream(
+        self, send: Send, transcripts: list[Transcript], access: AccessInfo | None
+    ) -> None:
+        parsed, (transcript,) = self.parsed, transcripts
         async with self.node.generate(parsed.job) as events:
             stream = await started_events(events, transcript)
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await self._start(send)
             writer = ChunkWriter(parsed)
             try:
                 opening = writer.opening()
                 if opening:
                     await send(_body(opening, True))
-                async for event in stream:
-                    reason = event.finish_reason
-                    if reason is not None and reason not in _FINISHED:
-                        break
-                    data = writer.event(event, reason)
-                    if data:
-                        await send(_body(data, True))
-                        if access is not None and access.first_token_at is None:
-                            access.first_token_at = time.perf_counter()
-                failure = _finish_error(transcript)
+                await self._send_events(
+                    send, stream, access, lambda event: writer.event(event, event.finish_reason)
+                )
+                failure = finish_error(transcript)
                 if failure is not None:
                     await send(_body(_error_event(failure), False))
                     return
@@ -253,8 +301,8 @@ async def _first_event(events: AsyncIterator[SequenceEvent], t: Transcript) -> S
     except StopAsyncIteration:
         return None
     t.add(event)
-    if event.finish_reason is not None and event.finish_reason not in _FINISHED:
-        failure = _finish_error(t)
+    if event.finish_reason is not None and event.finish_reason not in FINISHED:
+        failure = finish_error(t)
         if failure is not None:
             raise failure
     return event

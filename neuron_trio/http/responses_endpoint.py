@@ -8,7 +8,6 @@ A response that finished is stored (unless `store: false`) in a bounded `Respons
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -22,14 +21,12 @@ from starlette.types import Receive, Send
 from neuron_trio.errors import ApiError, UnavailableError
 from neuron_trio.http.access_log import AccessInfo, access_info
 from neuron_trio.http.generation import (
-    _SSE_HEADERS,
     ClientGone,
     StreamedResponse,
     _body,
-    _finish_error,
-    _note,
-    run_until_disconnect,
+    finish_error,
     started_events,
+    transcribe,
 )
 from neuron_trio.http.openai.responses import Transcript, now
 from neuron_trio.http.openai.responses_api import (
@@ -47,7 +44,6 @@ from neuron_trio.service.api import GenerationJob, NodeService
 
 __all__ = ["ResponsesEndpoint"]
 
-_FINISHED = ("stop", "length", "tool_calls")
 INLINE_PARSE_BYTES = 64 << 10  # larger bodies are validated on a worker thread (as chat's)
 
 
@@ -111,22 +107,9 @@ class ResponsesEndpoint:
     async def _complete(
         self, parsed: ParsedResponsesRequest, receive: Receive, access: AccessInfo | None
     ) -> dict[str, Any] | None:
-        t = Transcript()
-
-        async def collect() -> None:
-            async with self.node.generate(parsed.chat.job) as events:
-                async for event in events:
-                    t.add(event)
-
-        try:
-            gone, _ = await run_until_disconnect(receive, collect)
-        finally:
-            _note(access, t)
-        if gone:
+        t = await transcribe(self.node, parsed.chat.job, receive, access)
+        if t is None:
             return None
-        failure = _finish_error(t)
-        if failure is not None:
-            raise failure
         status = "incomplete" if t.finish_reason == "length" else "completed"
         doc = response_object(
             parsed,
@@ -151,24 +134,18 @@ class ResponsesSSE(StreamedResponse):
         self.endpoint = endpoint
         self.parsed = parsed
 
-    async def _stream(self, send: Send, t: Transcript, access: AccessInfo | None) -> None:
-        parsed = self.parsed
+    async def _stream(
+        self, send: Send, transcripts: list[Transcript], access: AccessInfo | None
+    ) -> None:
+        parsed, (t,) = self.parsed, transcripts
         async with self.endpoint.node.generate(parsed.chat.job) as events:
             stream = await started_events(events, t)
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await self._start(send)
             writer = ResponsesStreamWriter(parsed, new_item_id("resp"), now())
             try:
                 await send(_body(writer.opening(), True))
-                async for event in stream:
-                    reason = event.finish_reason
-                    if reason is not None and reason not in _FINISHED:
-                        break
-                    data = writer.event(event)
-                    if data:
-                        await send(_body(data, True))
-                        if access is not None and access.first_token_at is None:
-                            access.first_token_at = time.perf_counter()
-                failure = _finish_error(t)
+                await self._send_events(send, stream, access, writer.event)
+                failure = finish_error(t)
                 if failure is not None:
                     raise failure
                 closing = writer.closing(t)

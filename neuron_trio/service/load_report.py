@@ -35,7 +35,7 @@ IDLE = LoadReport(
 
 def model_load(stats: ModelActorStatistics) -> LoadReport:
     slots = max(1, stats.slots_total)
-    busy = max(stats.slots_in_use / slots, stats.kv_cache_usage)
+    busy = max(stats.engine.slots_in_use / slots, stats.kv_cache_usage)
     return LoadReport(
         num_requests_waiting=stats.queued,
         num_requests_running=stats.running,

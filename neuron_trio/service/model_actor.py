@@ -14,62 +14,40 @@ and never blocking the loop.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import trio
 
 from neuron_trio.config import ModelConfig, TpConfig
-from neuron_trio.engine.prompt import PreparedPrompt, prepare_prompt
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
-    ContextLengthError,
     ModelLoadError,
-    NeuronError,
     QueueFullError,
     RequestError,
     StepTimeoutError,
     UnavailableError,
 )
 from neuron_trio.executor.api import ModelExecutor, ServingEngine
-from neuron_trio.service.api import GenerationJob, template_message, with_default_max_tokens
+from neuron_trio.service.api import GenerationJob, with_default_max_tokens
 from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.executor_calls import ExecutorCalls
 from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
 from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
-from neuron_trio.service.wedge.watchdog import InflightRequest, Watchdog
+from neuron_trio.service.prompt_intake import prepare_job_prompt
+from neuron_trio.service.request_table import ActorRequest, RequestTable
+from neuron_trio.service.wedge.records import InflightRequest
+from neuron_trio.service.wedge.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-INLINE_ENCODE_CHARS = 8192  # longer prompts are tokenized on a worker thread (chats: all)
-# No tokenizer packs more characters than this into one token on average, so a prompt with
-# more than context x this many characters cannot fit: refused before it is rendered.
-MAX_CHARS_PER_TOKEN = 64
 ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
-
-
-@dataclass(eq=False)
-class _Request:
-    job: GenerationJob
-    prompt_ids: list[int]
-    chat: bool
-    stream: EventStream
-    enqueued_at: float  # trio clock (metrics)
-    enqueued_wall: float = 0.0  # time.time() (forensics, read from other threads)
-    seq_id: int | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    tokens: int = 0
-    done: bool = False
-    outcome: str = ""
 
 
 # A burst of requests (a router's, or streams opened together on one HTTP/2 connection)
@@ -79,6 +57,19 @@ class _Request:
 # token comes BURST_GAP_S later; 8 streams measured 0.5 ms apart on a busy 2-core machine).
 BURST_GAP_S = 0.001
 BURST_WINDOW_S = 0.005
+
+
+def _not_loaded(max_batch: int) -> EngineStatistics:
+    """The engine's statistics before there is an engine: nothing in use, nothing counted."""
+    return EngineStatistics(
+        slots_total=max_batch,
+        slots_in_use=0,
+        prefilling=0,
+        decoding=0,
+        steps=0,
+        prompt_tokens_total=0,
+        generated_tokens_total=0,
+    )
 
 
 class ModelActor:
@@ -93,7 +84,8 @@ class ModelActor:
     Every step and probe goes through the watchdog (`run_step`); a step past its deadline
     fails the in-flight and queued requests with UnavailableError (503), and the loop awaits
     `watchdog.recover(executor)`, which returns once serving again (or never: exit 70).
-    Without a watchdog (tests, tools) steps run on a plain worker thread, unbounded.
+    Without a watchdog (tests, tools) steps run on a plain worker thread, unbounded
+    (`service/executor_calls.py`).
     """
 
     def __init__(
@@ -128,20 +120,13 @@ class ModelActor:
         self._loader = loader
         self._metrics = metrics
         self._stream_capacity = stream_capacity
-        # Invariant: a request is in `_queue` (no seq_id yet, in arrival order) or in
-        # `_active` (keyed by its engine seq_id), never both; only the actor's loop moves it
-        # between them, between steps, and it leaves both when its stream ends.
-        self._queue: deque[_Request] = deque()
-        self._active: dict[int, _Request] = {}
-        self._cancels: list[int] = []
-        self._open = 0  # generate() contexts not yet left
+        self._calls = ExecutorCalls(self.name, watchdog)
+        self._requests = RequestTable(self.name, metrics, self._wake)
         self._wakeup = trio.Event()
-        self._idle_lot = trio.lowlevel.ParkingLot()
         self._stopping = False
         self._force = False
         self._finished = trio.Event()
-        self._limiter = trio.CapacityLimiter(1)  # a hung step keeps only this slot
-        self._engine_stats: EngineStatistics | None = None
+        self._engine_stats = _not_loaded(spec.max_batch)  # the engine's, read between steps
         self._steps = 0
         self._failures = 0
         self._last_error: str | None = None
@@ -158,58 +143,36 @@ class ModelActor:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._requests.queue)
 
     @property
     def running(self) -> int:
-        return len(self._active)
+        return len(self._requests.active)
 
     @property
     def idle(self) -> bool:
         """No request queued, running, or still being read by its consumer."""
-        return not self._queue and not self._active and not self._open
-
-    @property
-    def _engine_idle(self) -> bool:
-        return not self._queue and not self._active
+        return self._requests.idle
 
     @property
     def accepting(self) -> bool:
         return self.state == "serving" and not self._stopping
 
     def statistics(self) -> ModelActorStatistics:
-        stats = self._engine_stats
         return ModelActorStatistics(
             name=self.name,
             state=self.state,
-            queued=len(self._queue),
-            running=len(self._active),
-            slots_in_use=stats.slots_in_use if stats else 0,
+            queued=self.queued,
+            running=self.running,
             slots_total=self.spec.max_batch,
             steps=self._steps,
             failures=self._failures,
-            kv_blocks_used=stats.kv_blocks_used if stats else 0,
-            kv_blocks_total=stats.kv_blocks_total if stats else 0,
-            kv_blocks_cached=stats.kv_blocks_cached if stats else 0,
-            prefix_cache_queries_tokens=stats.prefix_cache_queries_tokens if stats else 0,
-            prefix_cache_hits_tokens=stats.prefix_cache_hits_tokens if stats else 0,
-            preemptions=stats.preemptions if stats else 0,
+            engine=self._engine_stats,
         )
 
     def inflight(self) -> list[InflightRequest]:
         """Queued and running requests with their ages (forensics: any thread may call it)."""
-        now = time.time()
-        return [
-            InflightRequest(
-                model=self.name,
-                seq_id=r.seq_id,
-                state="queued" if r.seq_id is None else "running",
-                age_s=round(now - r.enqueued_wall, 3),
-                prompt_tokens=len(r.prompt_ids),
-                generated_tokens=r.tokens,
-            )
-            for r in [*list(self._active.values()), *list(self._queue)]
-        ]
+        return self._requests.inflight()
 
     def info(self) -> ModelInfo:
         """This model's entry in `/v1/node`."""
@@ -226,9 +189,9 @@ class ModelActor:
             tp=ex.tp if ex else self.spec.tp,
             max_batch=self.spec.max_batch,
             context=self.spec.context,
-            slots_in_use=stats.slots_in_use,
+            slots_in_use=stats.engine.slots_in_use,
             slots_total=stats.slots_total,
-            kv_cache=KVCacheInfo.from_statistics(stats, prefix_cache=self.spec.prefix_cache),
+            kv_cache=KVCacheInfo.from_statistics(stats.engine, prefix_cache=self.spec.prefix_cache),
             running=stats.running,
             queued=stats.queued,
             max_queue=self.max_queue,
@@ -244,14 +207,10 @@ class ModelActor:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _count(self, outcome: str) -> None:
-        if self._metrics is not None:
-            self._metrics.outcome(outcome)
-
     def _refuse_unless_accepting(self) -> None:
         if self.accepting:
             return
-        self._count("rejected_unavailable")
+        self._requests.count("rejected_unavailable")
         state = "unloading" if self._stopping else self.state
         if state == "recovering":
             raise UnavailableError(
@@ -270,60 +229,30 @@ class ModelActor:
         )
 
     async def _encode(self, job: GenerationJob) -> tuple[list[int], bool]:
-        """Token ids and the chat flag of `job`; RequestError (400) if it cannot run.
-
-        Tokenizing touches only the tokenizer and template (never the engine's state), so it
-        may run beside a step. Small prompts run on the trio thread (microseconds); long
-        ones on a worker thread, so that /health never waits behind a 1 MB prompt.
-        """
+        """Token ids and the chat flag of `job`; RequestError (400) if it cannot run."""
         assert self.executor is not None
         engine: ServingEngine = self.executor.engine
-        size = len(job.prompt or "") + sum(len(m.content) for m in job.messages or ())
-        if size > self.spec.context * MAX_CHARS_PER_TOKEN:
-            self._count("rejected_invalid")
-            raise ContextLengthError(
-                f"the prompt has {size} characters, far more than model {self.name!r}'s "
-                f"context of {self.spec.context} tokens can hold",
-                param="messages" if job.messages is not None else "prompt",
-            )
-
-        def prepare() -> PreparedPrompt:
-            return prepare_prompt(
-                engine,
-                job.params,
-                text=job.prompt,
-                messages=None
-                if job.messages is None
-                else [template_message(m) for m in job.messages],
-                ids=job.prompt_ids,
-                compile_constraint=False,  # done first, on the compile thread (below)
-            )
-
         try:
-            if job.params.constraint is not None:
-                # cached for `add`, on the model's compile thread (grammar_compiles)
-                if self._compiles is None:
-                    self._compiles = GrammarCompiles(
-                        engine.compile_constraint,
-                        engine.constraint_compiled,
-                        new_compile_threads(self.name),
-                    )
-                await self._compiles.compile(job.params.constraint)
-            # Tools are rendered into the prompt as JSON of any size. A chat template is the
-            # model file's code: it renders on a thread, under its own deadline and size
-            # bounds (engine/text/template_sandbox.py), never on the event loop.
-            if size > INLINE_ENCODE_CHARS or job.messages is not None or job.params.tools:
-                prepared = await trio.to_thread.run_sync(prepare, abandon_on_cancel=True)
-            else:
-                prepared = prepare()
+            prepared = await prepare_job_prompt(
+                engine, job, self.spec, lambda: self._grammar_compiles(engine)
+            )
         except RequestError:
-            self._count("rejected_invalid")
+            self._requests.count("rejected_invalid")
             raise
         return prepared.ids, prepared.chat
 
+    def _grammar_compiles(self, engine: ServingEngine) -> GrammarCompiles:
+        if self._compiles is None:
+            self._compiles = GrammarCompiles(
+                engine.compile_constraint,
+                engine.constraint_compiled,
+                new_compile_threads(self.name),
+            )
+        return self._compiles
+
     def _queue_capacity(self) -> int:
         # Requests take the free slots first, then wait in a queue of max_queue.
-        return self.max_queue + max(0, self.spec.max_batch - len(self._active))
+        return self.max_queue + max(0, self.spec.max_batch - self.running)
 
     @asynccontextmanager
     async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
@@ -337,13 +266,13 @@ class ModelActor:
         ids, chat = await self._encode(job)
         job = with_default_max_tokens(job, len(ids), self.spec)
         self._refuse_unless_accepting()  # the state may have changed while encoding
-        if len(self._queue) >= self._queue_capacity():
-            self._count("rejected_queue_full")
+        if self.queued >= self._queue_capacity():
+            self._requests.count("rejected_queue_full")
             raise QueueFullError(
                 f"model {self.name!r}: {self.max_queue} requests already wait for a slot",
-                retry_after_s=max(1, len(self._queue) // max(1, self.spec.max_batch)),
+                retry_after_s=max(1, self.queued // max(1, self.spec.max_batch)),
             )
-        request = _Request(
+        request = ActorRequest(
             job,
             ids,
             chat,
@@ -351,121 +280,21 @@ class ModelActor:
             enqueued_at=trio.current_time(),
             enqueued_wall=time.time(),
         )
-        self._queue.append(request)
-        self._open += 1
+        self._requests.enqueue(request)
         self._wake()
         try:
             yield request.stream
         finally:
-            self._open -= 1
-            self._abandon(request)
-            self._idle_lot.unpark_all()
-
-    def _abandon(self, request: _Request) -> None:
-        """The consumer left (client gone, or done): cancel at the next step boundary."""
-        request.stream.close()
-        if request.done:
-            return
-        if request.seq_id is None:
-            try:
-                self._queue.remove(request)
-            except ValueError:
-                pass
-        else:
-            self._cancels.append(request.seq_id)
-        self._finish(request, "cancelled")
-        self._wake()
-
-    def _finish(self, request: _Request, outcome: str) -> None:
-        if request.done:
-            return
-        request.done = True
-        request.outcome = outcome
-        if request.seq_id is not None and outcome != "cancelled":
-            self._active.pop(request.seq_id, None)
-        self._count(outcome)
-        m = self._metrics
-        if m is not None and request.tokens > 1:
-            assert request.first_token_at is not None and request.last_token_at is not None
-            span = request.last_token_at - request.first_token_at
-            m.per_output_token(span / (request.tokens - 1))
-        self._idle_lot.unpark_all()
-
-    def _fail_all(self, error: UnavailableError) -> None:
-        for request in [*self._queue, *self._active.values()]:
-            request.stream.fail(error)
-            self._finish(request, "unavailable")
-        self._queue.clear()
-        self._active.clear()
-        self._idle_lot.unpark_all()
+            self._requests.leave(request)
 
     def _wake(self) -> None:
         self._wakeup.set()
 
     async def wait_idle(self) -> None:
         """Return once no request is queued or running."""
-        while not self.idle:
-            await self._idle_lot.park()
+        await self._requests.wait_idle()
 
     # ---- loading and unloading -------------------------------------------------------------
-
-    async def _load(self) -> ModelExecutor:
-        """Build the executor on a worker thread.
-
-        Cancellation handling: the thread is abandoned; whatever it builds afterwards is
-        closed on its own thread, so an interrupted load leaks nothing for long.
-        """
-        lock = threading.Lock()
-        abandoned = False
-        built: list[ModelExecutor] = []
-
-        def build() -> ModelExecutor:
-            executor = self._loader()
-            with lock:
-                if abandoned:
-                    executor.close()
-                else:
-                    built.append(executor)
-            return executor
-
-        try:
-            with panics_as_model_file_errors(f"model {self.name!r}"):
-                return await trio.to_thread.run_sync(
-                    build, abandon_on_cancel=True, thread_name=f"neuron-load-{self.name}"
-                )
-        except trio.Cancelled:
-            with lock:
-                abandoned = True
-                leftovers = list(built)
-            for executor in leftovers:
-                threading.Thread(target=executor.close, daemon=True).start()
-            raise
-
-    async def _warm_up(self, executor: ModelExecutor) -> None:
-        """The model's first forward (a probe), then its warm-up requests (`engine.warm_up`:
-        the first real request then pays no one-time cost), each bounded: a hang here ends in
-        exit 70 (the deadman); an error fails the load.
-
-        The bound is the watchdog's `warm_up_s` (generous: first forwards pay one-time costs).
-        """
-        started = time.monotonic()
-        if self.watchdog is not None:
-            timeout_s = self.watchdog.warm_up_s
-            await self.watchdog.run_or_die(executor.probe, what="warm-up", timeout_s=timeout_s)
-            report = await self.watchdog.run_or_die(
-                executor.warm_up, what="warm-up", timeout_s=timeout_s
-            )
-        else:
-            await self._plain_thread(executor.probe, "warm-up")
-            report = await self._plain_thread(executor.warm_up, "warm-up")
-        log.info(
-            "model %s: warmed up in %.2f s (%s)", self.name, time.monotonic() - started, report
-        )
-
-    async def _close(self, executor: ModelExecutor) -> None:
-        await trio.to_thread.run_sync(
-            executor.close, abandon_on_cancel=True, thread_name=f"neuron-close-{self.name}"
-        )
 
     async def run(
         self, *, task_status: trio.TaskStatus[ModelActor] = trio.TASK_STATUS_IGNORED
@@ -473,23 +302,16 @@ class ModelActor:
         """Load, warm up, report started, then serve until `unload()` (or cancellation)."""
         started = time.monotonic()
         try:
-            try:
-                with trio.fail_after(self.load_timeout_s):
-                    self.executor = await self._load()
-            except trio.TooSlowError:
-                raise ModelLoadError(
-                    f"model {self.name!r}: loading took longer than {self.load_timeout_s:g} s "
-                    "(node.load_timeout_s)"
-                ) from None
+            self.executor = await self._calls.load(self._loader, self.load_timeout_s)
             # A Rust panic (pyo3's PanicException is a BaseException) is the file's fault.
             with panics_as_model_file_errors(f"model {self.name!r}"):
-                await self._warm_up(self.executor)
+                await self._calls.warm_up(self.executor)
             self._engine_stats = self.executor.engine.statistics()
         except BaseException as exc:
             self._state = "unloaded"
             self._finished.set()
             if self.executor is not None and isinstance(exc, Exception):
-                await self._close(self.executor)
+                await self._calls.close(self.executor)
             # A ConfigError (tp that does not divide the heads) stays one: exit 78, or a 400.
             if isinstance(exc, ModelLoadError | ConfigError) or not isinstance(exc, Exception):
                 raise
@@ -502,12 +324,12 @@ class ModelActor:
             await self._serve(self.executor)
             self._state = "unloading"
             executor, self.executor = self.executor, None
-            await self._close(executor)
+            await self._calls.close(executor)
             log.info("model %s: unloaded", self.name)
         finally:
             if self._compiles is not None:
                 self._compiles.close()
-            self._fail_all(
+            self._requests.fail_all(
                 UnavailableError(f"model {self.name!r} was stopped", code="model_unloaded")
             )
             self._state = "unloaded"
@@ -524,7 +346,7 @@ class ModelActor:
         self._stopping = True
         if force:
             self._force = True
-            self._fail_all(
+            self._requests.fail_all(
                 UnavailableError(f"model {self.name!r} is being unloaded", code="model_unloading")
             )
         self._wake()
@@ -532,76 +354,29 @@ class ModelActor:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    async def _plain_thread(self, fn: Callable[[], T], what: str) -> T:
-        return await trio.to_thread.run_sync(
-            fn,
-            abandon_on_cancel=True,
-            limiter=self._limiter,
-            thread_name=f"neuron-{what}-{self.name}",
-        )
-
     async def _step(self, executor: ModelExecutor) -> list[SequenceEvent]:
-        """One engine step off the trio thread, under the watchdog (when there is one).
-
-        Raises StepTimeoutError past the step deadline (then `recover` must follow).
-        Cancellation handling: the thread is abandoned and keeps the step limiter's slot.
-        """
-        if self.watchdog is not None:
-            return await self.watchdog.run_step(executor.step, inflight=self.inflight)
-        return await self._plain_thread(executor.step, "step")
+        return await self._calls.step(executor, self.inflight)
 
     async def _idle_probe(self, executor: ModelExecutor) -> None:
-        """The idle probe: one tiny forward, counted by the watchdog (ok, failed, wedged)."""
-        if self.watchdog is not None:
-            await self.watchdog.run_idle_probe(executor.probe, inflight=self.inflight)
-        else:
-            await self._plain_thread(executor.probe, "probe")
-
-    def _apply_cancels(self, engine: ServingEngine) -> None:
-        for seq_id in self._cancels:
-            engine.cancel(seq_id)
-            self._active.pop(seq_id, None)
-        self._cancels.clear()
-
-    def _admit(self, engine: ServingEngine) -> None:
-        # A request of n choices takes n of max_batch at once (its prompt is prefilled once,
-        # shared), and waits until the KV pool has its prompt's blocks.
-        while self._queue and engine.can_admit(
-            len(self._queue[0].prompt_ids), self._queue[0].job.params.n
-        ):
-            request = self._queue.popleft()
-            try:
-                seq_id = engine.add(
-                    request.prompt_ids,
-                    request.job.params,
-                    chat=request.chat,
-                    cache_salt=request.job.cache_salt,
-                )
-            except NeuronError as exc:  # validated on arrival: should not happen
-                request.stream.fail(exc)
-                self._finish(request, "error")
-                continue
-            request.seq_id = seq_id
-            self._active[seq_id] = request
-            if self._metrics is not None:
-                self._metrics.admitted(len(request.prompt_ids))
+        await self._calls.idle_probe(executor, self.inflight)
 
     async def _serve(self, executor: ModelExecutor) -> None:
         engine: ServingEngine = executor.engine
+        requests = self._requests
         while True:
             self._wakeup = trio.Event()  # before looking: a wake from now on is not lost
-            self._apply_cancels(engine)
+            requests.apply_cancels(engine)
             if self._force:
                 engine.cancel_all()
                 return
-            if self._stopping and self._engine_idle:
+            if self._stopping and requests.engine_idle:
                 return  # consumers may still read their last events: they need no engine
-            self._admit(engine)
+            requests.admit(engine)
             self._engine_stats = engine.statistics()  # slots freed by cancels show at once
             if not engine.has_work:
-                for request in list(self._active.values()):  # the engine dropped it silently
+                for request in list(requests.active.values()):  # the engine dropped it silently
                     request.stream.fail(UnavailableError("the engine dropped the sequence"))
-                    self._finish(request, "error")
+                    requests.finish(request, "error")
                 with trio.move_on_after(self.probe_interval_s) as idle:
                     await self._wakeup.wait()
                 if idle.cancelled_caught:
@@ -612,7 +387,7 @@ class ModelActor:
             events = await self._guarded(executor, self._step, "step")
             if events is not None:
                 self._steps += 1
-                self._route(events)
+                requests.route(events)
             self._engine_stats = engine.statistics()
 
     async def _gather_burst(self) -> None:
@@ -621,13 +396,13 @@ class ModelActor:
         if self._burst_gap_s <= 0:
             return
         end = trio.current_time() + self._burst_window_s
-        while len(self._queue) < self.spec.max_batch and not self._stopping:
-            seen = len(self._queue)
+        while self.queued < self.spec.max_batch and not self._stopping:
+            seen = self.queued
             with trio.move_on_at(min(end, trio.current_time() + self._burst_gap_s)):
-                while len(self._queue) <= seen and not self._stopping:
+                while self.queued <= seen and not self._stopping:
                     self._wakeup = trio.Event()
                     await self._wakeup.wait()
-            if len(self._queue) <= seen:
+            if self.queued <= seen:
                 return  # no arrival within the gap (or the window is over)
 
     async def _guarded(
@@ -650,7 +425,7 @@ class ModelActor:
         self._failures += 1
         self._last_error = f"{type(exc).__name__}: {exc}"
         self._state = "recovering"
-        self._fail_all(
+        self._requests.fail_all(
             UnavailableError(
                 f"model {self.name!r} {'wedged' if wedged else 'failed a step'}; "
                 "it is recovering: retry",
@@ -667,28 +442,7 @@ class ModelActor:
         # A failed or aborted step left no sequence half-advanced; drop them all (their
         # requests were failed above) so that the slots are free again.
         executor.engine.cancel_all()
-        self._cancels.clear()
+        self._requests.cancels.clear()
         self._engine_stats = executor.engine.statistics()
         self._state = "serving"
         log.warning("model %s: serving again after %s", self.name, self._last_error)
-
-    def _route(self, events: list[SequenceEvent]) -> None:
-        now = trio.current_time()
-        for event in events:
-            request = self._active.get(event.seq_id)
-            if request is None or request.done:
-                continue  # cancelled since the step started
-            n = len(event.token_ids)
-            if n:
-                if request.first_token_at is None:
-                    request.first_token_at = now
-                    if self._metrics is not None:
-                        self._metrics.first_token(now - request.enqueued_at)
-                request.last_token_at = now
-                request.tokens += n
-                if self._metrics is not None:
-                    self._metrics.generated(n)
-            request.stream.push(event)
-            if event.finish_reason is not None and not event.more_choices:
-                request.stream.close()
-                self._finish(request, event.finish_reason)

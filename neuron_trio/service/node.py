@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
-import os
 import socket
 import time
 import uuid
@@ -39,88 +37,42 @@ from prometheus_client import CollectorRegistry
 import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
-from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
 from neuron_trio.errors import (
-    ApiError,
     ConfigError,
-    ModelFileError,
+    ModelExistsError,
     ModelLoadError,
     ModelNotFoundError,
-    RequestError,
+    TooManyModelsError,
     UnavailableError,
 )
-from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
 from neuron_trio.service.event_stream import EventStream
-from neuron_trio.service.fingerprint import model_fingerprint
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from neuron_trio.service.load_report import LoadReport, model_load, node_load
 from neuron_trio.service.metrics.model import ModelActorStatistics, NodeMetrics
-from neuron_trio.service.metrics.node import NodeCollector, NodeStatistics, RateWindow
+from neuron_trio.service.metrics.node import NodeCollector, NodeStatistics, TokenRates
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.model_actor import BURST_GAP_S, ModelActor
-from neuron_trio.service.node_document import (
-    FailpointsInfo,
-    LastForensics,
-    ModelMemory,
-    NodeInfo,
-    NodeWatchdog,
+from neuron_trio.service.model_start import (
+    Estimator,
+    ExecutorFactory,
+    GpuSource,
+    PlacedModel,
+    default_estimator,
+    default_factory,
+    errors_naming_the_source,
+    place_model,
 )
-from neuron_trio.service.placement import (
-    GpuSnapshotLike,
-    ModelEstimate,
-    estimate_model_bytes,
-    host_memory_available,
-    place,
-)
+from neuron_trio.service.node_document import FailpointsInfo, NodeInfo, NodeWatchdog
+from neuron_trio.service.placement import host_memory_available
 from neuron_trio.service.process.download_progress import LOAD_SILENCE_S, DownloadProgress
-from neuron_trio.service.sources import HubLimits, resolve_source
+from neuron_trio.service.sources import HubLimits
 from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.wedge.deadman import Deadman
+from neuron_trio.service.wedge.forensics import LastForensics, find_last_forensics
 from neuron_trio.service.wedge.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
-
-ExecutorFactory = Callable[..., ModelExecutor]  # (spec, path, devices, *, failpoints)
-Estimator = Callable[[ModelConfig, Path, bool], ModelEstimate]  # (spec, path, on_gpu)
-
-
-class TooManyModelsError(RequestError):
-    """Raised by a runtime load if `node.max_models` models are already loaded (409)."""
-
-    status = 409
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            f"{limit} models are loaded, the most this node holds (node.max_models); "
-            "unload one first",
-            code="too_many_models",
-        )
-
-
-class ModelExistsError(RequestError):
-    """Raised by `load_model` if a model of that name is loaded or loading (409)."""
-
-    status = 409
-
-    def __init__(self, name: str) -> None:
-        super().__init__(
-            f"a model named {name!r} is already loaded (or loading); unload it first",
-            param="name",
-            code="model_exists",
-        )
-
-
-class LiveGpuSnapshot(GpuSnapshotLike, Protocol):
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-class GpuSource(Protocol):
-    """What the node needs of `gpu.actor.GpuActor`: a live NVML read."""
-
-    async def live(self) -> LiveGpuSnapshot: ...
 
 
 class StatusSink(Protocol):
@@ -142,39 +94,6 @@ class _Identity:
 
 def _ephemeral_identity() -> _Identity:
     return _Identity(boot_id=uuid.uuid4().hex, started_at=utc_iso(time.time()), starts=1)
-
-
-def _default_factory(
-    spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
-) -> ModelExecutor:
-    from neuron_trio.executor.executor import build_executor
-
-    return build_executor(spec, path, devices, failpoints=failpoints)
-
-
-def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
-    """The header's size estimate, after the chat template has rendered a probe conversation
-    in time (both read only the header: a file refused here costs no weights)."""
-    estimate = estimate_model_bytes(spec, path, on_gpu=on_gpu)
-    probe_gguf_chat_template(path, str(path))
-    return estimate
-
-
-def find_last_forensics(state_dir: Path) -> LastForensics | None:
-    """The newest forensics report under `state_dir/forensics/`, with its path, or None."""
-    folder = state_dir / "forensics"
-    try:
-        reports = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))
-    except OSError:
-        return None
-    if not reports:
-        return None
-    newest = reports[-1]
-    try:
-        report: Any = json.loads(newest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        report = {"unreadable": f"{type(exc).__name__}: {exc}"}
-    return LastForensics(path=str(newest), report=report)
 
 
 class Node:
@@ -209,8 +128,8 @@ class Node:
         self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
         self._gpus = gpus
         self._notifier = notifier
-        self._factory = executor_factory or _default_factory
-        self._estimator = estimator or _default_estimator
+        self._factory = executor_factory or default_factory
+        self._estimator = estimator or default_estimator
         self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
         self._registry = CollectorRegistry()
@@ -224,7 +143,7 @@ class Node:
         self._closed = trio.Event()
         self._last_forensics: LastForensics | None = None
         self._last_forensics_unix: float | None = None  # when it was written (its mtime)
-        self._token_rates: dict[str, RateWindow] = {}
+        self._token_rates = TokenRates(self._metrics.generated_tokens)
         self._registry.register(NodeCollector(self))
         self.kv_events: KVEventsPublisher | None = None  # [kv_events] enabled: for routers
         if config.kv_events.enabled:
@@ -306,7 +225,7 @@ class Node:
             config=self.config.source_path,
             gpus=gpus,
             models=[actor.info() for actor in self._actors.values()],
-            generated_tokens_per_s_1m={name: self._tokens_per_s(name) for name in self._actors},
+            generated_tokens_per_s_1m={name: self._token_rates.rate(name) for name in self._actors},
             watchdog=NodeWatchdog(
                 step_timeout_s=tp.step_timeout_s,
                 abort_deadline_s=tp.abort_deadline_s,
@@ -386,7 +305,7 @@ class Node:
         failure: ModelLoadError | ConfigError | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._sample_token_rates)
+            nursery.start_soon(self._token_rates.run, lambda: list(self._actors))
             try:
                 if self.kv_events is not None:
                     await nursery.start(self.kv_events.run)
@@ -490,27 +409,6 @@ class Node:
             previous_stop_clean=bool(self.identity.previous_stop_clean),
         )
 
-    async def _sample_token_rates(self) -> None:
-        """Every TOKEN_RATE_SAMPLE_S, each model's generated tokens into its 1-minute window."""
-        while True:
-            now = trio.current_time()
-            totals = {
-                sample.labels["model"]: sample.value
-                for family in self._metrics.generated_tokens.collect()
-                for sample in family.samples
-                if sample.name.endswith("_total")
-            }
-            for name in list(self._actors):
-                self._token_rates.setdefault(name, RateWindow()).add(now, totals.get(name, 0.0))
-            for gone in set(self._token_rates) - set(self._actors):
-                del self._token_rates[gone]
-            await trio.sleep(TOKEN_RATE_SAMPLE_S)
-
-    def _tokens_per_s(self, model: str) -> float | None:
-        window = self._token_rates.get(model)
-        rate = window.rate() if window is not None else None
-        return round(rate, 2) if rate is not None else None
-
     def _model_statistics(self) -> list[ModelActorStatistics]:
         return [actor.statistics() for actor in list(self._actors.values())]
 
@@ -523,12 +421,6 @@ class Node:
             "draining": self._draining,
         }
 
-    async def _live_gpus(self, spec: ModelConfig) -> GpuSnapshotLike | None:
-        if self._gpus is None or spec.devices == "cpu":
-            return None
-        snapshot: GpuSnapshotLike = await self._gpus.live()
-        return snapshot
-
     async def _start_model(
         self, spec: ModelConfig, *, hub_limits: HubLimits | None = None
     ) -> ModelActor:
@@ -536,81 +428,45 @@ class Node:
             raise ModelExistsError(spec.name)
         assert self._nursery is not None
         self._reserved.add(spec.name)
-        path: Path | None = None
+        placed: PlacedModel | None = None
         try:
-            path = await trio.to_thread.run_sync(
-                partial(
-                    resolve_source,
-                    spec.source,
+            with errors_naming_the_source(spec, lambda: placed.path if placed else None):
+                placed = await place_model(
+                    spec,
                     self.config,
+                    gpus=self._gpus,
+                    estimator=self._estimator,
+                    host_memory=self._host_memory,
                     progress=self._status,
                     on_bytes=self._download_progress(spec),
-                    limits=hub_limits,
-                ),
-                abandon_on_cancel=True,
-            )
-            snapshot = await self._live_gpus(spec)
-            on_gpu = spec.devices != "cpu" and bool(snapshot and snapshot.gpus)
-            try:
-                estimate = await trio.to_thread.run_sync(
-                    self._estimator, spec, path, on_gpu, abandon_on_cancel=True
+                    hub_limits=hub_limits,
                 )
-            except ModelFileError as exc:
-                # Name the file as the client did: where a source resolves to is not theirs.
-                detail = str(exc).replace(str(path), spec.source)
-                raise type(exc)(f"model {spec.name!r}: {detail}") from None
-            fingerprint = await trio.to_thread.run_sync(
-                model_fingerprint, path, spec.dtype, abandon_on_cancel=True
-            )
-            devices = place(
-                spec,
-                estimate.total_bytes,
-                snapshot,
-                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                host_available_bytes=await trio.to_thread.run_sync(self._host_memory),
-            )
-            log.info(
-                "model %s: %s on %s (estimate %.2f GiB)",
-                spec.name,
-                path,
-                ", ".join(map(str, devices)),
-                estimate.total_bytes / (1 << 30),
-            )
-            actor = ModelActor(
-                spec,
-                partial(self._factory, spec, path, devices, failpoints=self.failpoints),
-                max_queue=self.config.server.max_queue,
-                watchdog=self._watchdog_factory(spec),
-                metrics=self._metrics.for_model(spec.name),
-                source_path=str(path),
-                burst_gap_s=self._burst_gap_s,
-                load_timeout_s=self.config.node.load_timeout_s,
-                memory=ModelMemory(
-                    weights_bytes=estimate.weights_bytes,
-                    kv_cache_bytes=estimate.kv_cache_bytes,
-                    total_bytes=estimate.total_bytes,
-                    devices=[str(d) for d in devices],
-                ),
-            )
-            self._actors[spec.name] = actor
-            self._fingerprints[spec.name] = fingerprint
-            try:
-                await self._nursery.start(actor.run)
-            except BaseException:
-                self._actors.pop(spec.name, None)
-                raise
-            if self.kv_events is not None and actor.executor is not None:
-                self.kv_events.attach(spec.name, actor.executor.engine)
-        except ModelLoadError as exc:
-            # Name the file as the client did: where a source resolves to is not theirs.
-            if path is not None and str(path) in str(exc):
-                raise type(exc)(str(exc).replace(str(path), spec.source)) from None
-            raise
-        except (ApiError, ConfigError):
-            raise
-        except Exception as exc:  # a GPU read, a torch error: still a failed load
-            detail = str(exc) if path is None else str(exc).replace(str(path), spec.source)
-            raise ModelLoadError(f"model {spec.name!r}: {type(exc).__name__}: {detail}") from exc
+                actor = ModelActor(
+                    spec,
+                    partial(
+                        self._factory,
+                        spec,
+                        placed.path,
+                        placed.devices,
+                        failpoints=self.failpoints,
+                    ),
+                    max_queue=self.config.server.max_queue,
+                    watchdog=self._watchdog_factory(spec),
+                    metrics=self._metrics.for_model(spec.name),
+                    source_path=str(placed.path),
+                    burst_gap_s=self._burst_gap_s,
+                    load_timeout_s=self.config.node.load_timeout_s,
+                    memory=placed.memory,
+                )
+                self._actors[spec.name] = actor
+                self._fingerprints[spec.name] = placed.fingerprint
+                try:
+                    await self._nursery.start(actor.run)
+                except BaseException:
+                    self._actors.pop(spec.name, None)
+                    raise
+                if self.kv_events is not None and actor.executor is not None:
+                    self.kv_events.attach(spec.name, actor.executor.engine)
         finally:
             self._reserved.discard(spec.name)
         return actor

@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from neuron_trio.engine.builtin import builtin_model_path
-from neuron_trio.errors import SourceError
-from tests.neuron_process import builtin_daemon
+from tests.neuron_process import builtin_daemon, skip_without_builtin_model
 
 MODEL = "smollm2-135m"
 CONTEXT = 1024  # small: the "prompt too long" cases need few tokens to exceed it
@@ -31,10 +30,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="module")
 def neuron_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`http://127.0.0.1:PORT` of a daemon serving the built-in model as `smollm2-135m`."""
-    try:
-        builtin_model_path()
-    except SourceError as e:
-        pytest.skip(str(e))
+    skip_without_builtin_model()
     tmp = tmp_path_factory.mktemp("conformance")
     with builtin_daemon(tmp, context=CONTEXT, tp={"probe_interval_s": 3600}) as (url, _):
         yield url

@@ -33,6 +33,31 @@ BOOK = [
 ]
 
 
+def _openai(api_base: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key="dummy", base_url=api_base, max_retries=0)
+
+
+def _book_logprobs(api_base: str, **kw: Any) -> Any:
+    """The book chat, greedy, 5 tokens with their logprobs and 10 alternatives each."""
+    return _openai(api_base).chat.completions.create(
+        model=MODEL,
+        temperature=0.0,
+        messages=BOOK,  # type: ignore[arg-type]
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=10,
+        **kw,
+    )
+
+
+def _token_text(token: Any) -> str:
+    """A logprobs entry's text, once its shape is checked as llama.cpp's test checks it."""
+    assert token.logprob <= 0.0
+    assert token.bytes is not None
+    assert len(token.top_logprobs) > 0
+    return str(token.token)
+
+
 def _chat(http: httpx.Client, **body: Any) -> httpx.Response:
     return http.post("/v1/chat/completions", json={"model": MODEL, **body})
 
@@ -99,8 +124,7 @@ def test_chat_completion_stream(http: httpx.Client) -> None:
 
 
 def test_chat_completion_with_openai_library(api_base: str) -> None:
-    client = openai.OpenAI(api_key="dummy", base_url=api_base, max_retries=0)
-    res = client.chat.completions.create(
+    res = _openai(api_base).chat.completions.create(
         model=MODEL,
         messages=BOOK,
         max_tokens=8,
@@ -181,37 +205,15 @@ def test_invalid_chat_completion_req(http: httpx.Client, messages: Any) -> None:
 
 
 def test_logprobs(api_base: str) -> None:
-    client = openai.OpenAI(api_key="dummy", base_url=api_base, max_retries=0)
-    res = client.chat.completions.create(
-        model=MODEL,
-        temperature=0.0,
-        messages=BOOK,  # type: ignore[arg-type]
-        max_tokens=5,
-        logprobs=True,
-        top_logprobs=10,
-    )
+    res = _book_logprobs(api_base)
     logprobs = res.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
-    aggregated = ""
-    for token in logprobs.content:
-        aggregated += token.token
-        assert token.logprob <= 0.0
-        assert token.bytes is not None
-        assert len(token.top_logprobs) > 0
+    aggregated = "".join(_token_text(token) for token in logprobs.content)
     assert aggregated == res.choices[0].message.content
 
 
 def test_logprobs_stream(api_base: str) -> None:
-    client = openai.OpenAI(api_key="dummy", base_url=api_base, max_retries=0)
-    stream = client.chat.completions.create(
-        model=MODEL,
-        temperature=0.0,
-        messages=BOOK,  # type: ignore[arg-type]
-        max_tokens=5,
-        logprobs=True,
-        top_logprobs=10,
-        stream=True,
-    )
+    stream = _book_logprobs(api_base, stream=True)
     output = aggregated = ""
     for i, data in enumerate(stream):
         if not data.choices:
@@ -224,11 +226,7 @@ def test_logprobs_stream(api_base: str) -> None:
         if choice.finish_reason is None:
             output += choice.delta.content or ""
             assert choice.logprobs is not None and choice.logprobs.content is not None
-            for token in choice.logprobs.content:
-                aggregated += token.token
-                assert token.logprob <= 0.0
-                assert token.bytes is not None
-                assert len(token.top_logprobs) > 0
+            aggregated += "".join(_token_text(token) for token in choice.logprobs.content)
     assert aggregated == output
 
 
@@ -240,8 +238,7 @@ def test_logit_bias(api_base: str, tokenize: Any) -> None:
     for word in exclude:
         ids.update(tokenize(" " + word)[-1:])
         ids.update(tokenize(word)[-1:])
-    client = openai.OpenAI(api_key="dummy", base_url=api_base, max_retries=0)
-    res = client.chat.completions.create(
+    res = _openai(api_base).chat.completions.create(
         model=MODEL,
         temperature=0.0,
         messages=BOOK,  # type: ignore[arg-type]

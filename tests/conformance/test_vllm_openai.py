@@ -39,6 +39,15 @@ MESSAGES = [
 ]
 
 
+# The chat the streaming tests send both ways (greedy: the stream must equal the body).
+GREEDY_CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": MESSAGES,
+    "max_completion_tokens": 10,
+    "temperature": 0.0,
+}
+
+
 def run(fn: Any) -> None:
     async def main() -> None:
         with trio.fail_after(300):
@@ -338,12 +347,7 @@ def test_single_chat_session(api_base: str) -> None:
 def test_chat_streaming(api_base: str) -> None:
     async def body() -> None:
         async with _client(api_base) as client:
-            kw: dict[str, Any] = {
-                "model": MODEL,
-                "messages": MESSAGES,
-                "max_completion_tokens": 10,
-                "temperature": 0.0,
-            }
+            kw = GREEDY_CHAT
             chat = await client.chat.completions.create(**kw)
             chunks = await _all(await client.chat.completions.create(stream=True, **kw))
             text = ""
@@ -362,12 +366,7 @@ def test_chat_streaming(api_base: str) -> None:
 def test_chat_completion_stream_options(api_base: str) -> None:
     async def body() -> None:
         async with _client(api_base) as client:
-            kw: dict[str, Any] = {
-                "model": MODEL,
-                "messages": MESSAGES,
-                "max_completion_tokens": 10,
-                "temperature": 0.0,
-            }
+            kw = GREEDY_CHAT
             for chunk in await _all(
                 await client.chat.completions.create(
                     stream=True, stream_options={"include_usage": False}, **kw

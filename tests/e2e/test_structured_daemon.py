@@ -11,9 +11,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from neuron_trio.engine.builtin import builtin_model_path
-from neuron_trio.errors import SourceError
-from tests.neuron_process import builtin_daemon
+from tests.neuron_process import builtin_daemon, skip_without_builtin_model
 
 openai = pytest.importorskip("openai")
 
@@ -24,10 +22,7 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    try:
-        builtin_model_path()
-    except SourceError as e:
-        pytest.skip(str(e))
+    skip_without_builtin_model()
     with builtin_daemon(tmp_path_factory.mktemp("structured")) as (url, _):
         yield f"{url}/v1"
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.text.grammar import ToolCallFormat
+from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.text.tool_call_start import CallStartWatcher, rest_of_call_lark
 from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent, ToolFunction
 from tests.engine import tiny_families

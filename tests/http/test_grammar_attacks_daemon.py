@@ -13,9 +13,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-from neuron_trio.engine.builtin import builtin_model_path
-from neuron_trio.errors import SourceError
-from tests.neuron_process import builtin_daemon
+from tests.neuron_process import builtin_daemon, skip_without_builtin_model
 
 openai = pytest.importorskip("openai")
 
@@ -37,10 +35,7 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    try:
-        builtin_model_path()
-    except SourceError as e:
-        pytest.skip(str(e))
+    skip_without_builtin_model()
     with builtin_daemon(tmp_path_factory.mktemp("grammar-attacks")) as (url, proc):
         yield Daemon(url, proc)
 

@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from neuron_trio.config import ModelConfig, NeuronConfig, TpConfig, config_from_mapping
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import (
+    ModelExistsError,
     ModelLoadError,
     ModelNotFoundError,
     PlacementError,
@@ -32,8 +33,9 @@ from neuron_trio.errors import (
 )
 from neuron_trio.failpoints import Failpoints, parse
 from neuron_trio.service.api import ChatMessage, GenerationJob
-from neuron_trio.service.node import ModelExistsError, Node, find_last_forensics
+from neuron_trio.service.node import Node
 from neuron_trio.service.placement import ModelEstimate
+from neuron_trio.service.wedge.forensics import find_last_forensics
 from neuron_trio.service.wedge.watchdog import Watchdog
 
 from .fakes import FakeDeadman, FakeExecutor, FakeThreads

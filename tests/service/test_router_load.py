@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_trio.config import config_from_mapping
+from neuron_trio.engine.types import EngineStatistics
 from neuron_trio.service.kv_events_publisher import KVEventsPublisher
 from neuron_trio.service.load_report import IDLE, LoadReport, model_load, node_load
 from neuron_trio.service.metrics.model import ModelActorStatistics
@@ -25,12 +26,18 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def _stats(**kw: int) -> ModelActorStatistics:
-    base = dict(
-        name="a", state="serving", queued=0, running=0, slots_in_use=0, slots_total=4, steps=0,
-        failures=0, kv_blocks_used=0, kv_blocks_total=100,
+def _stats(
+    *, name: str = "a", queued: int = 0, running: int = 0, slots_total: int = 4, **engine: int
+) -> ModelActorStatistics:
+    """A model's statistics; `engine`: the engine's figures (slots_in_use, kv_blocks_...)."""
+    figures = dict(
+        slots_total=slots_total, slots_in_use=0, prefilling=0, decoding=0, steps=0,
+        prompt_tokens_total=0, generated_tokens_total=0, kv_blocks_total=100,
     )  # fmt: skip
-    return ModelActorStatistics(**(base | kw))  # type: ignore[arg-type]
+    return ModelActorStatistics(
+        name=name, state="serving", queued=queued, running=running, slots_total=slots_total,
+        steps=0, failures=0, engine=EngineStatistics(**(figures | engine)),
+    )  # fmt: skip
 
 
 def test_model_load_figures() -> None:

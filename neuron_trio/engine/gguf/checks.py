@@ -271,7 +271,7 @@ def _bpe_spellings(metadata: Mapping[str, Any], tokens: list[str]) -> set[str]:
     (`gpt2`) also a raw-text token spelled in GPT-2's byte alphabet, as the tokenizer keys it."""
     spelled = set(tokens)
     if metadata.get("tokenizer.ggml.model") == "gpt2":
-        alphabet = _gpt2_byte_alphabet()
+        alphabet = gpt2_byte_alphabet()
         letters = set(alphabet)
         for token in tokens:
             if not set(token) <= letters:
@@ -279,7 +279,8 @@ def _bpe_spellings(metadata: Mapping[str, Any], tokens: list[str]) -> set[str]:
     return spelled
 
 
-def _gpt2_byte_alphabet() -> list[str]:
+def gpt2_byte_alphabet() -> list[str]:
+    """GPT-2's byte alphabet: the printable character that spells each byte in a vocabulary."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     table = {b: chr(b) for b in printable}
     extra = 0

@@ -15,6 +15,9 @@ with no dependencies. llguidance also refuses schema keywords it cannot enforce 
 an unknown `format`: a 400 naming them, as docs/DESIGN.md asks), and its Lark grammars embed JSON
 Schemas (`%json {...}`), which is what a tool call in a model's own format needs.
 
+A batch's masks are filled and applied by `grammar_masks`; how a model writes a tool call, and
+the grammar of its calls, is `tool_call_format`.
+
 Compilation (`GrammarCompiler.compile`) parses the grammar once per distinct constraint and
 caches the resulting matcher in its initial state (`grammar_cache`: bounded in entries and in
 estimated bytes); each sequence gets a deep copy (µs). Before the compiler sees a schema, its
@@ -26,26 +29,29 @@ size and shape are bounded (`schema_limits`) and client conventions made explici
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import llguidance
-import numpy as np
 import torch
 
 from neuron_trio.engine.text.grammar_cache import GrammarCache
+from neuron_trio.engine.text.grammar_masks import allowed_tokens, apply_masks, fill_masks
 from neuron_trio.engine.text.schema_limits import SchemaSize, check_schema, check_size
-from neuron_trio.engine.text.schema_prep import (
-    close_objects,
-    one_line,
-    rebase_refs,
-    refuse_remote_refs,
+from neuron_trio.engine.text.schema_prep import close_objects, one_line, refuse_remote_refs
+from neuron_trio.engine.text.tool_call_format import (
+    MAX_PARALLEL_TOOL_CALLS,
+    ToolCallFormat,
+    decode_schema,
+    detect_tool_format,
 )
-from neuron_trio.engine.types import Constraint, ToolFunction
+from neuron_trio.engine.types import Constraint
 from neuron_trio.errors import RequestError
 
+# The grammar's public surface in one place (the engine imports it from here): the compiler
+# and a sequence's state, with the masks (grammar_masks) and tool-call formats
+# (tool_call_format) they work with.
 __all__ = [
     "MAX_PARALLEL_TOOL_CALLS",
     "GrammarCompiler",
@@ -53,7 +59,9 @@ __all__ = [
     "ToolCallFormat",
     "allowed_tokens",
     "apply_masks",
+    "detect_tool_format",
     "fill_masks",
+    "is_rust_panic",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,19 +69,12 @@ log = logging.getLogger(__name__)
 # JSON without optional whitespace: a small model that may emit whitespace forever, won't.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False}
 
-_CALL_JSON_OPTIONS: Any = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
-
 # The compiler's own resource limits, beside `schema_limits`' bounds on its input: errors
 # without the grammar and parser state (a client must never get the compiler's dump).
 # `max_lexer_states` (1-2 KB each, llguidance's docs) bounds what masks add to a grammar
 # after its compile: 20 000 is ~40 MB, where the default 250 000 would allow 500 MB; JSON
 # schemas within the bounds reach a few thousand.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=20_000)
-
-# Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
-# small model asked for `required` repeats calls until max_tokens and the last one is cut off
-# mid-JSON; at the bound the grammar allows only the end of the turn.
-MAX_PARALLEL_TOOL_CALLS = 4
 
 
 class _TokenizerLike(Protocol):
@@ -91,104 +92,6 @@ class _TokenizerLike(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
 
 
-class ToolCallFormat:
-    """How a model writes a tool call: Hermes-style `<tool_call>{json}</tool_call>` (Qwen,
-    and neuron's fallback for templates without tools), Llama 3.x's bare JSON object with
-    "name" and "parameters", or Mistral's `[TOOL_CALLS]` followed by a JSON list of calls."""
-
-    def __init__(self, style: str, open_token_id: int | None = None) -> None:
-        self.style = style  # "hermes" | "llama3" | "mistral"
-        # the opening marker (`<tool_call>`, `[TOOL_CALLS]`) when it is one special token
-        self.open_token_id = open_token_id
-        self.arguments_key = "parameters" if style == "llama3" else "arguments"
-
-    @property
-    def marker(self) -> str:
-        """The text that opens a call ("" for llama3, whose call is the answer's JSON)."""
-        return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(self.style, "")
-
-    def call_schema(self, tool: ToolFunction, parameters: Any = None) -> dict[str, Any]:
-        """The JSON Schema of one call to `tool`; `parameters`: its arguments' schema,
-        prepared (`prepare_parameters`), else the tool's own text."""
-        return {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.name},
-                self.arguments_key: (
-                    json.loads(tool.parameters) if parameters is None else parameters
-                ),
-            },
-            "required": ["name", self.arguments_key],
-            "additionalProperties": False,
-        }
-
-    def prepare_parameters(self, tools: Sequence[ToolFunction]) -> list[Any]:
-        """Each tool's parameters, decoded, bounded (`schema_limits`), closed under `strict`
-        and with local `$ref`s pointing where `lark` puts them; RequestError naming the tool."""
-        prepared = []
-        for index, tool in enumerate(tools):
-            param = f"tools[{tool.name}].function.parameters"
-            check_size(len(tool.parameters), param=param)
-            parameters = _decode(tool.parameters, param)
-            check_schema(parameters, param=param, size=len(tool.parameters))
-            if tool.strict:
-                close_objects(parameters)
-            at = f"/properties/{self.arguments_key}"
-            rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
-            prepared.append(parameters)
-        return prepared
-
-    def call_json(
-        self, tools: Sequence[ToolFunction], parameters: Sequence[Any] | None = None
-    ) -> str:
-        """The Lark element of one call's JSON object, to one of `tools`; `parameters`:
-        their prepared schemas (`prepare_parameters`, which runs here when None)."""
-        if parameters is None:
-            parameters = self.prepare_parameters(tools)
-        calls = [self.call_schema(t, a) for t, a in zip(tools, parameters, strict=True)]
-        schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        # At most one space between tokens: models write `{"name": "f"}` (a space after the
-        # colon), and without a bound a tie among whitespace tokens fills max_tokens with it.
-        schema = {**schema, "x-guidance": _CALL_JSON_OPTIONS}
-        return "%json " + json.dumps(schema, separators=(",", ":"))
-
-    def lark(
-        self,
-        tools: Sequence[ToolFunction],
-        parallel: bool,
-        parameters: Sequence[Any] | None = None,
-    ) -> str:
-        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`;
-        `parameters`: their prepared schemas (`prepare_parameters`)."""
-        body = self.call_json(tools, parameters)
-        more = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"
-        opening = (
-            f"<[{self.open_token_id}]>"
-            if self.open_token_id is not None
-            else json.dumps(self.marker)
-        )
-        if self.style == "mistral":
-            calls = f'call ("," call){more}' if parallel else "call"
-            return f'start: {opening} "[" {calls} "]"\ncall: {body}\n'
-        if self.style == "llama3":
-            call = body
-            sep = '";"'
-        else:
-            call = f'{opening} "\\n" {body} "\\n</tool_call>"'
-            sep = '"\\n"'
-        start = f"call ({sep} call){more}" if parallel else "call"
-        return f"start: {start}\ncall: {call}\n"
-
-
-def _decode(text: str, param: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise RequestError(
-            f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
-        ) from None
-
-
 def _param_of(constraint: Constraint) -> str:
     """The request field that a constraint's errors name (`param`: the top-level field)."""
     return "response_format" if constraint.kind == "json" else "tools"
@@ -200,7 +103,7 @@ def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, 
     if constraint.kind == "json":
         param = "response_format.json_schema.schema"
         check_size(len(constraint.schema), param=param)
-        schema = _decode(constraint.schema, param)
+        schema = decode_schema(constraint.schema, param)
         size = check_schema(schema, param=param, size=len(constraint.schema))
         if constraint.strict:
             close_objects(schema)
@@ -414,61 +317,3 @@ class _Wrapper:
                     self._ids_of.setdefault(raw, i)
         rest = self._ids_of.get(head[1:])
         return ids if rest is None else [rest, *ids[1:]]
-
-
-def detect_tool_format(tokenizer: _TokenizerLike, template_source: str | None) -> ToolCallFormat:
-    """The tool-call format of a model: Mistral's `[TOOL_CALLS]` or Llama 3.x's JSON when its
-    template says so, else Hermes-style (with `<tool_call>` as one token when the vocabulary
-    has it)."""
-    source = template_source or ""
-    if "[TOOL_CALLS]" in source:
-        return ToolCallFormat("mistral", _special_id(tokenizer, "[TOOL_CALLS]"))
-    if "<|python_tag|>" in source or ("ipython" in source and "<|eot_id|>" in source):
-        return ToolCallFormat("llama3")
-    return ToolCallFormat("hermes", _special_id(tokenizer, "<tool_call>"))
-
-
-def _special_id(tokenizer: _TokenizerLike, text: str) -> int | None:
-    """The id of `text` when the vocabulary has it as one special token."""
-    token_id = tokenizer.token_to_id(text)
-    return token_id if token_id is not None and token_id in tokenizer.special_ids else None
-
-
-def fill_masks(states: Sequence[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
-    """The bitmask [B, ceil(V/32)] int32 of a batch's rows (all ones for free rows), or None
-    when no row is constrained."""
-    if all(s is None for s in states):
-        return None
-    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for row, state in enumerate(states):
-        if state is not None:
-            state.fill(bitmask, row)
-    return bitmask
-
-
-def _unpack(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
-    """The bitmask as bools [B, V] (True: the token may come next), with numpy's unpackbits
-    over the words' little-endian bytes: ~0.03 ms for 8 rows of 49 152 tokens, where torch's
-    shift-and-mask over [B, W, 32] int32 took ~35 ms on 2 busy cores."""
-    words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
-    bits = np.unpackbits(words, axis=-1, bitorder="little")[:, :vocab_size]
-    return np.ascontiguousarray(bits).view(np.bool_)
-
-
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The bitmask unpacked to bools [B, V] on `device` (True: the token may come next)."""
-    return torch.from_numpy(_unpack(bitmask, vocab_size)).to(device)
-
-
-def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, V] with every token the bitmask forbids at -inf (a new tensor).
-
-    On the CPU this is one numpy pass: torch's masked_fill over a vocabulary-wide row goes
-    through its thread pool, and took 20-40 ms a call on 2 oversubscribed cores
-    (bench/bench_structured.py); numpy's `where` took well under a millisecond.
-    """
-    allowed = _unpack(bitmask, logits.shape[-1])
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(-np.inf)))
-    mask = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
-    return logits.masked_fill(~mask, float("-inf"))

@@ -3,13 +3,8 @@
 A GGUF file has no `tokenizer.json`: it holds llama.cpp's description of the tokenizer
 (`tokenizer.ggml.*`): the vocabulary, the merges, each token's type, the special token ids and
 the name of the pre-tokenizer (`tokenizer.ggml.pre`), which llama.cpp maps to a chain of split
-regexes. `Tokenizer.from_metadata` turns that into a fast BPE tokenizer:
-
-- `tokenizer.ggml.model = "gpt2"`: byte-level BPE with the merges from the file, and the split
-  regexes of `tokenizer.ggml.pre` (`_PRE_SPLITS`, the same chains as llama.cpp's
-  `llama_vocab::impl::load`), then the GPT-2 byte alphabet.
-- `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE with byte fallback, merges derived
-  from the token scores (llama.cpp's SPM tokenizer), "▁" for spaces.
+regexes. `Tokenizer.from_metadata` turns that into a fast BPE tokenizer (byte-level for
+`tokenizer.ggml.model = "gpt2"`, sentencepiece-style for "llama": `gguf_vocab.py`).
 
 Control tokens (token type 3, e.g. `<|im_start|>`) and user-defined tokens (type 4) are added
 tokens: they are matched whole in any text, never cut into pieces.
@@ -25,94 +20,23 @@ import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from neuron_trio.engine.text.chat_literals import in_spans
+from neuron_trio.engine.text.gguf_vocab import (
+    SUPPORTED_MODELS,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    build_byte_level,
+    build_sentencepiece,
+)
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from neuron_trio.engine.gguf.file import GGUFFile
-
-# llama.cpp's token types (llama_token_type / gguf.TokenType).
-TOKEN_NORMAL = 1
-TOKEN_UNKNOWN = 2
-TOKEN_CONTROL = 3
-TOKEN_USER_DEFINED = 4
-TOKEN_UNUSED = 5
-TOKEN_BYTE = 6
-
-# The split regexes behind llama.cpp's pre-tokenizer names. llama.cpp applies them in order,
-# each one splitting the pieces the previous one left (matches and the text between them both
-# become pieces): a `Split(..., "isolated")` per regex does the same.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
-
-_PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT (also what a file without `pre` gets)
-    "default": _DEFAULT,
-    # LLAMA_VOCAB_PRE_TYPE_GPT2 and the names llama.cpp gives the same regex
-    "gpt2": (_GPT2,),
-    "mpt": (_GPT2,),
-    "olmo": (_GPT2,),
-    "jais": (_GPT2,),
-    "trillion": (_GPT2,),
-    # LLAMA_VOCAB_PRE_TYPE_LLAMA3
-    "llama3": (_LLAMA3,),
-    "llama-v3": (_LLAMA3,),
-    "llama-bpe": (_LLAMA3,),
-    "falcon3": (_LLAMA3,),
-    "pixtral": (_LLAMA3,),
-    "dbrx": (_LLAMA3,),
-    "smaug-bpe": (_LLAMA3,),
-    # "smollm" is split as transformers' GGUF loader splits it (plain GPT-2), because token
-    # counts must equal transformers' for the same file: a router's accounting and the
-    # parity references use it. llama.cpp's recipe (digits alone first) is "smollm-digits".
-    "smollm": (_GPT2,),
-    # LLAMA_VOCAB_PRE_TYPE_STARCODER and friends: every digit alone, then the GPT-2 regex
-    "smollm-digits": (r"\p{N}", _GPT2),
-    "starcoder": (r"\p{N}", _GPT2),
-    "refact": (r"\p{N}", _GPT2),
-    "command-r": (r"\p{N}", _GPT2),
-    "codeshell": (r"\p{N}", _GPT2),
-    "exaone": (r"\p{N}", _GPT2),
-    "minerva-7b": (r"\p{N}", _GPT2),
-    # LLAMA_VOCAB_PRE_TYPE_QWEN2
-    "qwen2": (_QWEN2,),
-    "deepseek-r1-qwen": (_QWEN2,),
-}
-
-SUPPORTED_MODELS = ("gpt2", "llama")
-# The sum of the squared lengths of a SentencePiece vocabulary's tokens bounds the work of
-# deriving its merges (`_merges_from_scores`). Gemma 3's 262,144 tokens: 10.8 million, 1.4 s
-# on a 2-core machine; so this bound is ~12 s there, where one 1,000,000-character token
-# (10^12) took ~100 s before it (gguf_checks also caps a token at 1024 bytes).
-MAX_MERGE_DERIVATION_COST = 128_000_000
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's map from each byte to the printable character that spells it in the vocabulary."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-_BYTE_TO_CHAR = _byte_alphabet()
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
 class Tokenizer:
@@ -210,10 +134,10 @@ class Tokenizer:
         cls, metadata: Mapping[str, Any], model: str, tokens: list[str], types: list[int]
     ) -> Tokenizer:
         if model == "gpt2":
-            backend, token_bytes, strip = _build_byte_level(metadata, tokens, types)
+            backend, token_bytes, strip = build_byte_level(metadata, tokens, types)
             add_bos_default = False
         else:
-            backend, token_bytes, strip = _build_sentencepiece(metadata, tokens, types)
+            backend, token_bytes, strip = build_sentencepiece(metadata, tokens, types)
             add_bos_default = True
 
         special: list[int] = []
@@ -353,135 +277,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"<Tokenizer vocab={self.vocab_size} bos={self._bos_id} eos={self._eos_id}>"
-
-
-def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    name = pre if pre is not None else "default"
-    splits = _PRE_SPLITS.get(name)
-    if splits is None:
-        raise UnsupportedModelError(
-            f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
-            f"supported: {', '.join(sorted(_PRE_SPLITS))}"
-        )
-    steps: list[pre_tokenizers.PreTokenizer] = [
-        pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits
-    ]
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-    return pre_tokenizers.Sequence(steps)
-
-
-def _build_byte_level(
-    metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]
-) -> tuple[HFTokenizer, list[bytes], bool]:
-    pre = _pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
-    merges_raw = metadata.get("tokenizer.ggml.merges")
-    if not merges_raw:
-        raise UnsupportedModelError("byte-level BPE tokenizer without tokenizer.ggml.merges")
-    alphabet = set(_CHAR_TO_BYTE)
-    vocab: dict[str, int] = {}
-    token_bytes: list[bytes] = []
-    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
-            # stored as raw text, matched whole and printed as it is (as llama.cpp does)
-            raw = text.encode("utf-8")
-            key = text
-        elif set(text) <= alphabet:
-            raw = bytes(_CHAR_TO_BYTE[c] for c in text)
-            key = text
-        else:
-            # a normal token stored as raw text: spell it in the byte alphabet like the rest
-            raw = text.encode("utf-8")
-            key = "".join(_BYTE_TO_CHAR[b] for b in raw)
-        vocab.setdefault(key, i)
-        token_bytes.append(raw)
-    merges: list[tuple[str, str]] = []
-    for m in merges_raw:
-        left, sep, right = m.partition(" ")
-        if not sep:
-            raise UnsupportedModelError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-        merges.append((left, right))
-    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=False)
-    backend = HFTokenizer(model)
-    backend.pre_tokenizer = pre  # type: ignore[assignment]
-    backend.decoder = decoders.ByteLevel()  # type: ignore[assignment]
-    return backend, token_bytes, False
-
-
-def _build_sentencepiece(
-    metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]
-) -> tuple[HFTokenizer, list[bytes], bool]:
-    """llama.cpp's SPM vocabulary: BPE over "▁"-spelled text with byte fallback (<0xXX>)."""
-    scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-    vocab: dict[str, int] = {}
-    token_bytes: list[bytes] = []
-    unk_token: str | None = None
-    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-        vocab.setdefault(text, i)
-        if kind == TOKEN_BYTE and len(text) == 6 and text.startswith("<0x"):
-            token_bytes.append(bytes([int(text[3:5], 16)]))
-        elif kind == TOKEN_UNKNOWN:
-            unk_token = unk_token or text
-            token_bytes.append("\N{REPLACEMENT CHARACTER}".encode())
-        elif kind == TOKEN_CONTROL:
-            token_bytes.append(text.encode("utf-8"))
-        else:
-            token_bytes.append(text.replace("\u2581", " ").encode("utf-8"))
-    merges_raw = metadata.get("tokenizer.ggml.merges")
-    if merges_raw:
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    else:
-        merges = _merges_from_scores(tokens, types, scores, vocab)
-    model = models.BPE(
-        vocab=vocab,
-        merges=merges,  # type: ignore[arg-type]
-        unk_token=unk_token,
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    backend = HFTokenizer(model)
-    add_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    if add_space and metadata.get("general.architecture") != "phi3":
-        # As transformers' GGUF loader builds Llama 2 / Mistral vocabularies (Metaspace, so
-        # that token counts equal its own): "▁" in front of the text's first piece unless it
-        # already starts with a space ("  hi" is ▁▁hi; llama.cpp and phi3 say ▁▁▁hi).
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(  # type: ignore[assignment]
-            replacement="\u2581", prepend_scheme="first", split=False
-        )
-        return backend, token_bytes, add_space
-    norm: list[normalizers.Normalizer] = []
-    if add_space:
-        norm.append(normalizers.Prepend("\u2581"))
-    norm.append(normalizers.Replace(" ", "\u2581"))
-    backend.normalizer = normalizers.Sequence(norm)  # type: ignore[assignment]
-    return backend, token_bytes, add_space
-
-
-def _merges_from_scores(
-    tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], vocab: Mapping[str, int]
-) -> list[tuple[str, str]]:
-    """Every way to split a normal token into two tokens, best merged score first (llama.cpp
-    merges the pair whose joined token scores highest).
-
-    A token of n characters costs ~n^2 (n cuts, each hashing up to n characters): refused
-    past MAX_MERGE_DERIVATION_COST in all, before any of the work (ModelFileError).
-    """
-    cost = sum(len(t) ** 2 for t, k in zip(tokens, types, strict=True) if k == TOKEN_NORMAL)
-    if cost > MAX_MERGE_DERIVATION_COST:
-        raise ModelFileError(
-            f"deriving this vocabulary's merges from its scores would cost {cost} character "
-            f"operations (the sum of its tokens' squared lengths; at most "
-            f"{MAX_MERGE_DERIVATION_COST}): its tokens are too long"
-        )
-    found: list[tuple[float, int, str, str]] = []
-    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-        if kind != TOKEN_NORMAL or len(text) < 2:
-            continue
-        for cut in range(1, len(text)):
-            left = text[:cut]
-            if left in vocab and (right := text[cut:]) in vocab:
-                found.append((-float(scores[i]), i, left, right))
-    found.sort()
-    return [(left, right) for _, _, left, right in found]
 
 
 class IncrementalDetokenizer:

@@ -27,11 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from neuron_trio.engine.text.grammar import (
-    MAX_PARALLEL_TOOL_CALLS,
-    GrammarState,
-    ToolCallFormat,
-)
+from neuron_trio.engine.text.grammar import GrammarState
+from neuron_trio.engine.text.tool_call_format import MAX_PARALLEL_TOOL_CALLS, ToolCallFormat
 from neuron_trio.engine.types import ToolFunction
 from neuron_trio.errors import RequestError
 

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from neuron_trio.engine.text.grammar import ToolCallFormat
+from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.types import ToolCall, ToolFunction
 
 __all__ = ["ToolCallParser", "render_tools_as_text", "template_tools", "tool_marker_ids"]

@@ -1,13 +1,10 @@
-"""The OpenAI wire format: `requests` (schemas, validation into a job) and `responses`
-(bodies, SSE chunks, the error shape)."""
+"""The OpenAI wire format: `request_schemas` (the bodies), `body_decode` (a 400 naming the
+field), `requests` (validation into a job) and `responses` (bodies, SSE chunks, the error
+shape)."""
 
-from neuron_trio.http.openai.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ParsedRequest,
-    decode_struct,
-    parse_chat_request,
-)
+from neuron_trio.http.openai.body_decode import decode_struct
+from neuron_trio.http.openai.request_schemas import ChatCompletionRequest, CompletionRequest
+from neuron_trio.http.openai.requests import ParsedRequest, parse_chat_request
 from neuron_trio.http.openai.responses import (
     SSE_DONE,
     ChunkWriter,

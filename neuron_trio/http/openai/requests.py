@@ -20,13 +20,21 @@ model's context (or its configured `default_max_tokens`): `max_tokens` stays Non
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 
 from neuron_trio.errors import RequestError
+from neuron_trio.http.openai.body_decode import decode_struct
+from neuron_trio.http.openai.request_schemas import (
+    ChatCompletionRequest,
+    CommonFields,
+    CompletionRequest,
+    InputMessage,
+    NamedToolChoice,
+    PromptField,
+)
 from neuron_trio.service.api import (
     ChatMessage,
     Constraint,
@@ -48,161 +56,9 @@ __all__ = [
     "parse_chat_request",
 ]
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
-
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=-1)]  # -1 (vLLM's "off") and 0 both mean off
-MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]
-Seed = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
-StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=4)]
-Stop = Annotated[str, msgspec.Meta(min_length=1)] | StopList
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
-# Longer than any model name (config.ModelName: 128) and bounded, so a 900 KB `model` is a
-# 400 that does not echo it, not a 404 carrying it into the log.
-ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-# Prefix-cache isolation (http/tenancy.py): requests share cached prompt blocks only with
-# requests of the same salt. Use a high-entropy value (a salt can be guessed like a prompt).
-CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-CallerId = Annotated[str, msgspec.Meta(max_length=1024)]  # user, safety_identifier, ...
-# OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512
-Metadata = Annotated[
-    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
-    msgspec.Meta(max_length=16),
-]
-LogitBias = Annotated[
-    dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]], msgspec.Meta(max_length=1024)
-]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
-PromptField = str | list[str | TokenId | list[TokenId]]
-
-S = TypeVar("S", bound=msgspec.Struct)
-
 RequestKind = Literal["chat", "completion"]
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    arguments: str
-
-
-class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    function: FunctionCallIn
-    type: Literal["function"] = "function"
-
-
-class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # None: an assistant message of tool calls
-    tool_calls: list[ToolCallIn] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
-    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # given to the template
-
-
-FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
-
-
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # enforced when constrained; true also closes objects
-
-
-class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-
-
-class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
-    name: FunctionName
-    description: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None  # always enforced; true also closes objects (OpenAI's strict)
-
-
-class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool | None = None
-
-
-class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: ModelId
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    seed: Seed | None = None
-    stop: Stop | None = None
-    max_tokens: MaxTokens | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=8)] | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    logit_bias: LogitBias | None = None  # token id (as a string) -> bias added to its logit
-    # Accepted and ignored (they never change the answer): see the module docstring.
-    user: CallerId | None = None
-    safety_identifier: CallerId | None = None
-    prompt_cache_key: CallerId | None = None
-    store: bool | None = None
-    metadata: Metadata | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    cache_salt: CacheSalt | None = None
-
-
-class ChatCompletionRequest(_Common, kw_only=True):
-    messages: Annotated[list[InputMessage], msgspec.Meta(min_length=1)]
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    # Accepted and ignored: no model neuron serves reasons or has a verbosity control.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
-    modalities: Annotated[list[str], msgspec.Meta(max_length=4)] | None = None  # ["text"] only
-    # The deprecated forms of tools: accepted only as null (clients send `functions: null`).
-    functions: Any = None
-    function_call: Any = None
-
-
-class CompletionRequest(_Common, kw_only=True):
-    # a string, a list of strings, one prompt as token ids (a list of ints), or a list of
-    # such lists: one choice set per prompt (`completion_batch` bounds their number)
-    prompt: PromptField
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    echo: bool | None = None  # the prompt's text before each choice's
-    # Declared only to refuse them by name with a clear message (defaults are harmless).
-    suffix: str | None = None
-    best_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,65 +73,6 @@ class ParsedRequest:
     system_fingerprint: str | None = None  # the model's, filled in by the app once it is known
 
 
-# --- errors -------------------------------------------------------------------------------
-
-
-_AT_RE = re.compile(r"^(?P<detail>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
-_UNKNOWN_RE = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
-_MISSING_RE = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _validation_error(
-    exc: msgspec.ValidationError, body: bytes, cls: type[msgspec.Struct]
-) -> RequestError:
-    """Turn msgspec's "… - at `$.a[0].b`" into a RequestError naming `a[0].b`."""
-    text = str(exc)
-    match = _AT_RE.match(text)
-    detail, path = (match["detail"], match["path"].removeprefix(".")) if match else (text, "")
-    unknown = _UNKNOWN_RE.match(detail)
-    if unknown:
-        names = [_join(path, unknown["name"])]
-        if not path:
-            names = _all_unknown_fields(body, cls) or names
-        joined = ", ".join(names)
-        return RequestError(
-            f"unsupported field(s): {joined}", param=names[0], code="unsupported_field"
-        )
-    missing = _MISSING_RE.match(detail)
-    if missing:
-        name = _join(path, missing["name"])
-        return RequestError(f"{name}: required field is missing", param=name, code="missing_field")
-    if not path:
-        return RequestError(f"request body: {detail}", code="invalid_body")
-    return RequestError(f"{path}: {detail}", param=path, code="invalid_value")
-
-
-def _all_unknown_fields(body: bytes, cls: type[msgspec.Struct]) -> list[str]:
-    try:
-        data = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return []
-    if not isinstance(data, dict):
-        return []
-    return sorted(set(data) - set(cls.__struct_fields__))
-
-
-def decode_struct(body: bytes, cls: type[S]) -> S:
-    """Decode a JSON body into `cls`; RequestError (400) names the field that is wrong."""
-    try:
-        return msgspec.json.decode(body, type=cls)
-    except msgspec.ValidationError as exc:
-        raise _validation_error(exc, body, cls) from None
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:  # msgspec's own depth limit, e.g. in a field nobody reads
-        raise RequestError("request body is nested too deeply", code="invalid_json") from None
-
-
 # --- requests -> jobs -----------------------------------------------------------------------
 
 
@@ -286,7 +83,7 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def _sampling(
-    req: _Common, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
+    req: CommonFields, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
     defaults = SamplingParams()
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -330,7 +127,7 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _refuse_unsupported(req: _Common) -> None:
+def _refuse_unsupported(req: CommonFields) -> None:
     """400s for fields that parse but cannot be honoured with the values given."""
     if req.stream_options is not None and not req.stream:
         raise RequestError(
@@ -479,7 +276,7 @@ def _salt(cache_salt: str | None) -> bytes | None:
     return cache_salt.encode() if cache_salt is not None else None
 
 
-def _include_usage(req: _Common) -> bool:
+def _include_usage(req: CommonFields) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
 
 

@@ -22,16 +22,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from neuron_trio.errors import RequestError
-from neuron_trio.http.openai.requests import (
+from neuron_trio.http.openai.body_decode import decode_struct
+from neuron_trio.http.openai.request_schemas import (
     FunctionName,
     MaxTokens,
     ModelId,
-    ParsedRequest,
     Temperature,
     TopP,
-    decode_struct,
-    parse_chat_request,
 )
+from neuron_trio.http.openai.requests import ParsedRequest, parse_chat_request
 from neuron_trio.http.openai.responses import ChoiceTranscript, Transcript
 
 __all__ = [

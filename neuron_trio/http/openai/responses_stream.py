@@ -90,17 +90,7 @@ class ResponsesStreamWriter:
                 self._pending_space += text
                 return b""
             text, self._pending_space = self._pending_space + text, ""
-            self._message_id = new_item_id("msg")
-            item = {**message_item(self._message_id, "", "in_progress"), "content": []}
-            head = self._event(
-                "response.output_item.added", output_index=len(self.output), item=item
-            ) + self._event(
-                "response.content_part.added",
-                item_id=self._message_id,
-                output_index=len(self.output),
-                content_index=0,
-                part=output_text_part(""),
-            )
+            head = self._open_message()
         else:
             head = b""
         self._text.append(text)
@@ -113,30 +103,36 @@ class ResponsesStreamWriter:
             logprobs=[],
         )
 
+    def _open_message(self) -> bytes:
+        """A new message item, empty and in progress, with its one text part."""
+        self._message_id = new_item_id("msg")
+        item = {**message_item(self._message_id, "", "in_progress"), "content": []}
+        return self._event(
+            "response.output_item.added", output_index=len(self.output), item=item
+        ) + self._event(
+            "response.content_part.added",
+            item_id=self._message_id,
+            output_index=len(self.output),
+            content_index=0,
+            part=output_text_part(""),
+        )
+
     def _close_message(self, status: str, *, always: bool = False) -> bytes:
         """End the open message; with `always`, open (and end) an empty one if none is."""
         if self._message_id is None:
             if not always:
                 return b""
-            self._message_id = new_item_id("msg")
-            item = {**message_item(self._message_id, "", "in_progress"), "content": []}
-            opened = self._event(
-                "response.output_item.added", output_index=len(self.output), item=item
-            ) + self._event(
-                "response.content_part.added",
-                item_id=self._message_id,
-                output_index=len(self.output),
-                content_index=0,
-                part=output_text_part(""),
-            )
+            opened = self._open_message()
         else:
             opened = b""
+        message_id = self._message_id
+        assert message_id is not None  # open, or opened above
         text = "".join(self._text)
         index = len(self.output)
-        item = message_item(self._message_id, text, status)
+        item = message_item(message_id, text, status)
         out = opened + self._event(
             "response.output_text.done",
-            item_id=self._message_id,
+            item_id=message_id,
             output_index=index,
             content_index=0,
             text=text,
@@ -144,7 +140,7 @@ class ResponsesStreamWriter:
         )
         out += self._event(
             "response.content_part.done",
-            item_id=self._message_id,
+            item_id=message_id,
             output_index=index,
             content_index=0,
             part=output_text_part(text),

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
+from neuron_trio.engine.types import EngineStatistics
 
 MODEL_STATES = ("loading", "serving", "recovering", "wedged", "unloading", "unloaded")
 
@@ -37,31 +38,25 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 @dataclass(frozen=True)
 class ModelActorStatistics:
-    """A model actor's state for /metrics and /v1/node (cheap: no engine call)."""
+    """A model actor's state for /metrics and /v1/node (cheap: no engine call): the actor's own
+    figures, and the engine's statistics as the actor last read them (between steps)."""
 
     name: str
     state: str
     queued: int
     running: int
-    slots_in_use: int
-    slots_total: int
+    slots_total: int  # max_batch
     steps: int
     failures: int  # steps or probes that failed or wedged (the watchdog counts wedges)
-    # the paged KV cache (engine.block_pool): blocks of 16 tokens, and the prefix cache
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_cached: int = 0  # unreferenced, holding a cached prefix (evictable)
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
-    preemptions: int = 0
+    engine: EngineStatistics  # slots, the paged KV cache and the prefix cache; zeros until loaded
 
     @property
     def kv_cache_usage(self) -> float:
         """The fraction 0..1 of KV blocks held by running sequences (vLLM's
         `kv_cache_usage_perc`: blocks only the prefix cache holds count as free)."""
-        if self.kv_blocks_total <= 0:
+        if self.engine.kv_blocks_total <= 0:
             return 0.0
-        return min(1.0, self.kv_blocks_used / self.kv_blocks_total)
+        return min(1.0, self.engine.kv_blocks_used / self.engine.kv_blocks_total)
 
 
 class NodeMetrics:
@@ -204,22 +199,23 @@ class _ActorCollector(Collector):
             labels=["model"],
         )
         for s in stats:
+            e = s.engine
             queued.add_metric([s.name], s.queued)
             running.add_metric([s.name], s.running)
-            in_use.add_metric([s.name], s.slots_in_use)
+            in_use.add_metric([s.name], e.slots_in_use)
             total.add_metric([s.name], s.slots_total)
             for st in MODEL_STATES:
                 state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
             steps.add_metric([s.name], s.steps)
             failures.add_metric([s.name], s.failures)
-            blocks_used.add_metric([s.name], s.kv_blocks_used)
-            blocks_cached.add_metric([s.name], s.kv_blocks_cached)
-            blocks_total.add_metric([s.name], s.kv_blocks_total)
+            blocks_used.add_metric([s.name], e.kv_blocks_used)
+            blocks_cached.add_metric([s.name], e.kv_blocks_cached)
+            blocks_total.add_metric([s.name], e.kv_blocks_total)
             usage.add_metric([s.name], s.kv_cache_usage)
-            cache_info.add_metric([s.name, str(BLOCK_TOKENS), str(s.kv_blocks_total)], 1.0)
-            prefix_queries.add_metric([s.name], s.prefix_cache_queries_tokens)
-            prefix_hits.add_metric([s.name], s.prefix_cache_hits_tokens)
-            preemptions.add_metric([s.name], s.preemptions)
+            cache_info.add_metric([s.name, str(BLOCK_TOKENS), str(e.kv_blocks_total)], 1.0)
+            prefix_queries.add_metric([s.name], e.prefix_cache_queries_tokens)
+            prefix_hits.add_metric([s.name], e.prefix_cache_hits_tokens)
+            preemptions.add_metric([s.name], e.preemptions)
         yield from (queued, running, in_use, total, state, steps, failures)
         yield from (blocks_used, blocks_cached, blocks_total, prefix_queries, prefix_hits)
         yield from (usage, cache_info)

@@ -20,10 +20,12 @@ Read at scrape time from the node (no state of its own), like the model gauges.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import trio
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -117,3 +119,39 @@ class RateWindow:
             return None
         (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
         return (v1 - v0) / (t1 - t0) if t1 > t0 else None
+
+
+TOKEN_RATE_SAMPLE_S = 5.0  # how often each model's generated tokens are sampled (tokens/s, 1 min)
+
+
+class TokenRates:
+    """Each model's generated tokens per second over the last minute (`/v1/node`), from its
+    `neuron_model_generated_tokens` counter sampled every TOKEN_RATE_SAMPLE_S by `run`."""
+
+    def __init__(self, generated_tokens: Counter) -> None:
+        self._counter = generated_tokens
+        self._windows: dict[str, RateWindow] = {}
+
+    async def run(self, models: Callable[[], Iterable[str]]) -> None:
+        """Sample the counter for each of `models()` into its window, for ever; a model no
+        longer listed loses its window."""
+        while True:
+            now = trio.current_time()
+            totals = {
+                sample.labels["model"]: sample.value
+                for family in self._counter.collect()
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            }
+            names = set(models())
+            for name in names:
+                self._windows.setdefault(name, RateWindow()).add(now, totals.get(name, 0.0))
+            for gone in set(self._windows) - names:
+                del self._windows[gone]
+            await trio.sleep(TOKEN_RATE_SAMPLE_S)
+
+    def rate(self, model: str) -> float | None:
+        """Tokens/s over the last minute, rounded; None before two samples."""
+        window = self._windows.get(model)
+        rate = window.rate() if window is not None else None
+        return round(rate, 2) if rate is not None else None

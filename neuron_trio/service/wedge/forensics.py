@@ -267,3 +267,27 @@ def write_report(state_dir: str | Path, report: object, *, now: float | None = N
     except OSError:
         pass
     return path
+
+
+class LastForensics(msgspec.Struct, frozen=True, kw_only=True):
+    """The newest forensics report found at start-up (`/v1/node` `last_forensics`)."""
+
+    path: str = ""
+    report: Any = None  # as written; {"unreadable": why} if it could not be read
+
+
+def find_last_forensics(state_dir: Path) -> LastForensics | None:
+    """The newest report under `state_dir/forensics/`, with its path, or None."""
+    folder = state_dir / FORENSICS_DIR
+    try:
+        reports = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))
+    except OSError:
+        return None
+    if not reports:
+        return None
+    newest = reports[-1]
+    try:
+        report: Any = json.loads(newest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        report = {"unreadable": f"{type(exc).__name__}: {exc}"}
+    return LastForensics(path=str(newest), report=report)

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Literal, NoReturn, TypeVar
 
 import msgspec
 import trio
@@ -46,192 +45,32 @@ from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.wedge.deadman import Deadman
+from neuron_trio.service.wedge.records import (
+    InflightRequest,
+    LastWedge,
+    ReturnOutcome,
+    WatchdogState,
+    WatchdogStatistics,
+)
+from neuron_trio.service.wedge.threads import (
+    ThreadRunner,
+    WatchedCall,
+    bounded_call,
+    ignore_return,
+    run_in_thread,
+    wait_for_return,
+)
 
-__all__ = [
-    "CallReturn",
-    "InflightRequest",
-    "LastWedge",
-    "ReturnOutcome",
-    "StepTimeoutError",
-    "ThreadRunner",
-    "Watchdog",
-    "WatchdogStatistics",
-    "run_in_thread",
-    "wait_for_return",
-]
+__all__ = ["InflightFn", "StepTimeoutError", "Watchdog"]
 
 log = logging.getLogger("neuron.watchdog")
 
 T = TypeVar("T")
-ReturnOutcome = Literal["returned", "error", "deadline"]
 InflightFn = Callable[[], "list[InflightRequest]"]  # the requests in flight, for forensics
-# Invariant: "stepping"/"probing" only while a call holds the busy lock and runs under the
-# step deadline; "recovering"/"aborting" exactly while a wedge is pending (`_wedge` set), and
-# then no step or probe is started; "wedged" is final (the deadman is firing, the process
-# exits); every other state returns to "idle".
-WatchdogState = Literal["idle", "stepping", "probing", "recovering", "aborting", "wedged"]
 
-# After the deadline fires, how many scheduling rounds (at the same clock instant) a call
-# that came back at that instant gets to deliver its result. Each hop (thread runner ->
-# abort task -> event) takes one round; checkpoints do not advance even a MockClock.
-_SAME_INSTANT_ROUNDS = 16
 # The least time a model's first forwards (the warm-up) get: they pay one-time costs (CUDA
 # context, kernel selection, NCCL connection set-up, or a busy CPU).
 WARM_UP_MIN_S = 120.0
-
-
-# --- the decision ---------------------------------------------------------------------------
-
-
-@dataclass
-class CallReturn:
-    """How a blocking call watched by `wait_for_return` came back (an abort, the wedged step,
-    a re-creation, a probe): filled in, then the paired event is set. `error` is None if it
-    returned normally (as trio's `outcome` carries a value or an error)."""
-
-    error: BaseException | None = None
-    finished_at: float | None = None  # trio clock
-
-
-async def wait_for_return(done: trio.Event, result: CallReturn, deadline: float) -> ReturnOutcome:
-    """Wait until `done` is set or the trio clock reaches `deadline`; say which.
-
-    "returned": the call came back in time; "error": it came back in time with
-    `result.error` set (it came back: a recovery can go on); "deadline": it did not.
-
-    A call that comes back an instant before the deadline, or exactly at it, counts as back:
-    when the deadline scope fires first, every task made runnable at that same instant is
-    given its turn (a bounded number of checkpoints, which never move the clock) and the
-    event is checked again before deciding. So the answer does not depend on the order in
-    which trio runs tasks woken at the same instant.
-
-    Touches no thread: test it with MockClock and trio-native fakes.
-    """
-    with trio.move_on_at(deadline):
-        await done.wait()
-    rounds = 0
-    while not done.is_set() and rounds < _SAME_INSTANT_ROUNDS:
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        rounds += 1
-    if not done.is_set():
-        return "deadline"
-    return "error" if result.error is not None else "returned"
-
-
-# --- threads ---------------------------------------------------------------------------------
-
-
-class ThreadRunner(Protocol):
-    """Runs `fn` on a worker thread with `abandon_on_cancel=True` semantics.
-
-    `on_return(error)` is called in trio context once `fn` really returns (error None) or
-    raises, even after the caller was cancelled and the thread abandoned. Tests substitute
-    a trio-native fake (see tests/service/wedge/test_watchdog.py).
-    """
-
-    def __call__(
-        self,
-        fn: Callable[[], T],
-        *,
-        thread_name: str,
-        limiter: trio.CapacityLimiter,
-        on_return: Callable[[BaseException | None], None],
-    ) -> Awaitable[T]: ...
-
-
-async def run_in_thread(
-    fn: Callable[[], T],
-    *,
-    thread_name: str,
-    limiter: trio.CapacityLimiter,
-    on_return: Callable[[BaseException | None], None],
-) -> T:
-    """The real ThreadRunner: `trio.to_thread.run_sync(fn, abandon_on_cancel=True, ...)`.
-
-    Cancellation handling: the caller gets Cancelled at once; the thread runs on, keeps its
-    `limiter` slot until it returns, and then reports through `on_return` (delivered with
-    the run's TrioToken, dropped if the run has finished).
-    """
-    token = trio.lowlevel.current_trio_token()
-
-    def body() -> T:
-        error: BaseException | None = None
-        try:
-            return fn()
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            try:
-                token.run_sync_soon(on_return, error)
-            except trio.RunFinishedError:
-                pass
-
-    return await trio.to_thread.run_sync(
-        body, abandon_on_cancel=True, thread_name=thread_name, limiter=limiter
-    )
-
-
-@dataclass
-class _Watch:
-    """One blocking call on a thread: when it started, and whether it has come back."""
-
-    what: str
-    started: float  # trio clock
-    started_wall: float
-    done: trio.Event = field(default_factory=trio.Event)
-    result: CallReturn = field(default_factory=CallReturn)
-    detected: float | None = None  # trio clock: when it ran past its deadline
-
-    def mark(self, error: BaseException | None, now: float) -> None:
-        if not self.done.is_set():
-            self.result.error = error
-            self.result.finished_at = now
-            self.done.set()
-
-
-class InflightRequest(msgspec.Struct, frozen=True):
-    """A queued or running request, as forensics and `last_wedge` record it."""
-
-    model: str
-    seq_id: int | None  # None while queued
-    state: Literal["queued", "running"]
-    age_s: float
-    prompt_tokens: int
-    generated_tokens: int
-
-
-class LastWedge(msgspec.Struct):
-    """The model's most recent wedge, in `/v1/node`; filled in as its recovery goes on."""
-
-    what: str  # "step", "probe"
-    at: str  # when the wedged call started (UTC)
-    detected_after_s: float
-    outcome: str  # "recovering", "recovered", "deadman: <reason>"
-    inflight: list[InflightRequest] | None  # the requests in flight at the wedge
-    inflight_error: str | msgspec.UnsetType = msgspec.UNSET  # reading them failed
-    abort: ReturnOutcome | msgspec.UnsetType = msgspec.UNSET  # tp > 1 only
-    abort_s: float | msgspec.UnsetType = msgspec.UNSET
-    recovered_after_s: float | msgspec.UnsetType = msgspec.UNSET
-
-
-class WatchdogStatistics(msgspec.Struct, frozen=True):
-    """A model's watchdog, as `/v1/node` shows it (a snapshot: later changes do not show)."""
-
-    state: WatchdogState
-    since: str  # when this state began (UTC)
-    step_timeout_s: float
-    abort_deadline_s: float
-    probe_interval_s: float
-    wedges: int
-    aborts: dict[str, int]
-    recoveries: int
-    probes: int  # idle probes run (ok, failed or wedged)
-    last_wedge: LastWedge | None
-
-
-def _ignore(_error: BaseException | None) -> None:
-    pass
 
 
 # --- the watchdog ----------------------------------------------------------------------------
@@ -266,7 +105,7 @@ class Watchdog:
         self._busy = trio.Lock()
         self._state: WatchdogState = "idle"
         self._state_since = wall_clock()
-        self._wedge: _Watch | None = None
+        self._wedge: WatchedCall | None = None
         self._wedges = 0
         self._aborts = {"returned": 0, "error": 0, "deadline": 0}
         self._recoveries = 0
@@ -335,7 +174,7 @@ class Watchdog:
         self, fn: Callable[[], T], what: str, inflight_fn: InflightFn | None
     ) -> T:
         now = self._clock()
-        watch = _Watch(what=what, started=now, started_wall=self._wall())
+        watch = WatchedCall(what=what, started=now, started_wall=self._wall())
         self._set_state("probing" if what == "probe" else "stepping")
         finished = False
         try:
@@ -393,7 +232,7 @@ class Watchdog:
             watch = self._wedge
             if watch is None:
                 now = self._clock()
-                watch = _Watch(what="failed step", started=now, started_wall=self._wall())
+                watch = WatchedCall(what="failed step", started=now, started_wall=self._wall())
                 watch.detected = now
                 watch.mark(None, now)  # its thread did come back, with an error
                 self._wedge = watch
@@ -441,12 +280,14 @@ class Watchdog:
         self._set_state("aborting")
         started = self._clock()
         self._log.warning("watchdog: model %s: aborting the communicator", self.model_name)
-        outcome, result = await self._bounded_call(
+        outcome, result = await bounded_call(
+            self._run_thread,
             executor.abort_comm,
             thread_name=f"nccl-abort-{self.model_name}",
             # A fresh limiter: an abandoned abort keeps its slot for ever.
             limiter=trio.CapacityLimiter(1),
             deadline=deadline,
+            clock=self._clock,
         )
         duration = (result.finished_at if outcome != "deadline" else None) or self._clock()
         duration -= started
@@ -474,17 +315,19 @@ class Watchdog:
         return outcome
 
     async def _recovery_call(
-        self, fn: Callable[[], Any], what: str, watch: _Watch, comms: list[Any]
+        self, fn: Callable[[], Any], what: str, watch: WatchedCall, comms: list[Any]
     ) -> None:
         """One recovery step on a worker thread, bounded by step_timeout_s; failing -> exit 70."""
         on_step_thread = what == "probe"
-        outcome, result = await self._bounded_call(
+        outcome, result = await bounded_call(
+            self._run_thread,
             fn,
             thread_name=f"neuron-step-{self.model_name}"
             if on_step_thread
             else f"nccl-init-{self.model_name}",
             limiter=self._step_limiter if on_step_thread else trio.CapacityLimiter(1),
             deadline=self._clock() + self.step_timeout_s,
+            clock=self._clock,
         )
         if outcome == "returned":
             return
@@ -496,40 +339,9 @@ class Watchdog:
         self._log.critical("watchdog: model %s: recovery failed: %s", self.model_name, why)
         await self._fire(f"{what}-failed", watch, comms, why)
 
-    async def _bounded_call(
-        self,
-        fn: Callable[[], Any],
-        *,
-        thread_name: str,
-        limiter: trio.CapacityLimiter,
-        deadline: float,
-    ) -> tuple[ReturnOutcome, CallReturn]:
-        """Run `fn` on a worker thread and wait for it until `deadline` (`wait_for_return`).
-
-        Returns the outcome and the call's return record (its error, when it finished).
-        Cancellation handling: past the deadline the thread is abandoned (it keeps its
-        `limiter` slot until it really returns); the caller decides what that means.
-        """
-        done = trio.Event()
-        result = CallReturn()
-
-        async def call() -> None:
-            try:
-                await self._run_thread(
-                    fn, thread_name=thread_name, limiter=limiter, on_return=_ignore
-                )
-            except Exception as exc:
-                result.error = exc
-            result.finished_at = self._clock()
-            done.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(call)
-            outcome = await wait_for_return(done, result, deadline)
-            nursery.cancel_scope.cancel()  # deadline: abandon the thread
-        return outcome, result
-
-    async def _fire(self, reason: str, watch: _Watch, comms: list[Any], detail: str) -> NoReturn:
+    async def _fire(
+        self, reason: str, watch: WatchedCall, comms: list[Any], detail: str
+    ) -> NoReturn:
         self._set_state("wedged")
         last = self._last_wedge
         if self._last_wedge is not None:
@@ -567,13 +379,13 @@ class Watchdog:
         """
         bound = timeout_s if timeout_s is not None else self.step_timeout_s + self.abort_deadline_s
         now = self._clock()
-        watch = _Watch(what=what, started=now, started_wall=self._wall())
+        watch = WatchedCall(what=what, started=now, started_wall=self._wall())
         with trio.move_on_at(now + bound):
             return await self._run_thread(
                 fn,
                 thread_name=f"neuron-{what.replace(' ', '-')}-{self.model_name}",
                 limiter=trio.CapacityLimiter(1),
-                on_return=_ignore,
+                on_return=ignore_return,
             )
         watch.detected = self._clock()
         self._log.critical("watchdog: model %s: %s ran past %g s", self.model_name, what, bound)

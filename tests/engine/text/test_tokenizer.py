@@ -8,31 +8,21 @@ from typing import Any
 
 import pytest
 
-from neuron_trio.engine.text.tokenizer import (
+from neuron_trio.engine.text.gguf_vocab import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_USER_DEFINED,
-    IncrementalDetokenizer,
-    Tokenizer,
 )
+from neuron_trio.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from neuron_trio.errors import ModelLoadError, UnsupportedModelError
+from tests.engine.tiny_gguf import byte_symbols
 
 # ---- a tiny byte-level vocabulary, built by hand ------------------------------------------
 
 
-def _byte_chars() -> list[str]:
-    printable = [*range(33, 127), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    n = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + n)
-            n += 1
-    return [chars[b] for b in range(256)]
-
-
-BYTE_CHARS = _byte_chars()
+# GPT-2's byte alphabet, written out in the test fixtures (an oracle apart from the product's)
+BYTE_CHARS = byte_symbols()
 SPACE = BYTE_CHARS[ord(" ")]  # "Ġ"
 
 

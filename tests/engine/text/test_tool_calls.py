@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from neuron_trio.engine.text.grammar import ToolCallFormat
+from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.text.tool_calls import ToolCallParser, render_tools_as_text
 from neuron_trio.engine.types import ToolFunction
 

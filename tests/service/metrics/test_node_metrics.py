@@ -10,9 +10,8 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
-from neuron_trio.service.metrics.node import RateWindow
+from neuron_trio.service.metrics.node import TOKEN_RATE_SAMPLE_S, RateWindow
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
-from neuron_trio.service.node import TOKEN_RATE_SAMPLE_S
 from tests.service.test_node import World, collect, job, make_config, run_world
 
 

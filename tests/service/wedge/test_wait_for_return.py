@@ -19,7 +19,8 @@ import trio.testing
 from trio._core import _run as trio_run_internals
 
 from neuron_trio.errors import CommError
-from neuron_trio.service.wedge.watchdog import CallReturn, ReturnOutcome, wait_for_return
+from neuron_trio.service.wedge.records import ReturnOutcome
+from neuron_trio.service.wedge.threads import CallReturn, wait_for_return
 
 DEADLINE_S = 60.0
 REPEATS = 100
@@ -153,8 +154,8 @@ def test_without_the_recheck_the_exact_instant_would_depend_on_scheduling(
 ) -> None:
     """The guard against a vacuous test: with the re-check disabled, the same scenarios
     give "deadline" in some runs (trio's order decides), which the re-check removes."""
-    import neuron_trio.service.wedge.watchdog as watchdog
+    import neuron_trio.service.wedge.threads as threads
 
-    monkeypatch.setattr(watchdog, "_SAME_INSTANT_ROUNDS", rounds)
+    monkeypatch.setattr(threads, "_SAME_INSTANT_ROUNDS", rounds)
     outcomes = {decide(lands_at=DEADLINE_S, **kw)[0] for kw in scenarios()}  # type: ignore[arg-type]
     assert outcomes == {"returned", "deadline"}

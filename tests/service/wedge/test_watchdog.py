@@ -17,7 +17,8 @@ from neuron_trio.config import TpConfig
 from neuron_trio.errors import CommError, StepTimeoutError, UnavailableError
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.wedge.deadman import Deadman, DeadmanExit
-from neuron_trio.service.wedge.watchdog import InflightFn, InflightRequest, Watchdog
+from neuron_trio.service.wedge.records import InflightRequest
+from neuron_trio.service.wedge.watchdog import InflightFn, Watchdog
 from tests.service.fakes import FakeDeadman, FakeThreads, ScriptedExecutor
 
 STEP_S = 2.0
@@ -352,7 +353,7 @@ def test_real_thread_runner_reports_an_abandoned_thread_returning() -> None:
     and on_return still arrives when the thread finally returns."""
     import threading
 
-    from neuron_trio.service.wedge.watchdog import run_in_thread
+    from neuron_trio.service.wedge.threads import run_in_thread
 
     release = threading.Event()
     returned: list[BaseException | None] = []

@@ -1,0 +1,148 @@
+"""How a model writes a tool call, and the Lark grammar that holds its calls to the tools.
+
+Three formats: Hermes-style `<tool_call>{json}</tool_call>` (Qwen, and neuron's fallback for
+templates without tools), Llama 3.x's bare JSON object with "name" and "parameters", and
+Mistral's `[TOOL_CALLS]` followed by a JSON list of calls. `detect_tool_format` reads which
+one from the model's chat template; `ToolCallFormat.lark` writes the grammar that
+`grammar.GrammarCompiler` compiles, after each tool's schema is bounded and prepared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from neuron_trio.engine.text.schema_limits import check_schema, check_size
+from neuron_trio.engine.text.schema_prep import close_objects, rebase_refs
+from neuron_trio.engine.types import ToolFunction
+from neuron_trio.errors import RequestError
+
+_CALL_JSON_OPTIONS: Any = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
+
+# Calls in one constrained turn with `parallel_tool_calls` (OpenAI's default). Unbounded, a
+# small model asked for `required` repeats calls until max_tokens and the last one is cut off
+# mid-JSON; at the bound the grammar allows only the end of the turn.
+MAX_PARALLEL_TOOL_CALLS = 4
+
+
+class _Vocabulary(Protocol):
+    special_ids: frozenset[int]
+
+    def token_to_id(self, text: str) -> int | None: ...
+
+
+class ToolCallFormat:
+    """How a model writes a tool call: Hermes-style `<tool_call>{json}</tool_call>` (Qwen,
+    and neuron's fallback for templates without tools), Llama 3.x's bare JSON object with
+    "name" and "parameters", or Mistral's `[TOOL_CALLS]` followed by a JSON list of calls."""
+
+    def __init__(self, style: str, open_token_id: int | None = None) -> None:
+        self.style = style  # "hermes" | "llama3" | "mistral"
+        # the opening marker (`<tool_call>`, `[TOOL_CALLS]`) when it is one special token
+        self.open_token_id = open_token_id
+        self.arguments_key = "parameters" if style == "llama3" else "arguments"
+
+    @property
+    def marker(self) -> str:
+        """The text that opens a call ("" for llama3, whose call is the answer's JSON)."""
+        return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(self.style, "")
+
+    def call_schema(self, tool: ToolFunction, parameters: Any = None) -> dict[str, Any]:
+        """The JSON Schema of one call to `tool`; `parameters`: its arguments' schema,
+        prepared (`prepare_parameters`), else the tool's own text."""
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.name},
+                self.arguments_key: (
+                    json.loads(tool.parameters) if parameters is None else parameters
+                ),
+            },
+            "required": ["name", self.arguments_key],
+            "additionalProperties": False,
+        }
+
+    def prepare_parameters(self, tools: Sequence[ToolFunction]) -> list[Any]:
+        """Each tool's parameters, decoded, bounded (`schema_limits`), closed under `strict`
+        and with local `$ref`s pointing where `lark` puts them; RequestError naming the tool."""
+        prepared = []
+        for index, tool in enumerate(tools):
+            param = f"tools[{tool.name}].function.parameters"
+            check_size(len(tool.parameters), param=param)
+            parameters = decode_schema(tool.parameters, param)
+            check_schema(parameters, param=param, size=len(tool.parameters))
+            if tool.strict:
+                close_objects(parameters)
+            at = f"/properties/{self.arguments_key}"
+            rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
+            prepared.append(parameters)
+        return prepared
+
+    def call_json(
+        self, tools: Sequence[ToolFunction], parameters: Sequence[Any] | None = None
+    ) -> str:
+        """The Lark element of one call's JSON object, to one of `tools`; `parameters`:
+        their prepared schemas (`prepare_parameters`, which runs here when None)."""
+        if parameters is None:
+            parameters = self.prepare_parameters(tools)
+        calls = [self.call_schema(t, a) for t, a in zip(tools, parameters, strict=True)]
+        schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        # At most one space between tokens: models write `{"name": "f"}` (a space after the
+        # colon), and without a bound a tie among whitespace tokens fills max_tokens with it.
+        schema = {**schema, "x-guidance": _CALL_JSON_OPTIONS}
+        return "%json " + json.dumps(schema, separators=(",", ":"))
+
+    def lark(
+        self,
+        tools: Sequence[ToolFunction],
+        parallel: bool,
+        parameters: Sequence[Any] | None = None,
+    ) -> str:
+        """A Lark grammar for one call (or several, with `parallel`) to one of `tools`;
+        `parameters`: their prepared schemas (`prepare_parameters`)."""
+        body = self.call_json(tools, parameters)
+        more = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"
+        opening = (
+            f"<[{self.open_token_id}]>"
+            if self.open_token_id is not None
+            else json.dumps(self.marker)
+        )
+        if self.style == "mistral":
+            calls = f'call ("," call){more}' if parallel else "call"
+            return f'start: {opening} "[" {calls} "]"\ncall: {body}\n'
+        if self.style == "llama3":
+            call = body
+            sep = '";"'
+        else:
+            call = f'{opening} "\\n" {body} "\\n</tool_call>"'
+            sep = '"\\n"'
+        start = f"call ({sep} call){more}" if parallel else "call"
+        return f"start: {start}\ncall: {call}\n"
+
+
+def decode_schema(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestError(
+            f"{param}: invalid JSON schema: {exc}", param=param, code="invalid_schema"
+        ) from None
+
+
+def detect_tool_format(tokenizer: _Vocabulary, template_source: str | None) -> ToolCallFormat:
+    """The tool-call format of a model: Mistral's `[TOOL_CALLS]` or Llama 3.x's JSON when its
+    template says so, else Hermes-style (with `<tool_call>` as one token when the vocabulary
+    has it)."""
+    source = template_source or ""
+    if "[TOOL_CALLS]" in source:
+        return ToolCallFormat("mistral", _special_id(tokenizer, "[TOOL_CALLS]"))
+    if "<|python_tag|>" in source or ("ipython" in source and "<|eot_id|>" in source):
+        return ToolCallFormat("llama3")
+    return ToolCallFormat("hermes", _special_id(tokenizer, "<tool_call>"))
+
+
+def _special_id(tokenizer: _Vocabulary, text: str) -> int | None:
+    """The id of `text` when the vocabulary has it as one special token."""
+    token_id = tokenizer.token_to_id(text)
+    return token_id if token_id is not None and token_id in tokenizer.special_ids else None
