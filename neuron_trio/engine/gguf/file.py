@@ -134,6 +134,7 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._fused_cache: tuple[str, torch.Tensor] | None = None
+        self.data_start = 0
         try:
             self._parse()
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
@@ -184,6 +185,7 @@ class GGUFFile:
             self.path, self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         )
         data_start = (cur.pos + align - 1) // align * align
+        self.data_start = data_start  # the header's bytes (metadata, tensor table, padding)
         for name, (qtype, shape, rel) in infos.items():
             n = int(np.prod(shape)) if shape else 1
             nbytes = quant.raw_nbytes(quant.QType(qtype), n) if qtype in quant.SUPPORTED else 0
@@ -209,6 +211,14 @@ class GGUFFile:
     @property
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
+
+    def header_bytes(self) -> bytes:
+        """The header as stored (metadata, tensor table, padding): a copy, for digests."""
+        return self._mmap[: self.data_start]
+
+    def tail_bytes(self, n: int) -> bytes:
+        """The file's last `n` bytes (at most its size): a copy, for digests."""
+        return self._mmap[max(0, len(self._mmap) - n) :]
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 view of the mapping (no copy; do not write to it)."""
