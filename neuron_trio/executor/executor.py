@@ -28,9 +28,11 @@ from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
+from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
 from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.model.transformer import Transformer
+from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.engine.warm_up import WarmUpReport, warm_up
@@ -59,7 +61,12 @@ class Executor:
         dtype: str,
         ranks: list[RankInfo],
         failpoints: fp.Failpoints | None = None,
+        name: str = "",
+        load_phases: LoadPhases | None = None,
     ) -> None:
+        self.name = name
+        # the build's phases; the first probe and the warm-up add theirs, then it is logged
+        self.load_phases = load_phases
         self.engine = engine
         self.models = models
         self.devices = devices
@@ -83,12 +90,24 @@ class Executor:
 
     def probe(self) -> None:
         """One tiny forward on the scratch KV row; touches no sequence."""
-        self.engine.probe()
+        phases = self.load_phases
+        if phases is None:
+            self.engine.probe()
+            return
+        with phases.phase("first forward"):
+            self.engine.probe()
 
     def warm_up(self) -> WarmUpReport:
         """A few tiny requests through the engine (`engine.warm_up`), before serving, so that
-        the first request pays no one-time cost. Blocks like a few steps."""
-        return warm_up(self.engine)
+        the first request pays no one-time cost. Blocks like a few steps. Then logs where the
+        start-up time went (once: `load_phases`)."""
+        phases, self.load_phases = self.load_phases, None
+        if phases is None:
+            return warm_up(self.engine)
+        with phases.phase("warm-up"):
+            report = warm_up(self.engine)
+        log.info("model %s: start-up phases: %s", self.name, phases.summary())
+        return report
 
     def abort_comm(self) -> None:
         """Abort the communicator (unblocks a wedged step with CommAbortedError).
@@ -182,20 +201,25 @@ def build_executor(
     devices: list[torch.device],
     *,
     failpoints: fp.Failpoints | None = None,
+    weight_cache: WeightCache | None = None,
 ) -> Executor:
     """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
 
     Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
     thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
     ConfigError if `tp` does not split the model, ModelLoadError if it cannot be loaded,
-    CommError (NcclError) if the communicator cannot be made.
+    CommError (NcclError) if the communicator cannot be made. `weight_cache`: where packed
+    weights are kept between loads (tp = 1 on the CPU under "auto"; `loader.load_transformer`).
     """
     failpoints = fp.REGISTRY if failpoints is None else failpoints
     tp = spec.tp
     rank_devices = _rank_devices(devices, tp)
+    phases = LoadPhases()
     # One mapping for every rank's load; with tp > 1 each weight is dequantised once and
     # sliced per rank (dequantising is most of a load's time).
-    with _SharedWeights(model_path) if tp > 1 else GGUFFile(model_path) as gguf:
+    with phases.phase("parse"):
+        gguf = _SharedWeights(model_path) if tp > 1 else GGUFFile(model_path)
+    with gguf:
         config = gguf.config
         try:
             check_tp(config, tp)
@@ -216,15 +240,19 @@ def build_executor(
                 device=rank_devices[rank],
                 shard=shard_fn(config, rank, tp) if tp > 1 else None,
                 tp=tp,
+                weight_cache=weight_cache if tp == 1 else None,
+                phases=phases,
             )
             for rank in range(tp)
         ]
-        tokenizer = Tokenizer.from_gguf(gguf)
+        with phases.phase("tokenizer"):
+            tokenizer = Tokenizer.from_gguf(gguf)
     comm: Communicator | None = None
     factory: CommFactory | None = None
     runner: Runner
     if tp == 1:
-        runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
+        with phases.phase("kv pool"):
+            runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
     else:
         factory = make_comm_factory(rank_devices, failpoints)
         comm = factory()
@@ -235,15 +263,18 @@ def build_executor(
         except BaseException:
             _destroy_quietly(comm)
             raise
-    engine = Engine(
-        runner,
-        tokenizer,
-        max_batch=spec.max_batch,
-        context=sizing.context,
-        prefill_chunk=PREFILL_CHUNK,
-        prefix_cache=spec.prefix_cache,
-    )
+    with phases.phase("engine"):
+        engine = Engine(
+            runner,
+            tokenizer,
+            max_batch=spec.max_batch,
+            context=sizing.context,
+            prefill_chunk=PREFILL_CHUNK,
+            prefix_cache=spec.prefix_cache,
+        )
     return Executor(
+        name=spec.name,
+        load_phases=phases,
         engine=engine,
         models=models,
         devices=rank_devices,

@@ -145,11 +145,21 @@ def _ephemeral_identity() -> _Identity:
 
 
 def _default_factory(
-    spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
+    spec: ModelConfig,
+    path: Path,
+    devices: list[torch.device],
+    *,
+    failpoints: fp.Failpoints,
+    config: NeuronConfig,
 ) -> ModelExecutor:
+    from neuron_trio.engine.model.weight_cache import WeightCache
     from neuron_trio.executor.executor import build_executor
 
-    return build_executor(spec, path, devices, failpoints=failpoints)
+    node = config.node
+    cache = WeightCache(config.weight_cache_path, node.weight_cache_max_mb << 20)
+    return build_executor(
+        spec, path, devices, failpoints=failpoints, weight_cache=cache if node.weight_cache else None
+    )
 
 
 def _default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
@@ -209,7 +219,7 @@ class Node:
         self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
         self._gpus = gpus
         self._notifier = notifier
-        self._factory = executor_factory or _default_factory
+        self._factory = executor_factory or partial(_default_factory, config=config)
         self._estimator = estimator or _default_estimator
         self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
