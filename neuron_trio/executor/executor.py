@@ -45,6 +45,9 @@ from neuron_trio.executor.tp.sharding import check_tp, rank_shapes, shard_fn
 log = logging.getLogger(__name__)
 
 CommFactory = Callable[[], Communicator]
+# The most `close` waits for a packed-weight cache entry being written (1.85 GB took ~7 s on a
+# busy 2-core machine): well inside a drain's and systemd's stop timeouts.
+WEIGHT_CACHE_WRITE_WAIT_S = 60.0
 
 
 class Executor:
@@ -63,8 +66,10 @@ class Executor:
         failpoints: fp.Failpoints | None = None,
         name: str = "",
         load_phases: LoadPhases | None = None,
+        weight_cache: WeightCache | None = None,
     ) -> None:
         self.name = name
+        self._weight_cache = weight_cache  # close() lets its writes finish
         # the build's phases; the first probe and the warm-up add theirs, then it is logged
         self.load_phases = load_phases
         self.engine = engine
@@ -161,6 +166,11 @@ class Executor:
             self.models = []
             if any(d.type == "cuda" for d in self.devices) and torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            cache = self._weight_cache
+            # a packed-weight cache entry still being written: a stop right after a cold
+            # start would otherwise lose it, and the next start would pack again
+            if cache is not None and not cache.wait_for_writes(WEIGHT_CACHE_WRITE_WAIT_S):
+                log.warning("model %s: the weight cache entry was not written in time", self.name)
 
 
 def _rank_devices(devices: list[torch.device], tp: int) -> list[torch.device]:
@@ -275,6 +285,7 @@ def build_executor(
     return Executor(
         name=spec.name,
         load_phases=phases,
+        weight_cache=weight_cache if tp == 1 else None,
         engine=engine,
         models=models,
         devices=rank_devices,

@@ -11,8 +11,6 @@ be written only costs the cache, and is logged.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -87,39 +85,16 @@ class Slots:
         except UncacheableError as exc:
             self._give_up(str(exc))
             return
-        cache, key = self.cache, self.key
-        if cache.background:
+        if self.cache.background:
             self.phases.note("weight cache miss: storing in the background")
-            thread = threading.Thread(
-                target=_store, args=(cache, key, recording), name="neuron-weight-cache", daemon=True
-            )
-            thread.start()
+            self.cache.store_later(self.key, recording)
             return
         with self.phases.phase("weight cache"):
-            written = _store(cache, key, recording)
+            written = self.cache.store_logged(self.key, recording)
         if written is not None:
             self.phases.note(f"weight cache miss: stored {written / 1e9:.2f} GB")
         else:
             self.phases.note("weight cache miss: not stored (see the log)")
-
-
-def _store(cache: WeightCache, key: str, recording: Snapshot) -> int | None:
-    """Write one entry and log it. Never raises: the cache is an optimisation (a daemon thread
-    that dies with the process leaves a temporary file, which the next eviction removes)."""
-    started = time.perf_counter()
-    try:
-        written = cache.store(key, recording)
-    except Exception:
-        log.exception("weight cache: storing %s failed", cache.path(key))
-        return None
-    if written is not None:
-        log.info(
-            "weight cache: stored %s (%.2f GB) in %.1f s",
-            cache.path(key),
-            written / 1e9,
-            time.perf_counter() - started,
-        )
-    return written
 
 
 def open_slots(

@@ -30,6 +30,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterable
@@ -181,6 +182,8 @@ class WeightCache:
         # Write new entries on a thread of their own (the load does not wait for the disk:
         # 1.85 GB took ~7 s here); False: the load writes before it returns (tests).
         self.background = background
+        self._writers: list[threading.Thread] = []
+        self._lock = threading.Lock()
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -305,6 +308,45 @@ class WeightCache:
             temp.unlink(missing_ok=True)
             return None
         return total
+
+    def store_logged(self, key: str, snapshot: Snapshot) -> int | None:
+        """`store`, logged, and never raising: the cache is an optimisation."""
+        started = time.perf_counter()
+        try:
+            written = self.store(key, snapshot)
+        except Exception:
+            log.exception("weight cache: storing %s failed", self.path(key))
+            return None
+        if written is not None:
+            log.info(
+                "weight cache: stored %s (%.2f GB) in %.1f s",
+                self.path(key),
+                written / 1e9,
+                time.perf_counter() - started,
+            )
+        return written
+
+    def store_later(self, key: str, snapshot: Snapshot) -> None:
+        """`store_logged` on a thread of its own (a daemon thread: `wait_for_writes` before
+        the process ends, or the temporary file is left for the next eviction)."""
+        thread = threading.Thread(
+            target=self.store_logged, args=(key, snapshot), name="neuron-weight-cache", daemon=True
+        )
+        with self._lock:
+            self._writers = [t for t in self._writers if t.is_alive()] + [thread]
+        thread.start()
+
+    def wait_for_writes(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` in all for the entries being written; whether all are done.
+
+        Cancellation handling: blocking (call it on a worker thread); an abandoned wait leaves
+        the writers running, and they end with the process."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            writers = list(self._writers)
+        for thread in writers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in writers)
 
     def evict(self, room_for: int = 0) -> list[Path]:
         """Remove the least recently used files until `room_for` more bytes fit in
