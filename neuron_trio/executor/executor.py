@@ -26,6 +26,7 @@ import torch
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
+from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model.load_phases import LoadPhases
@@ -257,6 +258,7 @@ def build_executor(
         ]
         with phases.phase("tokenizer"):
             tokenizer = Tokenizer.from_gguf(gguf)
+    header_memo.MEMO.clear()  # the last of the start's opens of this file (engine.gguf.header_memo)
     comm: Communicator | None = None
     factory: CommFactory | None = None
     runner: Runner

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from neuron_trio.engine.gguf import checks as gguf_checks
-from neuron_trio.engine.gguf import families, quant
+from neuron_trio.engine.gguf import families, header_memo, quant
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
@@ -127,6 +127,7 @@ class GGUFFile:
                 # ACCESS_COPY: writable views for torch.frombuffer without touching the file;
                 # pages are shared with the page cache until written (we never write).
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                identity = header_memo.file_identity(str(self.path), f.fileno())
         except ValueError as e:  # an empty file cannot be mapped
             raise ModelFileError(f"{self.path} is not a GGUF file: {e}") from e
         except OSError as e:
@@ -135,6 +136,11 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         self._fused_cache: tuple[str, torch.Tensor] | None = None
         self.data_start = 0
+        parsed = header_memo.MEMO.lookup(identity, self._mmap)
+        if parsed is not None:  # this very file was parsed and checked moments ago
+            self.metadata, self.tensors = dict(parsed.metadata), dict(parsed.tensors)
+            self.data_start, self.config = parsed.data_start, parsed.config
+            return
         try:
             self._parse()
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
@@ -154,6 +160,13 @@ class GGUFFile:
         except BaseException:
             self.close()
             raise
+        header_memo.MEMO.store(
+            identity,
+            self._mmap,
+            header_memo.ParsedHeader(
+                dict(self.metadata), dict(self.tensors), self.data_start, self.config
+            ),
+        )
 
     # ---- header ------------------------------------------------------------------------
 
