@@ -103,7 +103,9 @@ def main() -> None:
             ready.append(start_once(n, model, state_dir, args.requests, args.model, node))
     print(f"ready: best {min(ready):.2f}s, median {statistics.median(ready):.2f}s (goal <= 5 s)")
     if not args.fresh and len(ready) > 1:
-        print(f"cold (start 1) {ready[0]:.2f}s; warm (2..) median {statistics.median(ready[1:]):.2f}s")
+        print(
+            f"cold (start 1) {ready[0]:.2f}s; warm (2..) median {statistics.median(ready[1:]):.2f}s"
+        )
 
 
 def start_once(

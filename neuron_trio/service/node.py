@@ -156,9 +156,17 @@ def _default_factory(
     from neuron_trio.executor.executor import build_executor
 
     node = config.node
-    cache = WeightCache(config.weight_cache_path, node.weight_cache_max_mb << 20)
+    cache = WeightCache(
+        config.weight_cache_path,
+        node.weight_cache_max_mb << 20,
+        min_file_bytes=node.weight_cache_min_mb << 20,
+    )
     return build_executor(
-        spec, path, devices, failpoints=failpoints, weight_cache=cache if node.weight_cache else None
+        spec,
+        path,
+        devices,
+        failpoints=failpoints,
+        weight_cache=cache if node.weight_cache else None,
     )
 
 

@@ -109,6 +109,9 @@ def open_slots(
     that change what it builds): a hit if `cache` holds them. `cache` None: no cache."""
     if cache is None:
         return Slots(phases)
+    if gf.path.stat().st_size < cache.min_file_bytes:
+        phases.note("weight cache: not used for a file this small (node.weight_cache_min_mb)")
+        return Slots(phases)
     with phases.phase("weight cache"):
         key = snapshot_key(gf, scheme, device, options)
         loaded = cache.load(key)

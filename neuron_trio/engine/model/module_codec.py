@@ -143,9 +143,7 @@ class Snapshot:
         }
         children = {name: self._module(m) for name, m in module._modules.items() if m is not None}
         # attributes after the tensors: a pointer attribute refers to one of them
-        attrs = {
-            name: self._value(v) for name, v in state.items() if name not in _MODULE_INTERNALS
-        }
+        attrs = {name: self._value(v) for name, v in state.items() if name not in _MODULE_INTERNALS}
         return [
             "module",
             {

@@ -523,7 +523,9 @@ class Transformer(nn.Module):
             if c.has_local_rope:
                 rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
         embedding = self.embedding
-        x = F.embedding(ids, self.tok_embeddings) if embedding is None else embedding(ids)  # [N, dim]
+        x = (
+            F.embedding(ids, self.tok_embeddings) if embedding is None else embedding(ids)
+        )  # [N, dim]
         x = x.to(self.residual_dtype)
         if c.embed_scale != 1.0:  # gemma; in the residual dtype, as transformers rounds it
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)

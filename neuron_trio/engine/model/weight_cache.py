@@ -175,10 +175,18 @@ class WeightCache:
     and a reader keeps its mapping even if another process evicts the file."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], max_bytes: int, *, background: bool = True
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int,
+        *,
+        min_file_bytes: int = 0,
+        background: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        # Smaller model files are not cached: they pack in a few seconds (the built-in
+        # 98 MB model: ~3 s on 2 cores), and an entry takes ~4x the file on disk.
+        self.min_file_bytes = min_file_bytes
         # Write new entries on a thread of their own (the load does not wait for the disk:
         # 1.85 GB took ~7 s here); False: the load writes before it returns (tests).
         self.background = background
