@@ -243,11 +243,9 @@ class WeightCache:
         )
         if _word_sum(region) != header.checksum:
             raise ValueError("checksum mismatch")
-        # The check read every page into this process; give them back (they stay in the page
-        # cache): the resident set then holds what the model touches, as llama.cpp's mmap.
-        # The mapping is never written, so the pages that come back are the file's, checked.
-        if hasattr(mmap, "MADV_DONTNEED"):
-            mapping.madvise(mmap.MADV_DONTNEED)
+        # The check read every page into this process, and they stay mapped (handing them back
+        # with madvise(DONTNEED) lowers the RSS after load, but the warm-up faults them in
+        # again: on a busy machine it looked slower, so the pages stay).
         tensors = [self._tensor(region, entry) for entry in header.tensors]
         slots = {name: module_codec.decode(node, tensors) for name, node in header.slots.items()}
         os.utime(path)  # recently used: evicted last
