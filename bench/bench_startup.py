@@ -1,9 +1,11 @@
 """Start-up and first-request cost of the real daemon, and its memory before any request.
 
-    python bench/bench_startup.py [--starts 3] [--requests 10] [--dtype auto]
+    python bench/bench_startup.py [--model FILE.gguf] [--starts 3] [--requests 10] [--dtype auto]
                                   [--max-batch 8] [--context 4096] [--fresh] [--set KEY=VALUE ...]
+                                  [--node KEY=VALUE ...]
 
-Each start: `neuron serve` with the built-in model (devices = "cpu") on a free 127.0.0.1 port;
+Each start: `neuron serve` with the built-in model (or `--model`'s GGUF file, under the same
+name; devices = "cpu") on a free 127.0.0.1 port;
 the time from exec to the first `/health` 200 ("ready", and the CPU time the daemon used until
 then: a busy machine stretches the first, less the second); the daemon's RSS and the KV bytes
 /v1/node reports, before any request; then `--requests` identical small chats in a row over
@@ -12,8 +14,11 @@ ready time per start and the best, and the first request's time to first token, 
 the daemon's CPU time for it against the median of the others (goal: ratio ~1.0, nothing
 lazily built on the first one; CPU time is the figure a busy machine disturbs least).
 The starts share one state directory, as restarts of one node do (`--fresh`: a new state
-directory every time). `--set` adds a key to the
-model's config entry (`--set prefix_cache=false`).
+directory every time): the first start packs the weights and fills the packed-weight cache
+(a cold start), the later ones map it (warm; `--node weight_cache=false` turns it off).
+`--set` adds a key to the model's config entry (`--set prefix_cache=false`), `--node` one to
+`[node]`. The daemon's own account of where the time went (its "start-up phases" line) is
+printed under each start. `--requests 0`: ready time and memory only.
 """
 
 from __future__ import annotations
@@ -65,12 +70,14 @@ def parse_value(raw: str) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: built-in)")
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--node", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--fresh", action="store_true", help="a new state dir for every start")
     args = parser.parse_args()
     model: dict[str, Any] = {
@@ -81,19 +88,44 @@ def main() -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         model[key] = parse_value(value)
-    print(f"model entry: {model}; {args.starts} starts, {args.requests} requests each")
+    node = {}
+    for item in args.node:
+        key, _, value = item.partition("=")
+        node[key] = parse_value(value)
+    print(
+        f"model {args.model or 'built-in'}; entry {model}; node {node}; {args.starts} starts, "
+        f"{args.requests} requests each"
+    )
     ready: list[float] = []
     with tempfile.TemporaryDirectory(prefix="neuron-bench-state-") as state:
         for n in range(args.starts):
             state_dir = Path(state) / (f"start-{n}" if args.fresh else "shared")
-            ready.append(start_once(n, model, state_dir, args.requests))
+            ready.append(start_once(n, model, state_dir, args.requests, args.model, node))
     print(f"ready: best {min(ready):.2f}s, median {statistics.median(ready):.2f}s (goal <= 5 s)")
+    if not args.fresh and len(ready) > 1:
+        print(
+            f"cold (start 1) {ready[0]:.2f}s; warm (2..) median {statistics.median(ready[1:]):.2f}s"
+        )
 
 
-def start_once(n: int, model: dict[str, Any], state_dir: Path, requests: int) -> float:
+def start_once(
+    n: int,
+    model: dict[str, Any],
+    state_dir: Path,
+    requests: int,
+    model_file: Path | None = None,
+    node: dict[str, Any] | None = None,
+) -> float:
     """One start: ready time, memory, then `requests` chats; prints a line; the ready time."""
-    with running_daemon(model, state_dir=state_dir) as daemon:
+    with running_daemon(model, state_dir=state_dir, model_file=model_file, node=node) as daemon:
         rss = rss_bytes(daemon.pid)
+        if requests < 1:
+            print(
+                f"start {n + 1}: ready {daemon.ready_s:.2f}s (CPU {daemon.ready_cpu_s:.2f}s); "
+                f"RSS before any request {rss / 2**20:.0f} MiB"
+            )
+            print_phases(daemon.log_tail(60))
+            return daemon.ready_s
         with httpx.Client(base_url=daemon.url, http1=False, http2=True, timeout=120) as client:
             client.get("/health")  # the connection is up before the first request
             times, cpu = [], []
@@ -116,10 +148,15 @@ def start_once(n: int, model: dict[str, Any], state_dir: Path, requests: int) ->
         f"total {first_total / rest_total:.2f}x; daemon CPU request 1 {cpu[0] * 1000:.0f} ms, "
         f"2..{requests} (median) {statistics.median(cpu[1:]) * 1000:.0f} ms"
     )
-    for line in log_lines:
-        if any(k in line for k in ("ready in", "start-up took", "warmed up")):
-            print("   ", line.split(" ", 2)[-1])
+    print_phases("\n".join(log_lines))
     return daemon.ready_s
+
+
+def print_phases(log: str) -> None:
+    """The daemon's log lines about its start-up (ready, warm-up, where the time went)."""
+    for line in log.splitlines():
+        if any(k in line for k in ("ready in", "start-up took", "warmed up", "start-up phases")):
+            print("   ", line.split(" ", 2)[-1])
 
 
 if __name__ == "__main__":

@@ -33,17 +33,28 @@ from tests.neuron_process import write_config as neuron_config  # noqa: E402
 MODEL = "smollm2-135m"
 
 
-def write_config(path: Path, state: Path, port: int, model: Mapping[str, Any]) -> None:
-    """A config with one default model: the built-in one, with `model`'s keys on top.
+def write_config(
+    path: Path,
+    state: Path,
+    port: int,
+    model: Mapping[str, Any],
+    model_file: Path | None = None,
+    node: Mapping[str, Any] | None = None,
+) -> None:
+    """A config with one default model: the built-in one (or the GGUF `model_file`, served
+    under the same name, its folder a model dir), with `model`'s keys on top, and `node`'s
+    keys in `[node]`.
 
     A key the daemon does not know (e.g. `prefix_cache` before it lands) makes it exit 78, which
     `Daemon.start` reports with the daemon's own message.
     """
-    entry = {"name": MODEL, "source": f"builtin:{MODEL}", "devices": "cpu", **model}
+    source = f"builtin:{MODEL}" if model_file is None else str(model_file.resolve())
+    entry = {"name": MODEL, "source": source, "devices": "cpu", **model}
+    model_dirs = [state] if model_file is None else [state, model_file.resolve().parent]
     neuron_config(
         path,
         server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 5},
-        node={"state_dir": state, "model_dirs": [state]},
+        node={"state_dir": state, "model_dirs": model_dirs, **(node or {})},
         models=[entry],
     )
 
@@ -100,9 +111,12 @@ def running_daemon(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 300.0,
     state_dir: Path | None = None,
+    model_file: Path | None = None,
+    node: Mapping[str, Any] | None = None,
 ) -> Iterator[Daemon]:
-    """`neuron serve` on a free 127.0.0.1 port with the built-in model (and `model`'s keys),
-    ready (`/health` 200) when this yields; SIGTERM (then SIGKILL) on the way out.
+    """`neuron serve` on a free 127.0.0.1 port with the built-in model (or `model_file`; and
+    `model`'s keys; `node`'s in `[node]`), ready (`/health` 200) when this yields; SIGTERM
+    (then SIGKILL) on the way out.
 
     `state_dir`: the node's state directory, kept between runs; default a
     fresh one, removed afterwards."""
@@ -110,7 +124,7 @@ def running_daemon(
         root = Path(tmp)
         port = free_port()
         config = root / "neuron.toml"
-        write_config(config, state_dir or root / "state", port, model or {})
+        write_config(config, state_dir or root / "state", port, model or {}, model_file, node)
         log_path = root / "neuron.log"
         started = time.perf_counter()
         process = spawn_neuron(config, log_path, env)

@@ -85,6 +85,16 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # tokenizer) may take, downloads and warm-up not included: past it the load fails (422/500
     # at run time, exit 69 for a default model) instead of holding its slot forever.
     load_timeout_s: PositiveFloat = 900.0
+    # The packed-weight cache (engine/model/weight_cache.py): under dtype "auto" on the CPU
+    # the first load of a model file writes its packed layers here and later loads map them
+    # (a 0.5B model: ready in a few seconds instead of tens). About 4x the GGUF file per
+    # model; the least recently used entries go past weight_cache_max_mb. Files under
+    # weight_cache_min_mb are not cached (they pack in seconds). Empty dir:
+    # state_dir/cache/weights. false: every load packs from the file, nothing is written.
+    weight_cache: bool = True
+    weight_cache_dir: str = ""
+    weight_cache_max_mb: PositiveInt = 16384
+    weight_cache_min_mb: NonNegativeInt = 128
 
 
 class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -147,6 +157,11 @@ class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def state_path(self) -> Path:
         return Path(self.node.state_dir)
+
+    @property
+    def weight_cache_path(self) -> Path:
+        """Where packed weights are cached (`node.weight_cache_dir`, default under state_dir)."""
+        return Path(self.node.weight_cache_dir or Path(self.node.state_dir) / "cache" / "weights")
 
     @property
     def model_dir_paths(self) -> list[Path]:

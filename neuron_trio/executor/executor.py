@@ -26,11 +26,14 @@ import torch
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
+from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
+from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
 from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.model.transformer import Transformer
+from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.engine.warm_up import WarmUpReport, warm_up
@@ -43,6 +46,9 @@ from neuron_trio.executor.tp.sharding import check_tp, rank_shapes, shard_fn
 log = logging.getLogger(__name__)
 
 CommFactory = Callable[[], Communicator]
+# The most `close` waits for a packed-weight cache entry being written (1.85 GB took ~7 s on a
+# busy 2-core machine): well inside a drain's and systemd's stop timeouts.
+WEIGHT_CACHE_WRITE_WAIT_S = 60.0
 
 
 class Executor:
@@ -59,7 +65,14 @@ class Executor:
         dtype: str,
         ranks: list[RankInfo],
         failpoints: fp.Failpoints | None = None,
+        name: str = "",
+        load_phases: LoadPhases | None = None,
+        weight_cache: WeightCache | None = None,
     ) -> None:
+        self.name = name
+        self._weight_cache = weight_cache  # close() lets its writes finish
+        # the build's phases; the first probe and the warm-up add theirs, then it is logged
+        self.load_phases = load_phases
         self.engine = engine
         self.models = models
         self.devices = devices
@@ -83,12 +96,24 @@ class Executor:
 
     def probe(self) -> None:
         """One tiny forward on the scratch KV row; touches no sequence."""
-        self.engine.probe()
+        phases = self.load_phases
+        if phases is None:
+            self.engine.probe()
+            return
+        with phases.phase("first forward"):
+            self.engine.probe()
 
     def warm_up(self) -> WarmUpReport:
         """A few tiny requests through the engine (`engine.warm_up`), before serving, so that
-        the first request pays no one-time cost. Blocks like a few steps."""
-        return warm_up(self.engine)
+        the first request pays no one-time cost. Blocks like a few steps. Then logs where the
+        start-up time went (once: `load_phases`)."""
+        phases, self.load_phases = self.load_phases, None
+        if phases is None:
+            return warm_up(self.engine)
+        with phases.phase("warm-up"):
+            report = warm_up(self.engine)
+        log.info("model %s: start-up phases: %s", self.name, phases.summary())
+        return report
 
     def abort_comm(self) -> None:
         """Abort the communicator (unblocks a wedged step with CommAbortedError).
@@ -142,6 +167,11 @@ class Executor:
             self.models = []
             if any(d.type == "cuda" for d in self.devices) and torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            cache = self._weight_cache
+            # a packed-weight cache entry still being written: a stop right after a cold
+            # start would otherwise lose it, and the next start would pack again
+            if cache is not None and not cache.wait_for_writes(WEIGHT_CACHE_WRITE_WAIT_S):
+                log.warning("model %s: the weight cache entry was not written in time", self.name)
 
 
 def _rank_devices(devices: list[torch.device], tp: int) -> list[torch.device]:
@@ -182,20 +212,25 @@ def build_executor(
     devices: list[torch.device],
     *,
     failpoints: fp.Failpoints | None = None,
+    weight_cache: WeightCache | None = None,
 ) -> Executor:
     """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
 
     Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
     thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
     ConfigError if `tp` does not split the model, ModelLoadError if it cannot be loaded,
-    CommError (NcclError) if the communicator cannot be made.
+    CommError (NcclError) if the communicator cannot be made. `weight_cache`: where packed
+    weights are kept between loads (tp = 1 on the CPU under "auto"; `loader.load_transformer`).
     """
     failpoints = fp.REGISTRY if failpoints is None else failpoints
     tp = spec.tp
     rank_devices = _rank_devices(devices, tp)
+    phases = LoadPhases()
     # One mapping for every rank's load; with tp > 1 each weight is dequantised once and
     # sliced per rank (dequantising is most of a load's time).
-    with _SharedWeights(model_path) if tp > 1 else GGUFFile(model_path) as gguf:
+    with phases.phase("parse"):
+        gguf = _SharedWeights(model_path) if tp > 1 else GGUFFile(model_path)
+    with gguf:
         config = gguf.config
         try:
             check_tp(config, tp)
@@ -216,15 +251,20 @@ def build_executor(
                 device=rank_devices[rank],
                 shard=shard_fn(config, rank, tp) if tp > 1 else None,
                 tp=tp,
+                weight_cache=weight_cache if tp == 1 else None,
+                phases=phases,
             )
             for rank in range(tp)
         ]
-        tokenizer = Tokenizer.from_gguf(gguf)
+        with phases.phase("tokenizer"):
+            tokenizer = Tokenizer.from_gguf(gguf)
+    header_memo.MEMO.clear()  # the last of the start's opens of this file (engine.gguf.header_memo)
     comm: Communicator | None = None
     factory: CommFactory | None = None
     runner: Runner
     if tp == 1:
-        runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
+        with phases.phase("kv pool"):
+            runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
     else:
         factory = make_comm_factory(rank_devices, failpoints)
         comm = factory()
@@ -235,15 +275,19 @@ def build_executor(
         except BaseException:
             _destroy_quietly(comm)
             raise
-    engine = Engine(
-        runner,
-        tokenizer,
-        max_batch=spec.max_batch,
-        context=sizing.context,
-        prefill_chunk=PREFILL_CHUNK,
-        prefix_cache=spec.prefix_cache,
-    )
+    with phases.phase("engine"):
+        engine = Engine(
+            runner,
+            tokenizer,
+            max_batch=spec.max_batch,
+            context=sizing.context,
+            prefill_chunk=PREFILL_CHUNK,
+            prefix_cache=spec.prefix_cache,
+        )
     return Executor(
+        name=spec.name,
+        load_phases=phases,
+        weight_cache=weight_cache if tp == 1 else None,
         engine=engine,
         models=models,
         devices=rank_devices,

@@ -54,11 +54,30 @@ class GpuSource(Protocol):
 
 
 def default_factory(
-    spec: ModelConfig, path: Path, devices: list[torch.device], *, failpoints: fp.Failpoints
+    spec: ModelConfig,
+    path: Path,
+    devices: list[torch.device],
+    *,
+    failpoints: fp.Failpoints,
+    config: NeuronConfig,
 ) -> ModelExecutor:
+    """The real executor, with the node's packed-weight cache (`[node] weight_cache*`)."""
+    from neuron_trio.engine.model.weight_cache import WeightCache
     from neuron_trio.executor.executor import build_executor
 
-    return build_executor(spec, path, devices, failpoints=failpoints)
+    node = config.node
+    cache = WeightCache(
+        config.weight_cache_path,
+        node.weight_cache_max_mb << 20,
+        min_file_bytes=node.weight_cache_min_mb << 20,
+    )
+    return build_executor(
+        spec,
+        path,
+        devices,
+        failpoints=failpoints,
+        weight_cache=cache if node.weight_cache else None,
+    )
 
 
 def default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:

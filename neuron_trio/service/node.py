@@ -128,7 +128,7 @@ class Node:
         self.deadman = deadman or Deadman(config.state_path, context_fn=self.forensics_context)
         self._gpus = gpus
         self._notifier = notifier
-        self._factory = executor_factory or default_factory
+        self._factory = executor_factory or partial(default_factory, config=config)
         self._estimator = estimator or default_estimator
         self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog

@@ -3,6 +3,7 @@ a wedged collective aborted and the communicator re-created, the failpoints it h
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import PREFILL_CHUNK
+from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
 from neuron_trio.executor.api import RankInfo
@@ -174,3 +177,27 @@ def test_tp3_forks_n_choices_and_masks_the_gathered_logits(tiny: Path) -> None:
         assert plain == _generate(executor, PROMPTS, n=4)  # forked slots left nothing behind
     assert outputs[0] == outputs[1]
     assert outputs[0][0] == outputs[0][1] and outputs[0][0] in ('"yes"', '"no"'), outputs
+
+
+def test_the_start_up_phases_are_logged_once_after_the_warm_up(
+    tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = WeightCache(tmp_path / "cache", 1 << 30, background=False)
+    with caplog.at_level(logging.INFO, logger="neuron_trio.executor.executor"):
+        for _ in range(2):  # the first load packs and stores, the second maps the entry
+            executor = build_executor(_spec(1, "auto"), tiny, CPU, weight_cache=cache)
+            executor.probe()
+            executor.warm_up()
+            executor.warm_up()  # a later warm-up (none in the daemon) logs nothing more
+            executor.close()
+    lines = [r.getMessage() for r in caplog.records if "start-up phases" in r.getMessage()]
+    assert len(lines) == 2
+    for line in lines:
+        assert line.startswith("model tiny: start-up phases: ")
+        total, _, phases = line.removeprefix("model tiny: start-up phases: ").partition(": ")
+        names = [part.rsplit(" ", 1)[0] for part in phases.split(";")[0].split(", ")]
+        assert total.endswith(" s") and names[0] == "parse" and names[-1] == "warm-up"
+        assert {"tokenizer", "kv pool", "first forward"} <= set(names)
+    if packing.int4_available():  # "auto" is cpu-int: the cache is used
+        assert "dequantize" in lines[0] and "pack " in lines[0] and "pack " not in lines[1]
+        assert "weight cache miss: stored" in lines[0] and "weight cache hit" in lines[1]

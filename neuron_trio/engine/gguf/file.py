@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from neuron_trio.engine.gguf import checks as gguf_checks
-from neuron_trio.engine.gguf import families, quant
+from neuron_trio.engine.gguf import families, header_memo, quant
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
@@ -127,6 +127,7 @@ class GGUFFile:
                 # ACCESS_COPY: writable views for torch.frombuffer without touching the file;
                 # pages are shared with the page cache until written (we never write).
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                identity = header_memo.file_identity(str(self.path), f.fileno())
         except ValueError as e:  # an empty file cannot be mapped
             raise ModelFileError(f"{self.path} is not a GGUF file: {e}") from e
         except OSError as e:
@@ -134,6 +135,12 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._fused_cache: tuple[str, torch.Tensor] | None = None
+        self.data_start = 0
+        parsed = header_memo.MEMO.lookup(identity, self._mmap)
+        if parsed is not None:  # this very file was parsed and checked moments ago
+            self.metadata, self.tensors = dict(parsed.metadata), dict(parsed.tensors)
+            self.data_start, self.config = parsed.data_start, parsed.config
+            return
         try:
             self._parse()
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
@@ -153,6 +160,13 @@ class GGUFFile:
         except BaseException:
             self.close()
             raise
+        header_memo.MEMO.store(
+            identity,
+            self._mmap,
+            header_memo.ParsedHeader(
+                dict(self.metadata), dict(self.tensors), self.data_start, self.config
+            ),
+        )
 
     # ---- header ------------------------------------------------------------------------
 
@@ -184,6 +198,7 @@ class GGUFFile:
             self.path, self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         )
         data_start = (cur.pos + align - 1) // align * align
+        self.data_start = data_start  # the header's bytes (metadata, tensor table, padding)
         for name, (qtype, shape, rel) in infos.items():
             n = int(np.prod(shape)) if shape else 1
             nbytes = quant.raw_nbytes(quant.QType(qtype), n) if qtype in quant.SUPPORTED else 0
@@ -209,6 +224,14 @@ class GGUFFile:
     @property
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
+
+    def header_bytes(self) -> bytes:
+        """The header as stored (metadata, tensor table, padding): a copy, for digests."""
+        return self._mmap[: self.data_start]
+
+    def tail_bytes(self, n: int) -> bytes:
+        """The file's last `n` bytes (at most its size): a copy, for digests."""
+        return self._mmap[max(0, len(self._mmap) - n) :]
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 view of the mapping (no copy; do not write to it)."""

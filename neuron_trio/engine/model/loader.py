@@ -36,7 +36,8 @@ import torch
 from neuron_trio.engine.gguf import families, quant
 from neuron_trio.engine.gguf.file import GGUFFile, unpermute_qk
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
-from neuron_trio.engine.model import packing
+from neuron_trio.engine.model import cached_load, packing
+from neuron_trio.engine.model.embedding import QuantizedEmbedding
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import (
     Int4Linear,
@@ -48,7 +49,9 @@ from neuron_trio.engine.model.linear import (
     RefinedHead,
     StackedLinear,
 )
+from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.transformer import Block, Transformer, run_to_end
+from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.errors import ConfigError, ModelLoadError
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -107,21 +110,36 @@ def load_transformer(
     device: torch.device | str = "cpu",
     shard: ShardFn | None = None,
     tp: int = 1,
+    weight_cache: WeightCache | None = None,
+    phases: LoadPhases | None = None,
 ) -> Transformer:
     """Build the model of a GGUF file on `device` (one TP shard of it when `tp > 1`).
 
     With `tp > 1` the model has `config.shard(tp)`'s shape and `partial_sums=True`; `shard`
     must then slice each weight for this rank. Raises ModelLoadError (UnsupportedModelError
     for an unsupported file) naming the file and the tensor.
+
+    `weight_cache`: under "cpu-int" with tp = 1, the built layers come from it when it holds
+    this file and build (`weight_cache.snapshot_key`), and go into it otherwise. `phases`
+    receives the seconds each part of the load took (`load_phases`).
     """
+    phases = LoadPhases() if phases is None else phases
     if isinstance(source, GGUFFile):
-        return _load(source, dtype, torch.device(device), shard, tp)
-    with GGUFFile(source) as gf:
-        return _load(gf, dtype, torch.device(device), shard, tp)
+        return _load(source, dtype, torch.device(device), shard, tp, weight_cache, phases)
+    with phases.phase("parse"):
+        gf = GGUFFile(source)
+    with gf:
+        return _load(gf, dtype, torch.device(device), shard, tp, weight_cache, phases)
 
 
 def _load(
-    gf: GGUFFile, dtype: str, device: torch.device, shard: ShardFn | None, tp: int
+    gf: GGUFFile,
+    dtype: str,
+    device: torch.device,
+    shard: ShardFn | None,
+    tp: int,
+    weight_cache: WeightCache | None,
+    phases: LoadPhases,
 ) -> Transformer:
     if tp > 1 and shard is None:
         raise ModelLoadError(f"tp = {tp} needs a shard function")
@@ -131,9 +149,18 @@ def _load(
     local = full.shard(tp) if tp > 1 else full
     model = Transformer(local, partial_sums=tp > 1, act_dtype=act, residual_dtype=residual)
     model.scheme = scheme
+    cached = cached_load.open_slots(
+        gf,
+        weight_cache if scheme == "cpu-int" and device.type == "cpu" and shard is None else None,
+        scheme,
+        device,
+        f"int4_head={AUTO_INT4_HEAD}; refine={HEAD_REFINE}",
+        phases,
+    )
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        w = gf.weight(name)
+        with phases.phase("dequantize"):  # with the un-permutation and the shard's slice
+            w = gf.weight(name)
         if shard is not None:
             w = shard(name, w)
         if tuple(w.shape) != shape:
@@ -169,24 +196,29 @@ def _load(
     def one_format(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
         kinds = {kind(n) for n in names}
-        if kinds != {"five"}:
-            return make_linear(w, scheme, device, four_bit=kinds == {"four"})
-        per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
-        q, scale, minimum = (torch.cat(column, dim=0) for column in zip(*per_tensor, strict=True))
-        return make_linear(w, scheme, device, four_bit=False, five_bit=(q, scale, minimum))
+        with phases.phase("pack"):
+            if kinds != {"five"}:
+                return make_linear(w, scheme, device, four_bit=kinds == {"four"})
+            per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
+            q, scale, minimum = (torch.cat(col, dim=0) for col in zip(*per_tensor, strict=True))
+            return make_linear(w, scheme, device, four_bit=False, five_bit=(q, scale, minimum))
 
     def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         """One projection over the rows of `names`; one layer per run of a packing kind."""
-        runs: list[tuple[list[str], list[tuple[int, int]]]] = []
-        for name, shape in zip(names, shapes, strict=True):
-            if runs and kind(runs[-1][0][-1]) == kind(name):
-                runs[-1][0].append(name)
-                runs[-1][1].append(shape)
-            else:
-                runs.append(([name], [shape]))
-        if len(runs) == 1 or kernel is None:
-            return one_format(names, shapes)
-        return StackedLinear([cast(LinearLayer, one_format(*run)) for run in runs])
+
+        def build() -> torch.nn.Module:
+            runs: list[tuple[list[str], list[tuple[int, int]]]] = []
+            for name, shape in zip(names, shapes, strict=True):
+                if runs and kind(runs[-1][0][-1]) == kind(name):
+                    runs[-1][0].append(name)
+                    runs[-1][1].append(shape)
+                else:
+                    runs.append(([name], [shape]))
+            if len(runs) == 1 or kernel is None:
+                return one_format(names, shapes)
+            return StackedLinear([cast(LinearLayer, one_format(*run)) for run in runs])
+
+        return cached.slot("+".join(names), build)
 
     c, hd = local, local.head_dim
     qkv_shapes = [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)]
@@ -218,21 +250,58 @@ def _load(
         cast(Block, layer).attend_kernel = kernel
     model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
     model.norm = vector("output_norm.weight")
-    embed = get("token_embd.weight", (c.vocab_size, c.dim))
-    # The embedding table keeps float32 unless the whole model is a dense half type.
-    table_dtype = act if scheme in ("bfloat16", "float16") else torch.float32
-    model.tok_embeddings = embed.to(device=device, dtype=table_dtype)
+    _load_tables(model, gf, scheme, device, act, kernel, get, cached, phases)
+    cached.finish()
+    model.init_rope(min(full.context_length, 4096))
+    model.eval()
+    return model
+
+
+def _load_tables(
+    model: Transformer,
+    gf: GGUFFile,
+    scheme: str,
+    device: torch.device,
+    act: torch.dtype,
+    kernel: object,
+    get: Callable[[str, tuple[int, ...]], torch.Tensor],
+    cached: cached_load.Slots,
+    phases: LoadPhases,
+) -> None:
+    """The token embedding and the output head (from `cached` when it has them)."""
+    c = model.config
+    if scheme == "cpu-int" and not c.tied_output and _quantized_rows_fit(gf, c.dim):
+        # only looked up: the file's blocks, rows dequantised per step (embedding.py)
+        with phases.phase("tables"):
+            model.embedding = cached.slot("token_embd", lambda: _rows(gf))
+        model.tok_embeddings = torch.empty(0, c.dim, device=device)
+    else:
+
+        def table() -> torch.Tensor:
+            embed = get("token_embd.weight", (c.vocab_size, c.dim))
+            # The embedding table keeps float32 unless the whole model is a dense half type.
+            table_dtype = act if scheme in ("bfloat16", "float16") else torch.float32
+            return embed.to(device=device, dtype=table_dtype)
+
+        model.tok_embeddings = cached.slot("token_embd.weight", table)
     if c.tied_output and scheme != "cpu-int":
         model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
-    else:
-        head = embed if c.tied_output else get("output.weight", (c.vocab_size, c.dim))
-        if scheme == "cpu-int":
-            # a coarse int pass + exact top candidates (tied: from the embedding table itself)
-            table = model.tok_embeddings if c.tied_output else head.to(device)
-            int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
-            native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
-            native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
-            coarse: torch.nn.Module
+        return
+
+    def head_module() -> torch.nn.Module:
+        if c.tied_output:
+            head = model.tok_embeddings
+        else:
+            head = get("output.weight", (c.vocab_size, c.dim))
+        if scheme != "cpu-int":
+            return make_linear(head, scheme, device, four_bit=False)
+        # a coarse int pass + exact top candidates (tied: from the embedding table itself)
+        table = model.tok_embeddings if c.tied_output else head.to(device)
+        int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+        native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
+        native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
+        coarse: torch.nn.Module
+        with phases.phase("pack"):
             if AUTO_INT4_HEAD and native_ok:
                 coarse = Q4Linear(kernel, *packing.pack_q4(head), out_dtype=torch.float32)
             elif AUTO_INT4_HEAD and int4_ok:
@@ -242,12 +311,27 @@ def _load(
                 coarse = Q8Linear(kernel, *packing.pack_q8(head))
             else:
                 coarse = Int8Linear(*packing.pack_int8(head))
-            model.output = RefinedHead(coarse, table, HEAD_REFINE)
-        else:
-            model.output = make_linear(head, scheme, device, four_bit=False)
-    model.init_rope(min(full.context_length, 4096))
-    model.eval()
-    return model
+        return RefinedHead(coarse, table, HEAD_REFINE)
+
+    model.output = cached.slot("output", head_module)
+
+
+def _quantized_rows_fit(gf: GGUFFile, dim: int) -> bool:
+    """Whether the embedding can stay in the file's blocks (`QuantizedEmbedding`): stored
+    whole under its own name, each row a whole number of blocks."""
+    info = gf.tensors.get("token_embd.weight")
+    if info is None or len(info.shape) != 2 or info.shape[1] != dim:
+        return False
+    block, _ = quant.BLOCK_SIZES[quant.QType(info.qtype)]
+    return dim % block == 0
+
+
+def _rows(gf: GGUFFile) -> QuantizedEmbedding:
+    """The embedding's blocks copied out of the mapping (the file may change on disk)."""
+    info = gf.tensors["token_embd.weight"]
+    qtype = quant.QType(info.qtype)
+    rows = gf.raw("token_embd.weight").reshape(info.shape[0], -1).clone()
+    return QuantizedEmbedding(rows, qtype, info.shape[1])
 
 
 def make_linear(

@@ -387,6 +387,9 @@ class Transformer(nn.Module):
         # The native kernel module (the loader sets it under "auto" on the CPU): RoPE and the
         # K/V write run in it, from float32 tables (rope_f32, rope_f32_local: cos, sin).
         self.native_kernel: Any = None
+        # The loader may keep the embedding quantised (engine.model.embedding): ids → float32
+        # rows; then tok_embeddings is empty.
+        self.embedding: nn.Module | None = None
         none = torch.empty(0, config.head_dim)
         self.rope_f32 = self.rope_f32_local = (none, none)
 
@@ -519,7 +522,10 @@ class Transformer(nn.Module):
             rope_local = rope
             if c.has_local_rope:
                 rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
-        x = F.embedding(ids, self.tok_embeddings)  # [N, dim]
+        embedding = self.embedding
+        x = (
+            F.embedding(ids, self.tok_embeddings) if embedding is None else embedding(ids)
+        )  # [N, dim]
         x = x.to(self.residual_dtype)
         if c.embed_scale != 1.0:  # gemma; in the residual dtype, as transformers rounds it
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
