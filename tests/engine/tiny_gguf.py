@@ -156,7 +156,7 @@ def write_tiny_llama(
 ) -> Path:
     """Write a tiny random llama GGUF file at `path` and return the path.
 
-    `qtype` is the format of the 2-D weights: "F32", "F16", "BF16", "Q8_0", "Q4_0" or "Q4_1"
+    `qtype` is the format of the 2-D weights: "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1" or "Q5_0"
     (block formats need `dim` and `ffn_dim` to be multiples of 32); norms stay F32 and the
     embedding is Q8_0 when `qtype` is a block format (as in the built-in model). The
     vocabulary has `len(tiny_vocab()[0])` tokens. `extra_metadata` adds string/int/float keys;
@@ -218,7 +218,7 @@ def write_tiny_llama(
             writer.add_uint32(key, value)
         else:
             writer.add_float32(key, float(value))
-    block_formats = {"Q8_0", "Q4_0", "Q4_1"}
+    block_formats = {"Q8_0", "Q4_0", "Q4_1", "Q5_0"}
     for name, w in weights.items():
         if name.endswith("attn_q.weight"):
             w = _permute(w, n_heads)

@@ -506,6 +506,8 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
             total += n * size
         elif name == "output.weight":  # the coarse pass + its float32 table (candidates)
             total += _coarse_head_bytes(n, c.vocab_size) + 4 * n
+        elif name == "token_embd.weight" and not c.tied_output and _quantized_rows_fit(gf, c.dim):
+            total += info.nbytes  # the file's blocks (QuantizedEmbedding)
         elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy

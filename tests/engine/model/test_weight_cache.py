@@ -37,7 +37,7 @@ needs_int = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["tied-Q4_1", "untied-Q4_0"])
+@pytest.fixture(scope="module", params=["tied-Q4_1", "untied-Q4_0", "untied-Q5_0"])
 def model_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tied, qtype = request.param.split("-")
     path = tmp_path_factory.mktemp("wc") / f"{request.param}.gguf"
