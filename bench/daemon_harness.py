@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +33,15 @@ from tests.neuron_process import write_config as neuron_config  # noqa: E402
 MODEL = "smollm2-135m"
 
 
-def write_config(path: Path, state: Path, port: int, model: Mapping[str, Any]) -> None:
-    """A config with one default model: the built-in one, with `model`'s keys on top.
+def write_config(
+    path: Path,
+    state: Path,
+    port: int,
+    model: Mapping[str, Any],
+    model_dirs: Sequence[Path] = (),
+) -> None:
+    """A config with one default model: the built-in one, with `model`'s keys on top (a
+    `source` that is a local path must lie under one of `model_dirs`).
 
     A key the daemon does not know (e.g. `prefix_cache` before it lands) makes it exit 78, which
     `Daemon.start` reports with the daemon's own message.
@@ -43,7 +50,7 @@ def write_config(path: Path, state: Path, port: int, model: Mapping[str, Any]) -
     neuron_config(
         path,
         server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 5},
-        node={"state_dir": state, "model_dirs": [state]},
+        node={"state_dir": state, "model_dirs": [state, *model_dirs]},
         models=[entry],
     )
 
@@ -100,17 +107,18 @@ def running_daemon(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 300.0,
     state_dir: Path | None = None,
+    model_dirs: Sequence[Path] = (),
 ) -> Iterator[Daemon]:
     """`neuron serve` on a free 127.0.0.1 port with the built-in model (and `model`'s keys),
     ready (`/health` 200) when this yields; SIGTERM (then SIGKILL) on the way out.
 
     `state_dir`: the node's state directory, kept between runs; default a
-    fresh one, removed afterwards."""
+    fresh one, removed afterwards. `model_dirs`: where a local `source` may lie."""
     with tempfile.TemporaryDirectory(prefix="neuron-bench-") as tmp:
         root = Path(tmp)
         port = free_port()
         config = root / "neuron.toml"
-        write_config(config, state_dir or root / "state", port, model or {})
+        write_config(config, state_dir or root / "state", port, model or {}, model_dirs)
         log_path = root / "neuron.log"
         started = time.perf_counter()
         process = spawn_neuron(config, log_path, env)
