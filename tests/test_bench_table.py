@@ -158,3 +158,60 @@ def test_worker_protocol_answers_reports_errors_and_survives_stray_prints(tmp_pa
     finally:
         worker.close()
     assert "library noise on stdout" in (tmp_path / "worker.log").read_text()
+
+
+SYSTEM_INFO = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 0 | "
+
+
+def test_llama_build_names_the_features_set_and_whether_amx_is_on() -> None:
+    from bench.bench_table import llama_build
+
+    line = llama_build({"version": "0.3.36", "system_info": SYSTEM_INFO})
+    assert line == (
+        "llama-cpp-python 0.3.36 (CPU backend: SSE3, AVX2, AVX512, AVX512_VNNI; AMX off)"
+    )
+    assert "AMX on" in llama_build({"version": "1", "system_info": "CPU : AMX_INT8 = 1 |"})
+    assert llama_build(None) == "llama-cpp-python: not run"
+
+
+def test_render_publishes_header_both_tables_and_failures() -> None:
+    from bench.bench_table import render
+
+    runs = {m.key: {"neuron": [], "llamacpp": []} for m in tf.MEASURES}
+    runs["decode_1"] = {"neuron": [40.0, 44.0, 42.0], "llamacpp": [38.0, 36.0, 40.0]}
+    meta = {
+        "date": "2026-12-04 19:00 UTC",
+        "cpu": "AMD EPYC",
+        "cores": 2,
+        "memory_gib": 23.5,
+        "threads": 2,
+        "rounds": 3,
+        "cold_rounds": 1,
+        "neuron_commit": "abc1234",
+        "torch": "2.13.0",
+        "llamacpp": "llama-cpp-python 0.3.36 (…)",
+        "command": "python bench/bench_table.py",
+        "note": "A shared machine.",
+    }
+    result = {
+        "meta": meta,
+        "bandwidth": {"1": 30e9, "2": 20e9},  # a busy machine: 2 threads read slower
+        "models": {
+            "qwen2.5-0.5b": {
+                "runs": runs,
+                "bytes_per_token": {"neuron": 500e6, "llamacpp": 400e6},
+                "errors": ["llamacpp cold start: exited -11\nlog tail"],
+            }
+        },
+    }
+    text = render(result)
+    assert "Measured 2026-12-04 19:00 UTC on AMD EPYC (2 cores, 24 GiB)" in text
+    assert "A shared machine." in text
+    assert (
+        "| Qwen2.5-Coder-0.5B-Instruct Q4_K_M | decode, batch 1 (tok/s) | 42.0 | 38.0 | 1.11× | 3/3 |"
+        in text
+    )
+    # the limit is the faster read over the bytes per token: 30 GB/s / 500 MB = 60 tok/s
+    assert "| Qwen2.5-Coder-0.5B-Instruct Q4_K_M | neuron | 500.0 | 60 | 42.0 | 70% |" in text
+    assert "- qwen2.5-0.5b: llamacpp cold start: exited -11" in text
+    assert "log tail" not in text
