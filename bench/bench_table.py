@@ -333,6 +333,20 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def regenerate_args(argv: list[str]) -> list[str]:
+    """The command-line arguments that shape the table (not --note, --json: where it went)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--note", "--json"):
+            skip = True
+        elif not arg.startswith(("--note=", "--json=")):
+            out.append(arg)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated keys")
@@ -351,7 +365,7 @@ def main() -> None:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
     s = Settings(args)
     torch.set_num_threads(s.threads)
-    command = "python bench/bench_table.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python bench/bench_table.py", *regenerate_args(sys.argv[1:])])
     print(f"logs under {s.logs}", flush=True)
     bandwidth = {str(t): stream_bandwidth(t, repeats=10) for t in sorted({1, s.threads})}
     print(

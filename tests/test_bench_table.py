@@ -215,3 +215,10 @@ def test_render_publishes_header_both_tables_and_failures() -> None:
     assert "| Qwen2.5-Coder-0.5B-Instruct Q4_K_M | neuron | 500.0 | 60 | 42.0 | 70% |" in text
     assert "- qwen2.5-0.5b: llamacpp cold start: exited -11" in text
     assert "log tail" not in text
+
+
+def test_the_regenerate_command_leaves_out_note_and_json() -> None:
+    from bench.bench_table import regenerate_args
+
+    argv = ["--note", "busy", "--quick", "--json=/tmp/x.json", "--models", "gemma3", "--json", "y"]
+    assert regenerate_args(argv) == ["--quick", "--models", "gemma3"]
