@@ -139,6 +139,8 @@ def measure_model(model: BenchModel, path: Path, s: Settings, out: dict[str, Any
             out["llamacpp_info"] = peer.call("info")
         except (FileNotFoundError, WorkerError) as exc:
             out["errors"].append(f"llama.cpp: {exc}")
+            if peer is not None:
+                peer.close()
             peer = None
         workers = {"neuron": neuron, "llamacpp": peer}
         for worker in workers.values():  # warm-up: the first prefill pays for allocations
