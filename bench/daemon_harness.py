@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,21 +40,24 @@ def write_config(
     model: Mapping[str, Any],
     model_file: Path | None = None,
     node: Mapping[str, Any] | None = None,
+    model_dirs: Sequence[Path] = (),
 ) -> None:
     """A config with one default model: the built-in one (or the GGUF `model_file`, served
     under the same name, its folder a model dir), with `model`'s keys on top, and `node`'s
-    keys in `[node]`.
+    keys in `[node]` (a `source` that is a local path must lie under one of `model_dirs`).
 
     A key the daemon does not know (e.g. `prefix_cache` before it lands) makes it exit 78, which
     `Daemon.start` reports with the daemon's own message.
     """
     source = f"builtin:{MODEL}" if model_file is None else str(model_file.resolve())
     entry = {"name": MODEL, "source": source, "devices": "cpu", **model}
-    model_dirs = [state] if model_file is None else [state, model_file.resolve().parent]
+    dirs = [state, *model_dirs]
+    if model_file is not None:
+        dirs.append(model_file.resolve().parent)
     neuron_config(
         path,
         server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 5},
-        node={"state_dir": state, "model_dirs": model_dirs, **(node or {})},
+        node={"state_dir": state, "model_dirs": dirs, **(node or {})},
         models=[entry],
     )
 
@@ -113,18 +116,21 @@ def running_daemon(
     state_dir: Path | None = None,
     model_file: Path | None = None,
     node: Mapping[str, Any] | None = None,
+    model_dirs: Sequence[Path] = (),
 ) -> Iterator[Daemon]:
     """`neuron serve` on a free 127.0.0.1 port with the built-in model (or `model_file`; and
     `model`'s keys; `node`'s in `[node]`), ready (`/health` 200) when this yields; SIGTERM
     (then SIGKILL) on the way out.
 
     `state_dir`: the node's state directory, kept between runs; default a
-    fresh one, removed afterwards."""
+    fresh one, removed afterwards. `model_dirs`: where a local `source` may lie."""
     with tempfile.TemporaryDirectory(prefix="neuron-bench-") as tmp:
         root = Path(tmp)
         port = free_port()
         config = root / "neuron.toml"
-        write_config(config, state_dir or root / "state", port, model or {}, model_file, node)
+        write_config(
+            config, state_dir or root / "state", port, model or {}, model_file, node, model_dirs
+        )
         log_path = root / "neuron.log"
         started = time.perf_counter()
         process = spawn_neuron(config, log_path, env)
