@@ -186,8 +186,9 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
      ("Q2_K", "Int4Linear"), ("Q3_K", "Int4Linear"), ("IQ4_XS", "Int4Linear")],
 )  # fmt: skip
 def test_auto_on_cpu_keeps_new_formats_quantised(tmp_path: Path, name: str, kind: str) -> None:
-    """`dtype = "auto"` on CPU: 4-bit-or-fewer formats take the int4 kernel, 5-bit ones int8; the
-    layer's dense copy equals the file's float32 dequantisation (to bfloat16)."""
+    """`dtype = "auto"` on CPU: 4-bit-or-fewer formats take the int4 kernel, 5-bit ones int8 (the
+    native kernel: 4 and 5 bits); the layer's dense copy equals the file's float32
+    dequantisation (to bfloat16)."""
     from neuron_trio.engine.model.loader import load_transformer
 
     shape = {**SHAPE, "dim": 256, "ffn_dim": 256}  # K-quants need rows of 256
@@ -203,8 +204,8 @@ def test_auto_on_cpu_keeps_new_formats_quantised(tmp_path: Path, name: str, kind
         pytest.skip("this torch has no CPU int4 kernel")
     model = load_transformer(path, dtype="auto", device="cpu")
     layer = model.layers[0].w_down
-    if kind == "Int4Linear" and packing.native_kernel() is not None:
-        kind = "Q4Linear"  # the native 4-bit kernel, where it was built
+    if packing.native_kernel() is not None:
+        kind = "Q4Linear"  # the native kernel's 4-bit, or 5-bit (Q5_x: its own codes), layer
     assert type(layer).__name__ == kind
     with GGUFFile(path) as gf:
         want = gf.weight("blk.0.ffn_down.weight")
