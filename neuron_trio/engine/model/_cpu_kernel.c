@@ -1157,8 +1157,21 @@ TARGET_AVX2 static void heap_down(float *val, int *idx, int n, int at) {
 
 #define REFINE_MAX 1024
 
+/* A Q8_0 block (the GGUF format): a float16 scale, then 32 int8; w = scale · q in float32,
+   as quant.dequantize computes it (the same products, so the same bits). */
+#define Q8_0_BYTES 34
+
+TARGET_AVX2 static inline __m256 q8_0_load8(const uint8_t *row, int d) {
+    const uint8_t *block = row + (size_t)(d / GROUP) * Q8_0_BYTES;
+    uint16_t half;
+    memcpy(&half, block, 2);
+    const __m256 scale = _mm256_cvtph_ps(_mm_set1_epi16((short)half));
+    const __m128i q = _mm_loadl_epi64((const __m128i *)(block + 2 + d % GROUP));
+    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+}
+
 TARGET_AVX2 static void refine_row(float *logits, int vocab, const void *x, int bf16,
-                                   const float *table, int dim, int k) {
+                                   const void *table, int dim, int k, int q8) {
     float val[REFINE_MAX], xf[8192];
     int idx[REFINE_MAX];
     /* the heap's root is its worst member: the lowest logit, the highest index on a tie */
@@ -1191,8 +1204,21 @@ TARGET_AVX2 static void refine_row(float *logits, int vocab, const void *x, int 
             heap_down(val, idx, k, 0);
         }
     for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(xf + d, load8(x, bf16, (size_t)d));
+    if (q8) { /* rows of Q8_0 blocks (dim a multiple of 32): the dot below, lane for lane */
+        const size_t row_bytes = (size_t)(dim / GROUP) * Q8_0_BYTES;
+        for (int c = 0; c < k; c++) {
+            const uint8_t *row = (const uint8_t *)table + (size_t)idx[c] * row_bytes;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+            for (int d = 0; d < dim; d += 16) {
+                s0 = _mm256_fmadd_ps(q8_0_load8(row, d), _mm256_loadu_ps(xf + d), s0);
+                s1 = _mm256_fmadd_ps(q8_0_load8(row, d + 8), _mm256_loadu_ps(xf + d + 8), s1);
+            }
+            logits[idx[c]] = hsum8(_mm256_add_ps(s0, s1));
+        }
+        return;
+    }
     for (int c = 0; c < k; c++) {
-        const float *row = table + (size_t)idx[c] * dim;
+        const float *row = (const float *)table + (size_t)idx[c] * dim;
         __m256 s0 = _mm256_setzero_ps(), s1 = s0;
         int d = 0;
         for (; d + 16 <= dim; d += 16) {
@@ -1204,26 +1230,31 @@ TARGET_AVX2 static void refine_row(float *logits, int vocab, const void *x, int 
     }
 }
 
-/* refine(logits, rows, vocab, x, x_bf16, table, dim, k): logits float32 [rows, vocab] in
-   place; x [rows, dim] (bfloat16 if x_bf16, else float32); table float32 [vocab, dim]. */
+/* refine(logits, rows, vocab, x, x_bf16, table, dim, k[, q8]): logits float32 [rows, vocab]
+   in place; x [rows, dim] (bfloat16 if x_bf16, else float32); table float32 [vocab, dim], or
+   with q8 the file's Q8_0 blocks [vocab, dim / 32 · 34] (a quarter of the memory, same bits). */
 static PyObject *q4_refine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[8];
-    if (take_ints(args, nargs, 8, 8, v, "refine") < 0) return NULL;
+    long long v[9] = {0};
+    const Py_ssize_t want = nargs == 9 ? 9 : 8; /* q8 is optional */
+    if (take_ints(args, nargs, want, (int)want, v, "refine") < 0) return NULL;
     float *logits = (float *)(intptr_t)v[0];
     const int rows = (int)v[1], vocab = (int)v[2], bf16 = (int)v[4], dim = (int)v[6], k = (int)v[7];
+    const int q8 = v[8] != 0;
     const char *x = (const char *)(intptr_t)v[3];
-    const float *table = (const float *)(intptr_t)v[5];
-    if (rows < 1 || k < 1 || k > REFINE_MAX || k > vocab || dim < 8 || dim > 8192 || dim % 8) {
+    const void *table = (const void *)(intptr_t)v[5];
+    if (rows < 1 || k < 1 || k > REFINE_MAX || k > vocab || dim < 8 || dim > 8192 || dim % 8 ||
+        (q8 && dim % GROUP)) {
         PyErr_SetString(PyExc_ValueError,
-                        "refine: bad shape (k 1..1024 and at most the vocabulary, dim 8..8192 by 8)");
+                        "refine: bad shape (k 1..1024 and at most the vocabulary, dim 8..8192 by 8, "
+                        "by 32 for Q8_0 rows)");
         return NULL;
     }
     const size_t x_row = (size_t)dim * (bf16 ? 2 : 4);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int r = 0; r < rows; r++)
-        refine_row(logits + (size_t)r * vocab, vocab, x + r * x_row, bf16, table, dim, k);
+        refine_row(logits + (size_t)r * vocab, vocab, x + r * x_row, bf16, table, dim, k, q8);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1382,7 +1413,7 @@ static PyMethodDef METHODS[] = {
      "attend(q, 3 strides, k, 3 strides, v, 3 strides, mask, mask stride, flags, batch, kv, "
      "groups, length, dim, out, scale, rows): decode attention"},
     {"refine", (PyCFunction)(void (*)(void))q4_refine, METH_FASTCALL,
-     "refine(logits, rows, vocab, x, x_bf16, table, dim, k): each row's k best logits exact"},
+     "refine(logits, rows, vocab, x, x_bf16, table, dim, k[, q8]): each row's k best logits exact"},
     {"rope_write", (PyCFunction)(void (*)(void))q4_rope_write, METH_FASTCALL,
      "rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool_tokens, rows, "
      "q): RoPE on the rows' Q and K heads; Q out, K and V into the pool"},

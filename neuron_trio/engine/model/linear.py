@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.model import packing
 
 
@@ -346,7 +347,12 @@ class Int8Linear(LinearLayer):
 class RefinedHead(nn.Module):
     """The output head under "auto" on CPU: a coarse pass over the whole vocabulary through a
     weight-only int kernel, then the `refine` best of each row recomputed exactly (float32)
-    from the dense table `[V, dim]`.
+    from the table `[V, dim]`.
+
+    The table is float32, or (`q8_dim`: the row length) the file's own Q8_0 blocks `[V, dim /
+    32 · 34]` uint8, dequantised row by row where they are read: the same float32 values
+    (quant.dequantize's products) in a quarter of the memory. A 262,144 x 640 table is 671 MB
+    in float32, 178 MB as Q8_0, and a step reads only its candidates' rows.
 
     The int kernels return bfloat16 logits: steps of 1/16 at typical magnitudes, so close
     candidates tie and logprobs come out coarse. The candidates that decide greedy picks, the
@@ -356,37 +362,62 @@ class RefinedHead(nn.Module):
 
     table: torch.Tensor
 
-    def __init__(self, coarse: nn.Module, table: torch.Tensor, refine: int) -> None:
+    def __init__(
+        self, coarse: nn.Module, table: torch.Tensor, refine: int, *, q8_dim: int = 0
+    ) -> None:
         super().__init__()
         self.coarse = coarse  # Q8Linear, Int8Linear or Int4Linear without a dense copy
-        self.register_buffer("table", table)  # [V, dim], shared with the embedding when tied
+        self.register_buffer("table", table)  # shared with the embedding when tied
         self.refine = refine
-        self.out_features, self.in_features = table.shape
-        # With a native coarse pass (and a float32 table on the CPU), the kernel's `refine`:
-        # the k best and their exact logits in one call, ~1 ms less a step at batch 8 than
-        # topk, gather and bmm.
-        fits = table.dtype == torch.float32 and table.is_contiguous() and table.device.type == "cpu"
+        self.q8_dim = q8_dim
+        self.out_features = table.shape[0]
+        self.in_features = q8_dim or table.shape[1]
+        # With a native coarse pass (and the table on the CPU), the kernel's `refine`: the k
+        # best and their exact logits in one call, ~1 ms less a step at batch 8 than topk,
+        # gather and bmm.
+        kinds = (torch.uint8,) if q8_dim else (torch.float32,)
+        fits = table.dtype in kinds and table.is_contiguous() and table.device.type == "cpu"
         native = fits and isinstance(coarse, (Q8Linear, Q4Linear))
         self._kernel: Any = coarse.kernel if native else None
 
+    def _rows(self, index: torch.Tensor | slice) -> torch.Tensor:
+        """Table rows as float32 (or the dense table's dtype): `index` a tensor or a slice."""
+        rows = self.table[index]
+        if not self.q8_dim:
+            return rows
+        shape = (*rows.shape[:-1], self.q8_dim)
+        return quant.dequantize(rows.contiguous(), quant.QType.Q8_0, shape)
+
+    def _all_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Every logit exact: the dense table, or Q8_0 rows dequantised a slice at a time
+        (bounded memory: never the whole float32 table at once)."""
+        if not self.q8_dim:
+            return F.linear(x.to(self.table.dtype), self.table).float()
+        x = x.float()
+        step = 16384
+        parts = [
+            F.linear(x, self._rows(slice(v, v + step))) for v in range(0, self.out_features, step)
+        ]
+        return torch.cat(parts, dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        table = self.table
         x2 = x.reshape(-1, self.in_features)  # [N, dim]
         if x2.shape[0] >= DENSE_MIN_ROWS:
-            return F.linear(x.to(table.dtype), table).float()
+            return self._all_logits(x)
         logits = self.coarse(x2).float()  # [N, V]
         kernel = self._kernel
         if kernel is not None and x2.dtype in (torch.bfloat16, torch.float32):
             x2, logits = x2.contiguous(), logits.contiguous()
-            n, (vocab, dim) = x2.shape[0], table.shape
+            n, vocab, dim = x2.shape[0], self.out_features, self.in_features
             bf16 = int(x2.dtype == torch.bfloat16)
             kernel.refine(
-                logits.data_ptr(), n, vocab, x2.data_ptr(), bf16, table.data_ptr(), dim, self.refine
-            )
+                logits.data_ptr(), n, vocab, x2.data_ptr(), bf16, self.table.data_ptr(), dim,
+                self.refine, int(self.q8_dim > 0),
+            )  # fmt: skip
             return logits.reshape(*lead, self.out_features)
         top = logits.topk(self.refine, dim=-1).indices  # [N, k]
-        rows = table[top]  # [N, k, dim]
+        rows = self._rows(top)  # [N, k, dim]
         exact = torch.bmm(rows, x2.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [N, k]
         logits.scatter_(1, top, exact.float())
         return logits.reshape(*lead, self.out_features)

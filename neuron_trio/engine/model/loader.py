@@ -270,8 +270,13 @@ def _load_tables(
 ) -> None:
     """The token embedding and the output head (from `cached` when it has them)."""
     c = model.config
-    if scheme == "cpu-int" and not c.tied_output and _quantized_rows_fit(gf, c.dim):
-        # only looked up: the file's blocks, rows dequantised per step (embedding.py)
+    head_name = "token_embd.weight" if c.tied_output else "output.weight"
+    # The head's exact rows stay the file's Q8_0 blocks where the native refine reads them
+    # (RefinedHead's q8_dim): a quarter of a float32 table, the same values.
+    q8_table = scheme == "cpu-int" and kernel is not None and _q8_0_rows(gf, head_name, c.dim)
+    if scheme == "cpu-int" and (not c.tied_output or q8_table) and _quantized_rows_fit(gf, c.dim):
+        # only looked up (and, tied, read by the refinement): the file's blocks, rows
+        # dequantised per step (embedding.py)
         with phases.phase("tables"):
             model.embedding = cached.slot("token_embd", lambda: _rows(gf))
         model.tok_embeddings = torch.empty(0, c.dim, device=device)
@@ -289,14 +294,18 @@ def _load_tables(
         return
 
     def head_module() -> torch.nn.Module:
-        if c.tied_output:
-            head = model.tok_embeddings
-        else:
-            head = get("output.weight", (c.vocab_size, c.dim))
+        head = get(head_name, (c.vocab_size, c.dim))
         if scheme != "cpu-int":
             return make_linear(head, scheme, device, four_bit=False)
         # a coarse int pass + exact top candidates (tied: from the embedding table itself)
-        table = model.tok_embeddings if c.tied_output else head.to(device)
+        table: torch.Tensor
+        if q8_table and c.tied_output:
+            assert isinstance(model.embedding, QuantizedEmbedding)
+            table = model.embedding.rows  # the same blocks: no second copy
+        elif q8_table:
+            table = gf.raw(head_name).reshape(c.vocab_size, -1).clone()
+        else:
+            table = model.tok_embeddings if c.tied_output else head.to(device)
         int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
         native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
         native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
@@ -311,9 +320,21 @@ def _load_tables(
                 coarse = Q8Linear(kernel, *packing.pack_q8(head))
             else:
                 coarse = Int8Linear(*packing.pack_int8(head))
-        return RefinedHead(coarse, table, HEAD_REFINE)
+        return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim if q8_table else 0)
 
     model.output = cached.slot("output", head_module)
+
+
+def _q8_0_rows(gf: GGUFFile, name: str, dim: int) -> bool:
+    """Whether tensor `name` is stored whole as Q8_0 rows of `dim` (the native refine's
+    compact table)."""
+    info = gf.tensors.get(name)
+    if info is None or len(info.shape) != 2 or info.shape[1] != dim:
+        return False
+    return (
+        quant.QType(info.qtype) == quant.QType.Q8_0
+        and dim % quant.BLOCK_SIZES[quant.QType.Q8_0][0] == 0
+    )
 
 
 def _quantized_rows_fit(gf: GGUFFile, dim: int) -> bool:
@@ -504,10 +525,15 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
         if scheme != "cpu-int" or len(info.shape) == 1:
             size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
             total += n * size
-        elif name == "output.weight":  # the coarse pass + its float32 table (candidates)
-            total += _coarse_head_bytes(n, c.vocab_size) + 4 * n
-        elif name == "token_embd.weight" and not c.tied_output and _quantized_rows_fit(gf, c.dim):
-            total += info.nbytes  # the file's blocks (QuantizedEmbedding)
+        elif name == "output.weight":  # the coarse pass + its table (Q8_0 blocks or float32)
+            q8 = native and _q8_0_rows(gf, name, c.dim)
+            total += _coarse_head_bytes(n, c.vocab_size) + (info.nbytes if q8 else 4 * n)
+        elif (
+            name == "token_embd.weight"
+            and _quantized_rows_fit(gf, c.dim)
+            and (not c.tied_output or (native and _q8_0_rows(gf, name, c.dim)))
+        ):  # the file's blocks (QuantizedEmbedding; tied: the head's table too)
+            total += info.nbytes + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy

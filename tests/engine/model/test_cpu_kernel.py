@@ -17,25 +17,19 @@ import torch
 
 from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS, Q4Linear, Q8Linear
+from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture, usable_isas
 
 KERNEL = packing.native_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
 
 
 def _isas() -> list[str]:
-    if KERNEL is None:
-        return []
-    have = KERNEL.isa()
-    return [name for name in ("avx512vnni", "avx2") if name == have or name == "avx2"]
+    return usable_isas(KERNEL)
 
 
-@pytest.fixture(params=_isas())
+@pytest.fixture(params=ALL_ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert KERNEL is not None
-    default = KERNEL.isa()
-    assert KERNEL.use(request.param)
-    yield request.param
-    KERNEL.use(default)
+    yield from isa_fixture(request)
 
 
 def _dequantised(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
@@ -104,8 +98,8 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
         layer = Q4Linear(KERNEL, *packing.pack_q4(w))
     else:
         layer = Q8Linear(KERNEL, *packing.pack_q8(w))
-    x = torch.randn(15, in_f, generator=g)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
+    x = torch.randn(21, in_f, generator=g)  # more than 16 rows
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(21)])
     default = KERNEL.isa()
     try:
         for isa in _isas():
@@ -359,6 +353,39 @@ def test_refine_recomputes_each_rows_best_logits_exactly(dtype: torch.dtype) -> 
     assert torch.equal(refine(coarse[2:3], x[2:3].contiguous()), got[2:3])
     with pytest.raises(ValueError, match="refine: bad shape"):
         KERNEL.refine(got.data_ptr(), 5, vocab, x.data_ptr(), 0, table.data_ptr(), dim, vocab + 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3])
+def test_refine_from_q8_0_blocks_gives_the_float32_tables_bits(batch: int) -> None:
+    """`refine` over the file's Q8_0 blocks (q8 = 1) equals `refine` over the float32 table
+    they dequantise to, bit for bit; and RefinedHead over either gives the same logits."""
+    assert KERNEL is not None
+    from neuron_trio.engine.gguf import quant
+    from neuron_trio.engine.model.linear import RefinedHead
+
+    g = torch.Generator().manual_seed(11)
+    vocab, dim, k = 520, 96, 40
+    w = torch.randn(vocab, dim, generator=g).numpy()
+    t = gguf.GGMLQuantizationType.Q8_0
+    blocks = torch.from_numpy(gguf.quants.quantize(w, t).copy()).reshape(vocab, -1)
+    table = quant.dequantize(blocks, quant.QType.Q8_0, (vocab, dim))
+    coarse = torch.randn(batch, vocab, generator=g)
+    x = torch.randn(batch, dim, generator=g)
+    dense, compact = coarse.clone(), coarse.clone()
+    KERNEL.refine(dense.data_ptr(), batch, vocab, x.data_ptr(), 0, table.data_ptr(), dim, k)
+    KERNEL.refine(compact.data_ptr(), batch, vocab, x.data_ptr(), 0, blocks.data_ptr(), dim, k, 1)
+    assert torch.equal(compact, dense)
+    assert not torch.equal(dense, coarse)  # it did refine
+    head_coarse = Q4Linear(KERNEL, *packing.pack_q4(table), out_dtype=torch.float32)
+    by_table = RefinedHead(head_coarse, table, k)
+    by_blocks = RefinedHead(head_coarse, blocks, k, q8_dim=dim)
+    assert (by_blocks.in_features, by_blocks.out_features) == (dim, vocab)
+    assert torch.equal(by_blocks(x), by_table(x))
+    many = torch.randn(20, dim, generator=g)  # all logits exact, a slice of blocks at a time
+    torch.testing.assert_close(by_blocks(many), many @ table.T, rtol=1e-5, atol=1e-5)
+    by_blocks._kernel = None  # torch's topk, gather and bmm over dequantised rows
+    torch.testing.assert_close(by_blocks(x), by_table(x), rtol=1e-6, atol=1e-5)
 
 
 def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,19 +14,15 @@ import torch
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear, StackedLinear
+from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture
 
 KERNEL = packing.native_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
 
 
-@pytest.fixture(params=["avx512vnni", "avx2"])
+@pytest.fixture(params=ALL_ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    if KERNEL is None or (request.param == "avx512vnni" and KERNEL.isa() != "avx512vnni"):
-        pytest.skip(f"{request.param} is not available here")
-    default = KERNEL.isa()
-    assert KERNEL.use(request.param)
-    yield request.param
-    KERNEL.use(default)
+    yield from isa_fixture(request)
 
 
 def _file_blocks(
@@ -74,7 +70,7 @@ def test_tile_high_sets_the_bit_of_each_weight_in_its_lane() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("centred", [False, True])
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 15])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 15, 16, 21])
 @pytest.mark.parametrize(("out_f", "in_f"), [(8, 32), (24, 96), (904, 896)])
 def test_five_bit_product_exact_on_int8_representable_inputs(
     isa: str, batch: int, out_f: int, in_f: int, centred: bool

@@ -450,7 +450,13 @@ def test_auto_head_refines_its_best_candidates_exactly(
     head.refine = 8
     x = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = head(x)  # [3, V]
-    exact = x.float() @ model.tok_embeddings.T  # the float32 table (tied embedding)
+    vocab = model.config.vocab_size
+    # the float32 table (tied embedding), or its file blocks' rows (Q8_0: kept as blocks)
+    table = (
+        model.tok_embeddings if model.embedding is None else model.embedding(torch.arange(vocab))
+    )
+    assert table.shape == (vocab, model.config.dim)
+    exact = x.float() @ table.T
     coarse = head.coarse(x).float()
     top = coarse.topk(8, dim=-1).indices  # the candidates it refines
     torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-4, atol=1e-4)
@@ -460,7 +466,7 @@ def test_auto_head_refines_its_best_candidates_exactly(
     many = torch.randn(
         20, model.config.dim, generator=torch.Generator().manual_seed(1)
     ).bfloat16()  # prefill-sized: the dense table
-    torch.testing.assert_close(head(many), many.float() @ model.tok_embeddings.T)
+    torch.testing.assert_close(head(many), many.float() @ table.T)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
