@@ -43,8 +43,9 @@ from neuron_trio.engine.block_pool import (
 from neuron_trio.engine.finish import apply_finish_rules, is_stop_token
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.kv_events import KVEventLog
-from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
+from neuron_trio.engine.model.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.model.sizing import engine_sizing
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
@@ -141,9 +142,9 @@ class Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
         For tools, tests and benchmarks; the daemon builds every model (tp = 1 or more)
-        through `build_executor`, which sizes it the same way (`loader.engine_sizing`). `context` (tokens per sequence) is capped at the context the model was
+        through `build_executor`, which sizes it the same way (`sizing.engine_sizing`). `context` (tokens per sequence) is capped at the context the model was
         trained for. The KV pool holds `kv_cache_mb` MiB, or with 0, `max_batch` × `context`
-        tokens (`loader.engine_sizing`). The file is parsed once (weights and tokenizer)
+        tokens (`sizing.engine_sizing`). The file is parsed once (weights and tokenizer)
         and closed before this returns.
         """
         with GGUFFile(path) as gguf:
