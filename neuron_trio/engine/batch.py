@@ -1,4 +1,5 @@
-"""A step's inputs as tensors: the decode rows and the packed prefill chunks, no engine state.
+"""A step's inputs as tensors: the decode rows and the packed prefill chunks, no engine state;
+and its logits laid out a row per sampled sequence.
 
 The runner's contract (`runner.Runner.forward`): token ids on the model's device; start
 positions, block tables and lengths as host tensors (the model reads them without a GPU
@@ -68,3 +69,14 @@ def sampled_rows(plan: StepPlan) -> list[Sequence]:
     come: decode rows, prefill chunks that complete a prompt, then their forks (n choices)."""
     sampled = [*plan.decode, *(c.seq for c in plan.prefill if c.samples)]
     return sampled + [f for seq in sampled for f in seq.forks]
+
+
+def row_logits(rows: list[Sequence], logits: list[torch.Tensor]) -> torch.Tensor:
+    """The step's logits `[len(rows), V]`, a row for each of `sampled_rows`: the forwards'
+    rows, then for each fork its parent's again (a fork samples its first token from them)."""
+    batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
+    parents = {id(f): i for i, seq in enumerate(rows) for f in seq.forks}
+    forked = [parents[id(seq)] for seq in rows[len(batch) :]]
+    if forked:
+        batch = torch.cat([batch, batch[forked]], dim=0)
+    return batch
