@@ -200,19 +200,7 @@ class Node:
     async def node_info(self) -> dict[str, Any]:
         """The `/v1/node` document (a live GPU read: may take up to the NVML timeout)."""
         gpus = await live_gpus(self._gpus)
-        document = node_document(
-            hostname=self.hostname,
-            health=self.health(),
-            identity=self.identity,
-            draining=self._draining,
-            config=self.config,
-            gpus=gpus,
-            actors=self._actors,
-            token_rates=self._token_rates,
-            deadman=self.deadman,
-            last_forensics=self._last_forensics,
-            failpoints=self.failpoints,
-        )
+        document = node_document(self, gpus, self._actors, self._token_rates, self._last_forensics)
         # As plain JSON values: what the HTTP layer encodes, and what tests and tools read.
         return msgspec.to_builtins(document)  # type: ignore[no-any-return]
 

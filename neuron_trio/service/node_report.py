@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import neuron_trio
 from neuron_trio import failpoints as fp
@@ -53,30 +53,39 @@ async def live_gpus(gpus: GpuSource | None) -> Any:
         return {"available": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+class NodeParts(Protocol):
+    """What the document reads of `Node` (its public parts)."""
+
+    hostname: str
+    identity: Any
+    config: NeuronConfig
+    deadman: Deadman
+    failpoints: fp.Failpoints
+
+    @property
+    def draining(self) -> bool: ...
+
+    def health(self) -> HealthSnapshot: ...
+
+
 def node_document(
-    *,
-    hostname: str,
-    health: HealthSnapshot,
-    identity: Any,
-    draining: bool,
-    config: NeuronConfig,
-    gpus: Any,
+    node: NodeParts,
+    gpus: Any,  # `live_gpus`
     actors: Mapping[str, ModelActor],
     token_rates: TokenRates,
-    deadman: Deadman,
     last_forensics: LastForensics | None,
-    failpoints: fp.Failpoints,
 ) -> NodeInfo:
-    """The `/v1/node` document."""
+    """The `/v1/node` document of `node`, its `actors` and their rates."""
+    health, config, deadman, failpoints = node.health(), node.config, node.deadman, node.failpoints
     tp = config.tp
     return NodeInfo(
-        hostname=hostname,
+        hostname=node.hostname,
         boot_id=health.boot_id,
         started_at=health.started_at,
         starts=health.starts,
-        previous_stop_clean=bool(identity.previous_stop_clean),
+        previous_stop_clean=bool(node.identity.previous_stop_clean),
         status=health.status,
-        draining=draining,
+        draining=node.draining,
         config=config.source_path,
         gpus=gpus,
         models=[actor.info() for actor in actors.values()],
