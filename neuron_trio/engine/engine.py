@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from neuron_trio.engine.batch import decode_inputs, prefill_inputs, row_logits, sampled_rows
+from neuron_trio.engine.batch import probe, row_logits, run_plan, sampled_rows
 from neuron_trio.engine.block_pool import (
-    PROBE_BLOCK,
     BlockPool,
     blocks_for,
     salt_root,
@@ -353,7 +352,7 @@ class Engine:
         if any(g is not None for g in grammars):
             masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
-            logits = self._run(plan)
+            logits = run_plan(self.runner, plan)
             bitmask = masks.result() if masks is not None else None
             results = self._sample(rows, logits, bitmask) if rows else []
         # The forwards returned: only now is any sequence's state advanced.
@@ -368,23 +367,6 @@ class Engine:
             for seq, result in zip(rows, results, strict=True)
             if not seq.is_finished  # cancelled while the step ran
         ]
-
-    def _run(self, plan: StepPlan) -> list[torch.Tensor]:
-        """The step's forwards (decode rows, then the prefill chunks in one batch); the logits
-        of the rows that sample, in `sampled_rows` order but for the forks."""
-        device = self.runner.device
-        logits: list[torch.Tensor] = []
-        if plan.decode:
-            at = decode_inputs(plan.decode, device)
-            logits.append(self.runner.forward(at.ids, at.start_pos, at.tables))
-        chunks = plan.prefill
-        if chunks:
-            at = prefill_inputs(chunks, device)
-            out = self.runner.forward(at.ids, at.start_pos, at.tables, lengths=at.lengths)
-            done = [i for i, c in enumerate(chunks) if c.samples]
-            if done:
-                logits.append(out if len(done) == len(chunks) else out[done])
-        return logits
 
     def _sample(self, rows: list[Sequence], logits: list[torch.Tensor], bitmask: Any) -> list[Any]:
         """A token for each of `rows` (forks from their parent's logits, `batch.row_logits`);
@@ -456,15 +438,5 @@ class Engine:
 
     def probe(self) -> None:
         """One tiny forward (one token) on the probe's own KV block; touches no sequence."""
-        device = self.runner.device
         bos = self.tokenizer.bos_id
-        token = 0 if bos is None else int(bos)
-        with torch.inference_mode():
-            out = self.runner.forward(
-                torch.tensor([[token]], dtype=torch.int64, device=device),
-                torch.zeros(1, dtype=torch.int64),  # host tensors, as in `step`
-                torch.tensor([[PROBE_BLOCK]], dtype=torch.int64),
-            )
-            # Wait for the result: CUDA returns before its kernels (and a TP step's
-            # collectives) have run, and a probe must see a device or collective that hangs.
-            out.reshape(-1)[0].item()
+        probe(self.runner, 0 if bos is None else int(bos))
