@@ -9,7 +9,9 @@ fused gate/up projections, dense or weight-only int4/int8). The forward pass is 
 `Transformer.forward_steps`: a tensor-parallel shard (`partial_sums=True`) yields the partial
 output of each row-parallel projection (attention output, MLP down) and continues with the
 all-reduced sum sent back; an unsharded model never yields. So the model never imports a
-communicator (see docs/ARCHITECTURE.md).
+communicator (see docs/ARCHITECTURE.md). Its parts, called as plain functions: attention.py
+(decode in the native kernel or SDPA), rope.py (the tables, the native RoPE with the K/V write),
+placement.py (where a forward's rows write and read the KV pool).
 
 Shapes: B rows, T new tokens per row, H query heads, KV key/value heads, D head_dim,
 L attended positions, V vocabulary.
