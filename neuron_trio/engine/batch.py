@@ -1,4 +1,6 @@
-"""A step's inputs as tensors: the decode rows and the packed prefill chunks, no engine state.
+"""A step's forwards, no engine state: its inputs as tensors (the decode rows and the packed
+prefill chunks), the runner's calls, and its logits laid out a row per sampled sequence; and
+the probe's one-token forward on its own block.
 
 The runner's contract (`runner.Runner.forward`): token ids on the model's device; start
 positions, block tables and lengths as host tensors (the model reads them without a GPU
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from neuron_trio.engine.block_pool import NULL_BLOCK
+from neuron_trio.engine.block_pool import NULL_BLOCK, PROBE_BLOCK
+from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.scheduler import PrefillChunk, StepPlan
 from neuron_trio.engine.sequence import Sequence
 
@@ -68,3 +71,46 @@ def sampled_rows(plan: StepPlan) -> list[Sequence]:
     come: decode rows, prefill chunks that complete a prompt, then their forks (n choices)."""
     sampled = [*plan.decode, *(c.seq for c in plan.prefill if c.samples)]
     return sampled + [f for seq in sampled for f in seq.forks]
+
+
+def row_logits(rows: list[Sequence], logits: list[torch.Tensor]) -> torch.Tensor:
+    """The step's logits `[len(rows), V]`, a row for each of `sampled_rows`: the forwards'
+    rows, then for each fork its parent's again (a fork samples its first token from them)."""
+    batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
+    parents = {id(f): i for i, seq in enumerate(rows) for f in seq.forks}
+    forked = [parents[id(seq)] for seq in rows[len(batch) :]]
+    if forked:
+        batch = torch.cat([batch, batch[forked]], dim=0)
+    return batch
+
+
+def run_plan(runner: Runner, plan: StepPlan) -> list[torch.Tensor]:
+    """The step's forwards (decode rows, then the prefill chunks in one batch); the logits
+    of the rows that sample, in `sampled_rows` order but for the forks."""
+    device = runner.device
+    logits: list[torch.Tensor] = []
+    if plan.decode:
+        at = decode_inputs(plan.decode, device)
+        logits.append(runner.forward(at.ids, at.start_pos, at.tables))
+    chunks = plan.prefill
+    if chunks:
+        at = prefill_inputs(chunks, device)
+        out = runner.forward(at.ids, at.start_pos, at.tables, lengths=at.lengths)
+        done = [i for i, c in enumerate(chunks) if c.samples]
+        if done:
+            logits.append(out if len(done) == len(chunks) else out[done])
+    return logits
+
+
+def probe(runner: Runner, token: int) -> None:
+    """One tiny forward (`token` alone) on the probe's own KV block; touches no sequence."""
+    device = runner.device
+    with torch.inference_mode():
+        out = runner.forward(
+            torch.tensor([[token]], dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int64),  # host tensors, as in `step`
+            torch.tensor([[PROBE_BLOCK]], dtype=torch.int64),
+        )
+        # Wait for the result: CUDA returns before its kernels (and a TP step's
+        # collectives) have run, and a probe must see a device or collective that hangs.
+        out.reshape(-1)[0].item()

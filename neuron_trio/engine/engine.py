@@ -32,24 +32,29 @@ from typing import Any
 
 import torch
 
-from neuron_trio.engine.batch import decode_inputs, prefill_inputs, sampled_rows
+from neuron_trio.engine.batch import probe, row_logits, run_plan, sampled_rows
 from neuron_trio.engine.block_pool import (
-    BLOCK_TOKENS,
-    PROBE_BLOCK,
     BlockPool,
     blocks_for,
     salt_root,
 )
-from neuron_trio.engine.finish import apply_finish_rules, is_stop_token
+from neuron_trio.engine.finish import token_event
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.kv_events import KVEventLog
-from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
+from neuron_trio.engine.model.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.model.sizing import engine_sizing
+from neuron_trio.engine.prompt import (
+    answer_room,
+    chat_template_for,
+    check_request,
+    encode_text,
+    render_messages,
+)
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
-from neuron_trio.engine.text.chat import ChatTemplate, end_of_turn_ids
-from neuron_trio.engine.text.chat_literals import ChatPrompt
+from neuron_trio.engine.text.chat import end_of_turn_ids
 from neuron_trio.engine.text.grammar import (
     GrammarCompiler,
     GrammarState,
@@ -61,12 +66,7 @@ from neuron_trio.engine.text.grammar import (
 from neuron_trio.engine.text.textgen import TextPipeline
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.text.tool_call_start import CallStartWatcher, begin_call_grammar
-from neuron_trio.engine.text.tool_calls import (
-    ToolCallParser,
-    render_tools_as_text,
-    template_tools,
-    tool_marker_ids,
-)
+from neuron_trio.engine.text.tool_calls import ToolCallParser, tool_marker_ids
 from neuron_trio.engine.types import (
     Constraint,
     EngineStatistics,
@@ -74,7 +74,6 @@ from neuron_trio.engine.types import (
     SequenceEvent,
     ToolFunction,
 )
-from neuron_trio.errors import ContextLengthError, RequestError
 
 __all__ = ["PREFILL_CHUNK", "Engine", "NoFreeSlotError"]
 
@@ -106,12 +105,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk, pool=self.pool)
         self.sampler = Sampler(token_text=tokenizer.token_text)
         if chat_template is None or isinstance(chat_template, str):
-            chat_template = ChatTemplate(
-                chat_template or tokenizer.chat_template,
-                bos_token=_token_text(tokenizer, tokenizer.bos_id),
-                eos_token=_token_text(tokenizer, tokenizer.eos_id),
-                literal_tokens=[_token_text(tokenizer, i) for i in sorted(tokenizer.special_ids)],
-            )
+            chat_template = chat_template_for(tokenizer, chat_template)
         self.chat_template = chat_template
         self._eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
         self._end_of_turn_ids = frozenset(end_of_turn_ids(tokenizer)) | self._eos_ids
@@ -141,9 +135,9 @@ class Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
         For tools, tests and benchmarks; the daemon builds every model (tp = 1 or more)
-        through `build_executor`, which sizes it the same way (`loader.engine_sizing`). `context` (tokens per sequence) is capped at the context the model was
+        through `build_executor`, which sizes it the same way (`sizing.engine_sizing`). `context` (tokens per sequence) is capped at the context the model was
         trained for. The KV pool holds `kv_cache_mb` MiB, or with 0, `max_batch` × `context`
-        tokens (`loader.engine_sizing`). The file is parsed once (weights and tokenizer)
+        tokens (`sizing.engine_sizing`). The file is parsed once (weights and tokenizer)
         and closed before this returns.
         """
         with GGUFFile(path) as gguf:
@@ -172,19 +166,8 @@ class Engine:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: Seq[ToolFunction] = ()) -> str:
         """The chat template applied to `messages` (and `tools`), ending with the assistant's
-        turn opening. A template that knows no tools gets them, and the history's calls and
-        results, as text (`tool_calls.render_tools_as_text`).
-
-        RequestError (param "messages") if the model has no template or it refuses them.
-        """
-        source = self.chat_template.source or ""
-        has_tool_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-        if (tools or has_tool_history) and "tool" not in source:
-            messages = render_tools_as_text(messages, tools)
-            tools = ()
-        extra = {"tools": template_tools(tools)} if tools else {}
-        # a ChatPrompt (a str), which says where the messages' control-token strings are
-        return self.chat_template.render(messages, add_generation_prompt=True, **extra)
+        turn opening (`prompt.render_messages`)."""
+        return render_messages(self.chat_template, messages, tools)
 
     @property
     def tool_format(self) -> ToolCallFormat:
@@ -194,79 +177,20 @@ class Engine:
         return self._tool_format
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
-        """Token ids of `text`; BOS is added when the model wants it and the text lacks it.
-
-        Special tokens written in the text (a chat template's) are parsed as such, except,
-        in a rendered chat (`ChatPrompt`), those that came from the messages: text.
-        """
+        """Token ids of `text`, BOS added when the model wants it (`prompt.encode_text`)."""
         del chat  # a rendered chat template carries its own specials, BOS included or not
-        if isinstance(text, ChatPrompt) and text.literal_spans:
-            ids = self.tokenizer.encode_chat(text, text.literal_spans)
-        else:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        bos = self.tokenizer.bos_id
-        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
+        return encode_text(self.tokenizer, text)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse, before any work, a request that cannot run (RequestError, ContextLengthError)."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        if params.max_tokens is not None and params.max_tokens < 1:
-            raise RequestError(
-                f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
-            )
-        for t, _bias in params.logit_bias:
-            if not 0 <= t < self.vocab_size:
-                raise RequestError(
-                    f"logit_bias: token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
-                    param="logit_bias",
-                )
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                param="prompt",
-            )
-        for t in params.stop_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise RequestError(
-                    f"stop token id {t} is outside the vocabulary", param="stop_token_ids"
-                )
-        if not 1 <= params.n <= self.max_batch:
-            raise RequestError(
-                f"n must be between 1 and this model's {self.max_batch} slots, got {params.n}",
-                param="n",
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:  # to the end of the context
-            max_tokens = self._room(len(prompt_ids))
-            if max_tokens < 1:
-                raise ContextLengthError(
-                    f"this model's context is {self.context} tokens; the prompt has "
-                    f"{len(prompt_ids)}, which leaves no room for an answer",
-                    param="messages",
-                )
-        needed = len(prompt_ids) + max_tokens
-        if needed > self.context:
-            raise ContextLengthError(
-                f"this model's context is {self.context} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens is {max_tokens} ({needed} in all)"
-            )
-        # A sequence must fit in the KV pool alone: then the oldest always progresses
-        # (younger ones are preempted for it), and nothing is refused half-way.
-        capacity = self.pool.total * BLOCK_TOKENS
-        if blocks_for(needed) > self.pool.total:
-            raise ContextLengthError(
-                f"this model's KV cache (kv_cache_mb) holds {capacity} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens is {max_tokens} ({needed} in all)"
-            )
-
-    def _room(self, prompt_tokens: int) -> int:
-        """The most tokens an answer to a prompt of `prompt_tokens` may have: to the end of the
-        context, or of the KV pool when it holds less (a sequence must fit it alone)."""
-        return min(self.context, self.pool.total * BLOCK_TOKENS) - prompt_tokens
+        """Refuse, before any work, a request that cannot run (`prompt.check_request`)."""
+        check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_batch=self.max_batch,
+            context=self.context,
+            pool_blocks=self.pool.total,
+        )
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -307,7 +231,8 @@ class Engine:
         root = salt_root(cache_salt)
         self.validate(prompt_ids, params)
         if params.max_tokens is None:  # to the end of the context
-            params = replace(params, max_tokens=self._room(len(prompt_ids)))
+            room = answer_room(len(prompt_ids), context=self.context, pool_blocks=self.pool.total)
+            params = replace(params, max_tokens=room)
         if self.scheduler.free_slots < params.n:
             raise NoFreeSlotError(f"{params.n} slots needed, {self.scheduler.free_slots} free")
         group: list[Sequence] = []
@@ -427,7 +352,7 @@ class Engine:
         if any(g is not None for g in grammars):
             masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
-            logits = self._run(plan)
+            logits = run_plan(self.runner, plan)
             bitmask = masks.result() if masks is not None else None
             results = self._sample(rows, logits, bitmask) if rows else []
         # The forwards returned: only now is any sequence's state advanced.
@@ -443,31 +368,10 @@ class Engine:
             if not seq.is_finished  # cancelled while the step ran
         ]
 
-    def _run(self, plan: StepPlan) -> list[torch.Tensor]:
-        """The step's forwards (decode rows, then the prefill chunks in one batch); the logits
-        of the rows that sample, in `sampled_rows` order but for the forks."""
-        device = self.runner.device
-        logits: list[torch.Tensor] = []
-        if plan.decode:
-            at = decode_inputs(plan.decode, device)
-            logits.append(self.runner.forward(at.ids, at.start_pos, at.tables))
-        chunks = plan.prefill
-        if chunks:
-            at = prefill_inputs(chunks, device)
-            out = self.runner.forward(at.ids, at.start_pos, at.tables, lengths=at.lengths)
-            done = [i for i, c in enumerate(chunks) if c.samples]
-            if done:
-                logits.append(out if len(done) == len(chunks) else out[done])
-        return logits
-
     def _sample(self, rows: list[Sequence], logits: list[torch.Tensor], bitmask: Any) -> list[Any]:
-        """A token for each of `rows`: forks sample their first token from their parent's
-        logits; constrained rows through their masks."""
-        batch = logits[0] if len(logits) == 1 else torch.cat(logits, dim=0)
-        parents = {id(f): i for i, seq in enumerate(rows) for f in seq.forks}
-        forked = [parents[id(seq)] for seq in rows[len(batch) :]]
-        if forked:
-            batch = torch.cat([batch, batch[forked]], dim=0)
+        """A token for each of `rows` (forks from their parent's logits, `batch.row_logits`);
+        constrained rows through their masks."""
+        batch = row_logits(rows, logits)
         states = [s.sampling for s in rows]
         if bitmask is None:
             return list(self.sampler.sample(batch, states))
@@ -505,22 +409,16 @@ class Engine:
         seq.forks = []
 
     def _accept(self, seq: Sequence, result: Any) -> SequenceEvent:
-        token = int(result.token_id)
-        seq.output_ids.append(token)
+        """The event of `seq`'s sampled token (`finish.token_event`); a finished sequence's
+        blocks go back, and its request's group learns whether choices remain."""
         self._generated_tokens_total += 1
-        params = seq.params
-        event = SequenceEvent(
-            seq_id=seq.group_id or seq.seq_id,
-            index=seq.index,
-            token_ids=[token],
-            logprobs=[result.logprob] if params.logprobs and result.logprob is not None else None,
-            prompt_tokens=seq.num_prompt,
-            completion_tokens=seq.num_output,
+        event = token_event(
+            seq,
+            result,
+            end_of_turn_ids=self._end_of_turn_ids,
+            eos_ids=self._eos_ids,
+            begin_call=self._begin_call,
         )
-        stop = is_stop_token(
-            seq, token, end_of_turn_ids=self._end_of_turn_ids, eos_ids=self._eos_ids
-        )
-        apply_finish_rules(seq, token, event, stop=stop, begin_call=self._begin_call)
         if event.finish_reason is not None:
             seq.finish_reason = event.finish_reason
             self.scheduler.release(seq)
@@ -540,21 +438,5 @@ class Engine:
 
     def probe(self) -> None:
         """One tiny forward (one token) on the probe's own KV block; touches no sequence."""
-        device = self.runner.device
         bos = self.tokenizer.bos_id
-        token = 0 if bos is None else int(bos)
-        with torch.inference_mode():
-            out = self.runner.forward(
-                torch.tensor([[token]], dtype=torch.int64, device=device),
-                torch.zeros(1, dtype=torch.int64),  # host tensors, as in `step`
-                torch.tensor([[PROBE_BLOCK]], dtype=torch.int64),
-            )
-            # Wait for the result: CUDA returns before its kernels (and a TP step's
-            # collectives) have run, and a probe must see a device or collective that hangs.
-            out.reshape(-1)[0].item()
-
-
-def _token_text(tokenizer: Any, token_id: int | None) -> str:
-    if token_id is None:
-        return ""
-    return str(tokenizer.token_text(token_id))
+        probe(self.runner, 0 if bos is None else int(bos))

@@ -29,6 +29,32 @@ def is_stop_token(
     return token in (end_of_turn_ids if seq.chat else eos_ids)
 
 
+def token_event(
+    seq: Sequence,
+    result: Any,  # the sampler's: token_id, logprob
+    *,
+    end_of_turn_ids: Set[int],
+    eos_ids: Set[int],
+    begin_call: Callable[[Sequence, Any], Any] | None = None,
+) -> SequenceEvent:
+    """The event of the token `result` sampled for `seq`, appended to its output, with the
+    finish rules applied (`is_stop_token`, `apply_finish_rules`)."""
+    token = int(result.token_id)
+    seq.output_ids.append(token)
+    params = seq.params
+    event = SequenceEvent(
+        seq_id=seq.group_id or seq.seq_id,
+        index=seq.index,
+        token_ids=[token],
+        logprobs=[result.logprob] if params.logprobs and result.logprob is not None else None,
+        prompt_tokens=seq.num_prompt,
+        completion_tokens=seq.num_output,
+    )
+    stop = is_stop_token(seq, token, end_of_turn_ids=end_of_turn_ids, eos_ids=eos_ids)
+    apply_finish_rules(seq, token, event, stop=stop, begin_call=begin_call)
+    return event
+
+
 def apply_finish_rules(
     seq: Sequence,
     token: int,

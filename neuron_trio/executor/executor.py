@@ -30,8 +30,9 @@ from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model.load_phases import LoadPhases
-from neuron_trio.engine.model.loader import SingleRunner, engine_sizing, load_transformer
+from neuron_trio.engine.model.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.model.sizing import engine_sizing
 from neuron_trio.engine.model.transformer import Transformer
 from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.engine.text.tokenizer import Tokenizer

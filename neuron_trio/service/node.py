@@ -24,7 +24,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +33,6 @@ import torch
 import trio
 from prometheus_client import CollectorRegistry
 
-import neuron_trio
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
 from neuron_trio.errors import (
@@ -45,7 +43,7 @@ from neuron_trio.errors import (
     TooManyModelsError,
     UnavailableError,
 )
-from neuron_trio.service.api import GenerationJob, HealthSnapshot, HealthStatus, ModelSummary
+from neuron_trio.service.api import GenerationJob, HealthSnapshot, ModelSummary
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from neuron_trio.service.load_report import LoadReport, model_load, node_load
@@ -63,7 +61,7 @@ from neuron_trio.service.model_start import (
     errors_naming_the_source,
     place_model,
 )
-from neuron_trio.service.node_document import FailpointsInfo, NodeInfo, NodeWatchdog
+from neuron_trio.service.node_report import health_status, live_gpus, node_document, node_statistics
 from neuron_trio.service.placement import host_memory_available
 from neuron_trio.service.process.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.sources import HubLimits
@@ -166,17 +164,12 @@ class Node:
 
     def health(self) -> HealthSnapshot:
         states = {name: actor.state for name, actor in self._actors.items()}
-        status: HealthStatus
-        if self.deadman.firing or "wedged" in states.values():
-            status = "wedged"
-        elif self._draining:
-            status = "draining"
-        elif not self._serving:
-            status = "starting"
-        elif "recovering" in states.values():
-            status = "recovering"
-        else:
-            status = "ok"
+        status = health_status(
+            states,
+            deadman_firing=self.deadman.firing,
+            draining=self._draining,
+            serving=self._serving,
+        )
         return HealthSnapshot(
             status=status,
             boot_id=str(self.identity.boot_id),
@@ -206,44 +199,8 @@ class Node:
 
     async def node_info(self) -> dict[str, Any]:
         """The `/v1/node` document (a live GPU read: may take up to the NVML timeout)."""
-        gpus: Any = None
-        if self._gpus is not None:
-            try:
-                gpus = (await self._gpus.live()).to_dict()
-            except Exception as exc:
-                gpus = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
-        health = self.health()
-        tp = self.config.tp
-        document = NodeInfo(
-            hostname=self.hostname,
-            boot_id=health.boot_id,
-            started_at=health.started_at,
-            starts=health.starts,
-            previous_stop_clean=bool(self.identity.previous_stop_clean),
-            status=health.status,
-            draining=self._draining,
-            config=self.config.source_path,
-            gpus=gpus,
-            models=[actor.info() for actor in self._actors.values()],
-            generated_tokens_per_s_1m={name: self._token_rates.rate(name) for name in self._actors},
-            watchdog=NodeWatchdog(
-                step_timeout_s=tp.step_timeout_s,
-                abort_deadline_s=tp.abort_deadline_s,
-                probe_interval_s=tp.probe_interval_s,
-                deadman_firing=self.deadman.firing,
-                deadman_reason=self.deadman.reason,
-                models={
-                    name: actor.watchdog.statistics()
-                    for name, actor in self._actors.items()
-                    if actor.watchdog is not None
-                },
-            ),
-            last_forensics=self._last_forensics,
-            failpoints=FailpointsInfo(
-                configured={k: str(v) for k, v in self.failpoints.configured.items()},
-                fired=list(self.failpoints.fired),
-            ),
-        )
+        gpus = await live_gpus(self._gpus)
+        document = node_document(self, gpus, self._actors, self._token_rates, self._last_forensics)
         # As plain JSON values: what the HTTP layer encodes, and what tests and tools read.
         return msgspec.to_builtins(document)  # type: ignore[no-any-return]
 
@@ -394,19 +351,11 @@ class Node:
 
     def node_statistics(self) -> NodeStatistics:
         """For `/metrics` (service.metrics.node): identity, health, the last deadman exit."""
-        try:
-            started = datetime.fromisoformat(str(self.identity.started_at)).timestamp()
-        except ValueError:
-            started = 0.0
-        return NodeStatistics(
-            boot_id=str(self.identity.boot_id),
+        return node_statistics(
+            identity=self.identity,
             hostname=self.hostname,
-            version=neuron_trio.__version__,
-            starts=int(self.identity.starts),
-            started_at_unix=started,
             status=self.health().status,
             last_forensics_unix=self._last_forensics_unix,
-            previous_stop_clean=bool(self.identity.previous_stop_clean),
         )
 
     def _model_statistics(self) -> list[ModelActorStatistics]:

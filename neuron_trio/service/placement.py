@@ -190,13 +190,13 @@ def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) 
     """Weights (as `spec.dtype` will hold them on a GPU, or on the CPU) plus the KV pool
     (`kv_cache_mb`, or by default `max_batch` × `context` tokens, plus two reserved blocks).
 
-    The engine's own accounting (`engine.model.loader.estimate_weight_bytes`): under "auto" a GPU
+    The engine's own accounting (`engine.model.sizing.estimate_weight_bytes`): under "auto" a GPU
     holds bfloat16 weights, about 3.5x a Q4 file, so the file's size is no estimate. Reads the
     GGUF header and tensor table (memory-mapped; ~0.2 s for the built-in model). Raises
     ModelLoadError (UnsupportedModelError) if the file is not a usable GGUF model.
     """
     from neuron_trio.engine.gguf.file import GGUFFile
-    from neuron_trio.engine.model.loader import estimate_kv_bytes, estimate_weight_bytes
+    from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
 
     device = torch.device("cuda" if on_gpu else "cpu")
     with GGUFFile(path) as gguf:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.engine.tiny_gguf import write_tiny_llama
-from tests.neuron_process import free_port, run_neuron, spawn_neuron
+from tests.neuron_process import free_port, run_neuron, spawn_neuron, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -60,23 +60,14 @@ def neuron(tmp_path: Path) -> Iterator[Running]:
     (state / "models").mkdir(parents=True)
     model = write_tiny_llama(state / "models" / "tiny.gguf", seed=1)
     port = free_port()
-    config = tmp_path / "neuron.toml"
-    config.write_text(
-        f"""
-        [server]
-        listen = ["127.0.0.1:{port}"]
-        drain_timeout_s = 30
-        [node]
-        state_dir = "{state}"
-        [tp]
-        probe_interval_s = 3600
-        [[default_models]]
-        name = "tiny"
-        source = "{model}"
-        devices = "cpu"
-        dtype = "float32"
-        context = 256
-        """
+    config = write_config(
+        tmp_path / "neuron.toml",
+        server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 30},
+        node={"state_dir": state},
+        tp={"probe_interval_s": 3600},
+        models=[
+            {"name": "tiny", "source": model, "devices": "cpu", "dtype": "float32", "context": 256}
+        ],
     )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(tmp_path / "notify"))
@@ -215,11 +206,11 @@ def test_a_hostile_default_model_is_exit_69_naming_the_problem(
         "loop.gguf": [*llama_kvs(), kv_str("tokenizer.chat_template", loop)],
     }[name]
     raw_gguf(models / name, kvs, llama_tensors())
-    config = tmp_path / "neuron.toml"
-    config.write_text(
-        f'[server]\nlisten = ["127.0.0.1:{free_port()}"]\n'
-        f'[node]\nstate_dir = "{tmp_path / "state"}"\nmodel_dirs = ["{models}"]\n'
-        f'[[default_models]]\nname = "m"\nsource = "{name}"\ndevices = "cpu"\n'
+    config = write_config(
+        tmp_path / "neuron.toml",
+        server={"listen": [f"127.0.0.1:{free_port()}"]},
+        node={"state_dir": tmp_path / "state", "model_dirs": [models]},
+        models=[{"name": "m", "source": name, "devices": "cpu"}],
     )
     done = run_neuron("serve", "--config", str(config))
     assert done.returncode == 69, done.stderr[-2000:]

@@ -18,7 +18,7 @@ from neuron_trio.http import BoundAddress, create_app, serve_http
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.gemma_model import gemma_path
 from tests.http.http_harness import run
-from tests.neuron_process import free_port, run_neuron
+from tests.neuron_process import free_port, run_neuron, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -85,18 +85,11 @@ def test_unsupported_default_model_exits_69_naming_it(tmp_path: Path) -> None:
     state = tmp_path / "state"
     (state / "models").mkdir(parents=True)
     bad = write_tiny_llama(state / "models" / "m.gguf", arch="mamba")
-    config = tmp_path / "neuron.toml"
-    config.write_text(
-        f"""
-        [server]
-        listen = ["127.0.0.1:{free_port()}"]
-        [node]
-        state_dir = "{state}"
-        [[default_models]]
-        name = "m"
-        source = "{bad}"
-        devices = "cpu"
-        """
+    config = write_config(
+        tmp_path / "neuron.toml",
+        server={"listen": [f"127.0.0.1:{free_port()}"]},
+        node={"state_dir": state},
+        models=[{"name": "m", "source": bad, "devices": "cpu"}],
     )
     proc = run_neuron("serve", "--config", str(config))
     assert proc.returncode == 69, proc.stderr[-2000:]

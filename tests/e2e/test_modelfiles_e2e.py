@@ -22,6 +22,7 @@ import pytest
 from tests.engine.test_model_file_hardening import write_with_vocab
 from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
 from tests.neuron_process import free_port, spawn_neuron
+from tests.neuron_process import write_config as neuron_config
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +31,13 @@ BUILTIN = "smollm2-135m"
 
 
 def write_config(path: Path, state: Path, models: Path, port: int, default: str) -> None:
-    path.write_text(
-        f'[server]\nlisten = ["127.0.0.1:{port}"]\ndrain_timeout_s = 10\n'
-        f'[node]\nstate_dir = "{state}"\nmodel_dirs = ["{models}"]\n'
-        f'[[default_models]]\nname = "default"\nsource = "{default}"\ndevices = "cpu"\n'
-        "max_batch = 2\ncontext = 512\n"
+    neuron_config(
+        path,
+        server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 10},
+        node={"state_dir": state, "model_dirs": [models]},
+        models=[
+            {"name": "default", "source": default, "devices": "cpu", "max_batch": 2, "context": 512}
+        ],
     )
 
 

@@ -14,7 +14,7 @@ import zmq
 
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.http.orca_envoy import HEADER, parse_orca_headers
-from tests.neuron_process import free_port, spawn_neuron, wait_ready
+from tests.neuron_process import free_port, spawn_neuron, wait_ready, write_config
 from tests.service.test_kv_events_publisher import DECODER, END_SEQ, BlockStored
 
 pytestmark = pytest.mark.slow
@@ -47,26 +47,25 @@ def test_a_real_node_reports_its_load_and_publishes_its_prompt_blocks(tmp_path: 
     write_tiny_llama(state / "models" / "tiny.gguf", qtype="Q4_1", seed=2)
     port = free_port()
     events_sock, replay_sock = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/rp"
-    config = tmp_path / "neuron.toml"
-    config.write_text(
-        f"""
-        [server]
-        listen = ["127.0.0.1:{port}"]
-        drain_timeout_s = 5
-        [node]
-        state_dir = "{state}"
-        [kv_events]
-        enabled = true
-        endpoint = "{events_sock}"
-        replay_endpoint = "{replay_sock}"
-        topic = "kv@10.0.0.7@{{model}}"
-        [[default_models]]
-        name = "tiny"
-        source = "{state / "models" / "tiny.gguf"}"
-        devices = "cpu"
-        max_batch = 4
-        context = 128
-        """
+    config = write_config(
+        tmp_path / "neuron.toml",
+        server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 5},
+        node={"state_dir": state},
+        kv_events={
+            "enabled": True,
+            "endpoint": events_sock,
+            "replay_endpoint": replay_sock,
+            "topic": "kv@10.0.0.7@{model}",
+        },
+        models=[
+            {
+                "name": "tiny",
+                "source": state / "models" / "tiny.gguf",
+                "devices": "cpu",
+                "max_batch": 4,
+                "context": 128,
+            }
+        ],
     )
     log = tmp_path / "neuron.log"
     proc = spawn_neuron(config, log)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.engine.tiny_gguf import write_tiny_llama
-from tests.neuron_process import free_port, spawn_neuron, wait_ready
+from tests.neuron_process import free_port, spawn_neuron, wait_ready, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -46,22 +46,20 @@ def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
     (state / "models").mkdir(parents=True)
     write_tiny_llama(state / "models" / "tiny.gguf", qtype="Q4_1", seed=2)
     port = free_port()
-    config = tmp_path / "neuron.toml"
-    config.write_text(
-        f"""
-        [server]
-        listen = ["127.0.0.1:{port}"]
-        drain_timeout_s = 5
-        [node]
-        state_dir = "{state}"
-        [[default_models]]
-        name = "tiny"
-        source = "{state / "models" / "tiny.gguf"}"
-        devices = "cpu"
-        dtype = "auto"
-        max_batch = 4
-        context = 128
-        """
+    config = write_config(
+        tmp_path / "neuron.toml",
+        server={"listen": [f"127.0.0.1:{port}"], "drain_timeout_s": 5},
+        node={"state_dir": state},
+        models=[
+            {
+                "name": "tiny",
+                "source": state / "models" / "tiny.gguf",
+                "devices": "cpu",
+                "dtype": "auto",
+                "max_batch": 4,
+                "context": 128,
+            }
+        ],
     )
     log = tmp_path / "neuron.log"
     text = _start_chat_stop(config, log, port)

@@ -7,25 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.neuron_process import run_neuron
+from tests.neuron_process import run_neuron, write_config
 
 pytestmark = pytest.mark.slow
 
 
 def test_default_model_with_a_tp_that_does_not_divide_exits_78(tmp_path: Path) -> None:
-    config = tmp_path / "neuron.toml"
-    config.write_text(
-        f"""
-[server]
-listen = ["127.0.0.1:1"]
-[node]
-state_dir = "{tmp_path / "state"}"
-[[default_models]]
-name = "two"
-source = "builtin:smollm2-135m"
-tp = 2
-devices = "cpu"
-"""
+    config = write_config(
+        tmp_path / "neuron.toml",
+        server={"listen": ["127.0.0.1:1"]},
+        node={"state_dir": tmp_path / "state"},
+        models=[{"name": "two", "source": "builtin:smollm2-135m", "tp": 2, "devices": "cpu"}],
     )
     done = run_neuron("serve", "--config", str(config))
     assert done.returncode == 78, done.stderr

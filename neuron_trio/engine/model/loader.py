@@ -1,4 +1,4 @@
-"""GGUF file → `Transformer` on a device; `SingleRunner`; size estimates for placement.
+"""GGUF file → `Transformer` on a device; `SingleRunner` (sizes: engine/model/sizing.py).
 
 The model is built on the meta device, then each weight is dequantised from the memory-mapped
 file, sliced for this rank by `shard` (tensor parallelism), converted and assigned: no weight
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -52,7 +51,7 @@ from neuron_trio.engine.model.linear import (
 from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.transformer import Block, Transformer, run_to_end
 from neuron_trio.engine.model.weight_cache import WeightCache
-from neuron_trio.errors import ConfigError, ModelLoadError
+from neuron_trio.errors import ModelLoadError
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -71,7 +70,7 @@ AUTO_INT4_HEAD = True
 HEAD_REFINE = 256  # candidates per row recomputed exactly
 # Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
 # every other format (Q5_x, Q6_K, Q8_0, floats) takes the int8 kernel.
-_FOUR_BIT = frozenset(
+FOUR_BIT = frozenset(
     {
         quant.QType.Q4_0,
         quant.QType.Q4_1,
@@ -95,7 +94,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def _dtypes(scheme: str) -> tuple[torch.dtype, torch.dtype]:
+def scheme_dtypes(scheme: str) -> tuple[torch.dtype, torch.dtype]:
     """(activation dtype, residual dtype) of a scheme."""
     if scheme == "cpu-int":
         return torch.bfloat16, torch.float32
@@ -144,7 +143,7 @@ def _load(
     if tp > 1 and shard is None:
         raise ModelLoadError(f"tp = {tp} needs a shard function")
     scheme = resolve_dtype(dtype, device)
-    act, residual = _dtypes(scheme)
+    act, residual = scheme_dtypes(scheme)
     full = gf.config
     local = full.shard(tp) if tp > 1 else full
     model = Transformer(local, partial_sums=tp > 1, act_dtype=act, residual_dtype=residual)
@@ -181,7 +180,7 @@ def _load(
         qtype = gf.tensors[gf.storage_name(name)].qtype
         if kernel is not None and shard is None and qtype in quant.FIVE_BIT:
             return "five" if gf.storage_name(name) == name else "other"
-        return "four" if qtype in _FOUR_BIT else "other"
+        return "four" if qtype in FOUR_BIT else "other"
 
     def codes(name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         info = gf.tensors[name]
@@ -273,8 +272,8 @@ def _load_tables(
     head_name = "token_embd.weight" if c.tied_output else "output.weight"
     # The head's exact rows stay the file's Q8_0 blocks where the native refine reads them
     # (RefinedHead's q8_dim): a quarter of a float32 table, the same values.
-    q8_table = scheme == "cpu-int" and kernel is not None and _q8_0_rows(gf, head_name, c.dim)
-    if scheme == "cpu-int" and (not c.tied_output or q8_table) and _quantized_rows_fit(gf, c.dim):
+    q8_table = scheme == "cpu-int" and kernel is not None and q8_0_rows(gf, head_name, c.dim)
+    if scheme == "cpu-int" and (not c.tied_output or q8_table) and quantized_rows_fit(gf, c.dim):
         # only looked up (and, tied, read by the refinement): the file's blocks, rows
         # dequantised per step (embedding.py)
         with phases.phase("tables"):
@@ -325,7 +324,7 @@ def _load_tables(
     model.output = cached.slot("output", head_module)
 
 
-def _q8_0_rows(gf: GGUFFile, name: str, dim: int) -> bool:
+def q8_0_rows(gf: GGUFFile, name: str, dim: int) -> bool:
     """Whether tensor `name` is stored whole as Q8_0 rows of `dim` (the native refine's
     compact table)."""
     info = gf.tensors.get(name)
@@ -337,7 +336,7 @@ def _q8_0_rows(gf: GGUFFile, name: str, dim: int) -> bool:
     )
 
 
-def _quantized_rows_fit(gf: GGUFFile, dim: int) -> bool:
+def quantized_rows_fit(gf: GGUFFile, dim: int) -> bool:
     """Whether the embedding can stay in the file's blocks (`QuantizedEmbedding`): stored
     whole under its own name, each row a whole number of blocks."""
     info = gf.tensors.get("token_embd.weight")
@@ -435,122 +434,3 @@ class SingleRunner:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         with torch.inference_mode():
             self.kv.copy_blocks(src, dst)
-
-
-def kv_dtype_for(dtype: str, device: torch.device | str) -> torch.dtype:
-    """The dtype a runner keeps K/V in for the weights' `dtype` on `device` (its activations')."""
-    act, _ = _dtypes(resolve_dtype(dtype, torch.device(device)))
-    return act
-
-
-def kv_pool_blocks(
-    config: LlamaConfig,
-    dtype: str,
-    device: torch.device | str,
-    *,
-    kv_cache_mb: int,
-    max_batch: int,
-    context: int,
-) -> int:
-    """Blocks of the KV pool a model's config asks for (reserved ones included): `kv_cache_mb`
-    MiB of K/V in the activation dtype, or with 0, `max_batch` × `context` tokens' worth
-    (`context` capped at the model's own). ConfigError if the budget holds no block."""
-    try:
-        return KVCache.blocks_for_budget(
-            config,
-            kv_dtype_for(dtype, device),
-            budget_mb=kv_cache_mb,
-            max_batch=max_batch,
-            context=min(context, config.context_length),
-        )
-    except ValueError as exc:
-        raise ConfigError(f"kv_cache_mb: {exc}") from None
-
-
-@dataclass(frozen=True)
-class EngineSizing:
-    """How big one loaded model's engine is: the one computation every builder shares."""
-
-    context: int  # tokens per sequence: as configured, capped at the model's own
-    kv_blocks: int  # the KV pool (reserved blocks included), the same on every TP rank
-
-
-def engine_sizing(
-    config: LlamaConfig,
-    dtype: str,
-    device: torch.device | str,
-    *,
-    kv_cache_mb: int,
-    max_batch: int,
-    context: int,
-) -> EngineSizing:
-    """The context cap and the KV pool's blocks (`kv_pool_blocks`) of a model's engine.
-
-    The pool follows the whole model's shape: every TP rank holds all its blocks, each for its
-    own KV heads (so each rank holds 1/tp of kv_cache_mb).
-    """
-    capped = min(context, config.context_length)
-    blocks = kv_pool_blocks(
-        config, dtype, device, kv_cache_mb=kv_cache_mb, max_batch=max_batch, context=capped
-    )
-    return EngineSizing(context=capped, kv_blocks=blocks)
-
-
-def estimate_kv_bytes(
-    config: LlamaConfig,
-    dtype: str,
-    device: torch.device | str,
-    *,
-    kv_cache_mb: int,
-    max_batch: int,
-    context: int,
-) -> int:
-    """Bytes of the KV pool (`kv_pool_blocks`), as a runner reserves it."""
-    blocks = kv_pool_blocks(
-        config, dtype, device, kv_cache_mb=kv_cache_mb, max_batch=max_batch, context=context
-    )
-    return KVCache.bytes_needed(config, blocks, kv_dtype_for(dtype, device))
-
-
-def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) -> int:
-    """Bytes the weights of `gf` take on `device` under `dtype`, as `load_transformer` stores
-    them (int copies, dense copies and tables included), for the whole unsharded model."""
-    c = gf.config
-    scheme = resolve_dtype(dtype, torch.device(device))
-    act, _ = _dtypes(scheme)
-    native = torch.device(device).type == "cpu" and packing.native_kernel() is not None
-    total = 0
-    for name, info in gf.tensors.items():
-        n = info.n_elements
-        if scheme != "cpu-int" or len(info.shape) == 1:
-            size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
-            total += n * size
-        elif name == "output.weight":  # the coarse pass + its table (Q8_0 blocks or float32)
-            q8 = native and _q8_0_rows(gf, name, c.dim)
-            total += _coarse_head_bytes(n, c.vocab_size) + (info.nbytes if q8 else 4 * n)
-        elif (
-            name == "token_embd.weight"
-            and _quantized_rows_fit(gf, c.dim)
-            and (not c.tied_output or (native and _q8_0_rows(gf, name, c.dim)))
-        ):  # the file's blocks (QuantizedEmbedding; tied: the head's table too)
-            total += info.nbytes + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
-        elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
-            total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
-        elif info.qtype in _FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
-            scales = 4  # float16 scale and minimum (native), or bfloat16 scale and zero (torch)
-            total += n // 2 + n // packing.INT4_GROUP * scales + 2 * n
-        elif info.qtype in quant.FIVE_BIT and native:  # nibbles, fifth bits, scales, dense
-            total += n // 2 + n // 8 + n // packing.INT4_GROUP * 4 + 2 * n
-        elif native:  # int8 + float32 row scales + int32 group sums + bf16 dense copy
-            total += n + 4 * info.shape[0] + n // packing.INT4_GROUP * 4 + 2 * n
-        else:  # int8 + bf16 scales + bf16 dense copy
-            total += n + 2 * info.shape[0] + 2 * n
-    return total
-
-
-def _coarse_head_bytes(n: int, vocab: int) -> int:
-    """Bytes of RefinedHead's coarse pass over `n` weights: int4 + scales/zeros, or int8 +
-    scales (+ the native kernel's int32 group sums)."""
-    if AUTO_INT4_HEAD:
-        return n // 2 + n // packing.INT4_GROUP * 4
-    return n + 2 * vocab + n // packing.INT4_GROUP * 4

@@ -9,7 +9,9 @@ fused gate/up projections, dense or weight-only int4/int8). The forward pass is 
 `Transformer.forward_steps`: a tensor-parallel shard (`partial_sums=True`) yields the partial
 output of each row-parallel projection (attention output, MLP down) and continues with the
 all-reduced sum sent back; an unsharded model never yields. So the model never imports a
-communicator (see docs/ARCHITECTURE.md).
+communicator (see docs/ARCHITECTURE.md). Its parts, called as plain functions: attention.py
+(decode in the native kernel or SDPA), rope.py (the tables, the native RoPE with the K/V write),
+placement.py (where a forward's rows write and read the KV pool).
 
 Shapes: B rows, T new tokens per row, H query heads, KV key/value heads, D head_dim,
 L attended positions, V vocabulary.
@@ -18,7 +20,6 @@ L attended positions, V vocabulary.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Generator
 from typing import Any
 
@@ -26,10 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK, blocks_for
+from neuron_trio.engine.block_pool import blocks_for
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
+from neuron_trio.engine.model.attention import attend, attend_decode, read_kv
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import Linear
+from neuron_trio.engine.model.placement import Placement, place_blocks, place_packed
+from neuron_trio.engine.model.rope import rope_rows, rope_table, rope_write
 
 META = torch.device("meta")
 
@@ -86,7 +90,7 @@ class Block(nn.Module):
         # cos, signed sin: per row [N, H + 2KV, D], or with at.positions the float32 tables
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,  # this layer's K/V pool: [2KV, pool tokens, D]
-        at: _Placement,
+        at: Placement,
         act: torch.dtype,
         partial: bool,
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +114,7 @@ class Block(nn.Module):
             qk = F.rms_norm(qkv[:, : h + kv], (d,), eps=self.eps) * qk_norm
             qkv = torch.cat((qk.to(qkv.dtype), qkv[:, h + kv :]), dim=1)
         if native_rope:  # RoPE and the K/V write in one native call
-            q = self._rope_write(qkv, rope, cache, at, act)  # [N, H, D]
+            q = rope_write(self.attend_kernel, qkv, rope, cache, at, act, h, kv)  # [N, H, D]
         else:
             # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
             cos, sin = rope
@@ -131,16 +135,16 @@ class Block(nn.Module):
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
             q = q.reshape(n, kv, h // kv, d)
-            o = self._attend_decode(q, cache, at, act, mask)
+            o = attend_decode(self.attend_kernel, q, cache, at, act, mask, self.scale, self.softcap)
         else:
-            keys, values = self._read_kv(cache, at, act)
+            keys, values = read_kv(cache, at, act)
             if at.real is not None:  # padded chunks: padding queries are zeros, then dropped
                 q = q.new_zeros(at.b * at.t, h, d).index_copy_(0, at.real, q)
             q = q.view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
             if kv != h and self.softcap:
                 keys = keys.repeat_interleave(h // kv, dim=1)
                 values = values.repeat_interleave(h // kv, dim=1)
-            o = self._attend(q, keys, values, mask, causal)  # [B, H, T, D]
+            o = attend(q, keys, values, mask, causal, self.scale, self.softcap)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(at.b * at.t, h * d)
             if at.real is not None:
                 o = o[at.real]
@@ -160,191 +164,6 @@ class Block(nn.Module):
         if post is not None:
             y = F.rms_norm(y.to(x.dtype), shape, post, self.eps)
         return x + y
-
-    def _rope_write(
-        self,
-        qkv: torch.Tensor,  # [N, H + 2KV, D]
-        tables: tuple[torch.Tensor, torch.Tensor],  # float32 cos, signed sin: [P, D]
-        cache: torch.Tensor,
-        at: _Placement,
-        act: torch.dtype,
-    ) -> torch.Tensor:
-        """RoPE on the Q and K heads, K and V into the cache at `at.write_rows`, in the
-        native kernel (float32 maths, rounded once); returns Q `[N, H, D]` in `act`."""
-        h, d = self.n_heads, self.head_dim
-        qkv = qkv.contiguous()
-        n = qkv.shape[0]
-        q = torch.empty(n, h, d, dtype=act)
-        cos, sin = tables
-        positions, rows = at.positions, at.write_rows
-        assert positions is not None and rows is not None
-        bf16 = torch.bfloat16
-        flags = int(qkv.dtype == bf16) | 2 * int(cache.dtype == bf16) | 4 * int(act == bf16)
-        self.attend_kernel.rope_write(
-            qkv.data_ptr(), n, h, self.n_kv_heads, d, flags, positions.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), cache.data_ptr(), cache.shape[1], rows.data_ptr(),
-            q.data_ptr(),
-        )  # fmt: skip
-        return q
-
-    def _attend_decode(
-        self,
-        q: torch.Tensor,  # [B, KV, H/KV, D]
-        cache: torch.Tensor,
-        at: _Placement,
-        act: torch.dtype,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Decode attention, `[B, H · D]`: in the native kernel where it fits, else SDPA."""
-        kernel, kv = self.attend_kernel, self.n_kv_heads
-        if kernel is not None and at.token_rows is not None and cache.dtype == act:
-            # Rows on scattered blocks: the kernel reads K/V in place through their token
-            # rows (gathering them first cost more than the attention itself at B = 8).
-            pool = cache.unsqueeze(0)  # [1, 2KV, pool tokens, D]
-            keys, values = pool[:, :kv], pool[:, kv:]
-            if _native_attention_fits(q, keys, values, mask, self.softcap):
-                rows = at.token_rows
-                return _native_attention(kernel, q, keys, values, mask, self.scale, rows=rows)
-        keys, values = self._read_kv(cache, at, act)
-        if kernel is not None and _native_attention_fits(q, keys, values, mask, self.softcap):
-            return _native_attention(kernel, q, keys, values, mask, self.scale)
-        return self._attend(q, keys, values, mask, False).reshape(q.shape[0], -1)
-
-    def _read_kv(
-        self, cache: torch.Tensor, at: _Placement, act: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' keys and values, each `[B, KV, L, D]` in `act`: a view of one row on
-        consecutive blocks, else one gather (padding positions read the zeroed null block)."""
-        kv, d = self.n_kv_heads, self.head_dim
-        if isinstance(at.read, slice):
-            kv_rows = cache[:, at.read].unsqueeze(0)  # [1, 2KV, L, D]
-        else:
-            kv_rows = cache.view(-1, d).index_select(0, at.read).view(at.b, 2 * kv, at.length, d)
-        if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
-            kv_rows = kv_rows.to(act)
-        return kv_rows[:, :kv], kv_rows[:, kv:]
-
-    def _attend(
-        self,
-        q: torch.Tensor,  # [B, H, T, D], or decode's [B, KV, H/KV, D]
-        keys: torch.Tensor,  # [B, KV, L, D] (or [B, H, L, D] when expanded)
-        values: torch.Tensor,
-        mask: torch.Tensor | None,  # bool (True = attend) or additive, broadcast to the scores
-        causal: bool,
-    ) -> torch.Tensor:
-        if not self.softcap:
-            gqa = q.shape[1] != keys.shape[1]
-            return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
-            )
-        # Soft-capped scores (gemma2): cap · tanh(s / cap) before the mask; SDPA cannot.
-        scale = self.scale or 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [.., T, L]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        if causal:
-            t, length = scores.shape[-2:]
-            mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
-        if mask is not None and mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        elif mask is not None:
-            scores = scores + mask
-        probs = scores.float().softmax(dim=-1).to(values.dtype)
-        return torch.matmul(probs, values)
-
-
-def _native_attention_fits(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    softcap: float | None,
-) -> bool:
-    """Whether the native decode attention takes these operands (else SDPA): no soft cap, one
-    dtype (bfloat16 or float32) with D contiguous, and no mask or an additive per-row one."""
-    dtype = q.dtype
-    if softcap or dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if keys.dtype != dtype or values.dtype != dtype or q.shape[-1] % 8 or q.shape[2] > 16:
-        return False
-    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
-        return False
-    if mask is None:
-        return True
-    return (
-        mask.dtype in (torch.bfloat16, torch.float32)
-        and mask.dim() == 4
-        and mask.shape[1] == mask.shape[2] == 1
-        and mask.stride(-1) == 1
-    )
-
-
-def _native_attention(
-    kernel: Any,
-    q: torch.Tensor,  # [B, KV, G, D]: one query token per row, G query heads per KV head
-    keys: torch.Tensor,  # [B, KV, L, D]
-    values: torch.Tensor,
-    mask: torch.Tensor | None,  # additive [B or 1, 1, 1, L]
-    scale: float | None,
-    *,
-    rows: torch.Tensor | None = None,  # int64 [B, L]: K/V position l of row b is token row
-    # rows[b, l] of keys / values, then [1, KV, pool tokens, D] (the paged pool, in place)
-) -> torch.Tensor:
-    """Decode attention in the native kernel (float32 maths): `[B, KV · G · D]`."""
-    b, kv, groups, d = q.shape
-    length = keys.shape[2] if rows is None else rows.shape[1]
-    out = torch.empty(b, kv * groups * d, dtype=q.dtype)
-    flags = int(q.dtype == torch.bfloat16)
-    mask_ptr = mask_stride = 0
-    if mask is not None:
-        mask_ptr = mask.data_ptr()
-        mask_stride = mask.stride(0) if mask.shape[0] > 1 else 0
-        flags |= 2 * int(mask.dtype == torch.bfloat16)
-    qs, ks, vs = q.stride(), keys.stride(), values.stride()
-    kernel.attend(
-        q.data_ptr(), qs[0], qs[1], qs[2],
-        keys.data_ptr(), ks[0], ks[1], ks[2],
-        values.data_ptr(), vs[0], vs[1], vs[2],
-        mask_ptr, mask_stride, flags, b, kv, groups, length, d, out.data_ptr(),
-        scale or 1.0 / math.sqrt(d), 0 if rows is None else rows.data_ptr(),
-    )  # fmt: skip
-    return out
-
-
-class _Placement:
-    """Where one forward's rows write and read the KV pool; computed once, used by every layer."""
-
-    __slots__ = (
-        "b", "causal", "length", "mask", "positions", "read", "real", "t", "token_rows",
-        "window_mask", "write", "write_rows",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.b = 1  # rows
-        self.t = 1  # tokens per row (padded rows: the longest row's)
-        # Where the real tokens' K/V go: a slice of token rows (one row on consecutive
-        # blocks) or an index [2KV · R] into the layer's [2KV · pool, D] rows.
-        self.write: slice | torch.Tensor = slice(0, 0)
-        # The real tokens' token rows in the pool, int64 [R] on the host (the native RoPE's).
-        self.write_rows: torch.Tensor | None = None
-        # With the native RoPE (Transformer.native_kernel): the R rows' positions, int64 on
-        # the host; the layers then get the float32 RoPE tables instead of per-row ones.
-        self.positions: torch.Tensor | None = None
-        # Padded prompt chunks: the indices of the real tokens among the B · T rows. Only
-        # those R rows go through the layers (the residual stream is [R, dim]); attention
-        # alone lays them out as [B, T].
-        self.real: torch.Tensor | None = None
-        # Where the rows' K/V are read: a slice of L token rows (one row on consecutive
-        # blocks) or an index [B · 2KV · L] into the layer's [2KV · pool, D] rows.
-        self.read: slice | torch.Tensor = slice(0, 0)
-        # With `read` an index on the CPU: the token row of each row's positions, int64 [B, L]
-        # (the native decode attention reads K/V through it, in place).
-        self.token_rows: torch.Tensor | None = None
-        self.length = 0  # L: positions attended (the longest row's end)
-        self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
-        self.causal = False
-        # Sliding layers: bool [B, 1, T, L], True where a key lies within the window of the
-        # query (and is attended at all); None when no query's window excludes a key.
-        self.window_mask: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -416,23 +235,16 @@ class Transformer(nn.Module):
         inv = 1.0 / (c.rope_base**exponents)  # [D/2]
         if c.rope_freq_factors:  # Llama 3.x: each frequency divided by its factor
             inv = inv / torch.tensor(c.rope_freq_factors, dtype=torch.float64)
-        cos, sin = self._rope_table(inv / c.rope_scale, positions)
+        cos, sin = rope_table(inv / c.rope_scale, positions)
         self.rope_cos, self.rope_sin = self._in_act(cos), self._in_act(sin)
         if native:
             self.rope_f32 = (cos.float(), sin.float())
         if c.has_local_rope:  # gemma3's sliding layers: their own base, unscaled
             inv_local = 1.0 / ((c.rope_base_local or c.rope_base) ** exponents)
-            cos, sin = self._rope_table(inv_local, positions)
+            cos, sin = rope_table(inv_local, positions)
             self.rope_cos_local, self.rope_sin_local = self._in_act(cos), self._in_act(sin)
             if native:
                 self.rope_f32_local = (cos.float(), sin.float())
-
-    @staticmethod
-    def _rope_table(inv: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float64 cos and signed sin `[P, D]` for the inverse frequencies `inv` [D / 2]."""
-        ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]  # [P, D/2]
-        cos, sin = ang.cos(), ang.sin()
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def _in_act(self, table: torch.Tensor) -> torch.Tensor:
         return table.to(self.act_dtype).to(self.device)
@@ -480,11 +292,13 @@ class Transformer(nn.Module):
                 f"{tables.shape[1]}"
             )
         self.init_rope(length)
-        at = _Placement()
+        at = Placement()
         at.b, at.t, at.length = b, t, length
-        self._place_blocks(at, tables[:, :n_blocks], starts, ends, kv.layers[0].shape[1])
+        place_blocks(
+            at, tables[:, :n_blocks], starts, ends, kv.layers[0].shape[1], c.n_kv_heads, dev
+        )
         if t > 1 and (b > 1 or lens[0] != t):  # prompt chunks packed into one batch
-            positions = self._place_packed(at, start_pos, lens)
+            positions = place_packed(at, start_pos, lens, dev)
         elif b == 1:  # one prompt chunk, or one decode row
             positions = start_pos.to(dev) + torch.arange(t, device=dev)  # [T]
             if t > 1 and starts[0] == 0:
@@ -518,10 +332,10 @@ class Transformer(nn.Module):
             rope = self.rope_f32
             rope_local = self.rope_f32_local if c.has_local_rope else rope
         else:
-            rope = self._rope_rows(positions, self.rope_cos, self.rope_sin)
+            rope = rope_rows(c, positions, self.rope_cos, self.rope_sin)
             rope_local = rope
             if c.has_local_rope:
-                rope_local = self._rope_rows(positions, self.rope_cos_local, self.rope_sin_local)
+                rope_local = rope_rows(c, positions, self.rope_cos_local, self.rope_sin_local)
         embedding = self.embedding
         x = (
             F.embedding(ids, self.tok_embeddings) if embedding is None else embedding(ids)
@@ -556,80 +370,6 @@ class Transformer(nn.Module):
         kinds = (torch.bfloat16, torch.float32)
         cache = kv.layers[0]
         return self.act_dtype in kinds and cache.dtype in kinds and cache.is_contiguous()
-
-    def _place_blocks(
-        self,
-        at: _Placement,
-        tables: torch.Tensor,
-        starts: list[int],
-        ends: list[int],
-        pool_tokens: int,
-    ) -> None:
-        """Fill `at.write` and `at.read` from the rows' block tables `[B, blocks_for(L)]`
-        (host): slices of the pool's token rows, or indices into each layer's K/V flattened
-        to `[2KV · pool_tokens, D]` (an index_select there is ~6x faster than indexing the
-        token dimension, and gathers straight into the `[B, 2KV, L, D]` attention reads)."""
-        dev, length = self.device, at.length
-        first = int(tables[0, 0])
-        if at.b == 1 and tables[0].tolist() == list(range(first, first + tables.shape[1])):
-            base = first * BLOCK_TOKENS  # consecutive blocks: one slice of the pool
-            at.write = slice(base + starts[0], base + ends[0])
-            at.write_rows = torch.arange(base + starts[0], base + ends[0])
-            at.read = slice(base, base + length)
-            return
-        cols = torch.arange(length)
-        offsets = cols % BLOCK_TOKENS
-        rows = tables.repeat_interleave(BLOCK_TOKENS, dim=1)[:, :length] * BLOCK_TOKENS + offsets
-        # Positions past a row's end (another row is longer) read the zeroed null block, never
-        # stale or uninitialised memory: masked garbage could be NaN, and NaN - inf is NaN.
-        beyond = cols[None, :] >= torch.tensor(ends)[:, None]
-        rows = torch.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
-        heads = torch.arange(2 * self.config.n_kv_heads) * pool_tokens  # [2KV]
-        at.read = (heads[None, :, None] + rows[:, None, :]).reshape(-1).to(dev)  # [B·2KV·L]
-        if dev.type == "cpu":
-            at.token_rows = rows.contiguous()
-        spans = zip(starts, ends, strict=True)
-        written = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
-        at.write_rows = written
-        at.write = (heads[:, None] + written[None, :]).reshape(-1).to(dev)  # [2KV · R]
-
-    def _place_packed(
-        self, at: _Placement, start_pos: torch.Tensor, lens: list[int]
-    ) -> torch.Tensor:
-        """Fill `at` for B prompt chunks padded to T tokens; return the N = B · T positions.
-
-        Row b's real tokens go to positions start_b .. start_b + len_b - 1. A padding token
-        takes its row's last real position (so it stays inside the RoPE tables and attends to
-        its own row only); it is not written to the cache, so it can never be attended by
-        anyone, and its output is dropped.
-        """
-        dev, b, t = self.device, at.b, at.t
-        lens_t = torch.tensor(lens, device=dev)[:, None]  # [B, 1]
-        offsets = torch.arange(t, device=dev)[None, :]  # [1, T]
-        pos = start_pos.to(dev)[:, None] + torch.minimum(offsets, lens_t - 1)  # [B, T]
-        if sum(lens) != b * t:
-            real = offsets < lens_t  # [B, T]
-            at.real = real.reshape(-1).nonzero().squeeze(1)  # [R] indices into N
-        # Query (b, i) sees its own row's keys up to its own position: the cached prefix,
-        # then its chunk causally. Keys past a row's end (another row's length) never.
-        cols = torch.arange(at.length, device=dev)
-        at.mask = (cols <= pos[:, :, None])[:, None]  # [B, 1, T, L]
-        return pos.reshape(-1)
-
-    def _rope_rows(
-        self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for rows at `positions` [N], over all heads: [N, H + 2KV, D].
-
-        Q and K heads rotate; the V heads (the last KV) get cos = 1, sin = 0.
-        """
-        c = self.config
-        n, qk_heads = positions.shape[0], c.n_heads + c.n_kv_heads
-        cos = cos_table[positions][:, None].expand(n, qk_heads, c.head_dim)
-        sin = sin_table[positions][:, None].expand(n, qk_heads, c.head_dim)
-        ones = cos.new_ones(n, c.n_kv_heads, c.head_dim)
-        zeros = sin.new_zeros(n, c.n_kv_heads, c.head_dim)
-        return torch.cat((cos, ones), dim=1), torch.cat((sin, zeros), dim=1)
 
 
 def run_to_end(

@@ -212,7 +212,7 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, batch: int, length: i
     """The native decode attention against SDPA in float32, on views of a cache-like tensor
     (strided, as Block reads K/V), with an additive mask that hides each row's tail (-inf: no
     weight at all, even for garbage keys) and without a mask."""
-    from neuron_trio.engine.model.transformer import _native_attention, _native_attention_fits
+    from neuron_trio.engine.model.attention import native_attention, native_attention_fits
 
     g = torch.Generator().manual_seed(batch * 1000 + length)
     kv, groups, d, context = 3, 3, 64, 160
@@ -229,16 +229,16 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, batch: int, length: i
         if m is not None:  # garbage where the mask hides keys: it must get no weight at all
             hidden = ~attend[:, None, :, None].expand(-1, 2 * kv, -1, d)
             cache[1 : batch + 1, :, :length][hidden] = 1e4
-        assert _native_attention_fits(q, keys, values, m, None)
-        got = _native_attention(KERNEL, q, keys, values, m, None)
+        assert native_attention_fits(q, keys, values, m, None)
+        got = native_attention(KERNEL, q, keys, values, m, None)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.float(), keys.float(), values.float(), attn_mask=None if m is None else m.float()
         ).reshape(batch, -1)
         assert got.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    assert not _native_attention_fits(q, keys, values, mask.bool(), None)  # bool: SDPA's
-    assert not _native_attention_fits(q, keys, values, mask, 50.0)  # soft-capped: SDPA's
+    assert not native_attention_fits(q, keys, values, mask.bool(), None)  # bool: SDPA's
+    assert not native_attention_fits(q, keys, values, mask, 50.0)  # soft-capped: SDPA's
 
 
 @needs_kernel
@@ -253,7 +253,7 @@ def test_decode_attention_has_the_same_bits_on_either_instruction_set(
     """The AVX-512 attention (two keys a vector, 16 dimensions of the value sums) does the
     256-bit version's arithmetic lane for lane: the same bits, for odd head counts, a head
     size of 8 mod 16, a last group of fewer than 4 keys, masks and token rows."""
-    from neuron_trio.engine.model.transformer import _native_attention
+    from neuron_trio.engine.model.attention import native_attention
 
     assert KERNEL is not None
     g = torch.Generator().manual_seed(batch * 31 + d)
@@ -269,7 +269,7 @@ def test_decode_attention_has_the_same_bits_on_either_instruction_set(
     try:
         for isa in _isas():
             assert KERNEL.use(isa)
-            got = _native_attention(KERNEL, q, keys, values, mask[:, None, None], None, rows=rows)
+            got = native_attention(KERNEL, q, keys, values, mask[:, None, None], None, rows=rows)
             outputs.append(got)
     finally:
         KERNEL.use(default)
@@ -299,7 +299,7 @@ def test_decode_attention_through_token_rows_matches_a_gather(
 ) -> None:
     """With `rows`, the kernel reads K/V in place from a paged pool `[2KV, pool, D]` at each
     row's token rows (scattered, as blocks are): the same as SDPA on the gathered rows."""
-    from neuron_trio.engine.model.transformer import _native_attention
+    from neuron_trio.engine.model.attention import native_attention
 
     g = torch.Generator().manual_seed(batch * 7 + length)
     kv, groups, d, pool_tokens = 3, 3, 64, 2048
@@ -313,7 +313,7 @@ def test_decode_attention_through_token_rows_matches_a_gather(
     mask = mask[:, None, None]  # [B, 1, 1, L]
     gathered = pool[:, rows].permute(1, 0, 2, 3)  # [B, 2KV, L, D]
     view = pool.unsqueeze(0)
-    got = _native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=rows)
+    got = native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=rows)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float(), gathered[:, :kv].float(), gathered[:, kv:].float(), attn_mask=mask.float()
     ).reshape(batch, -1)
@@ -321,7 +321,7 @@ def test_decode_attention_through_token_rows_matches_a_gather(
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # the rows do matter: other token rows (other keys) give other outputs
     shifted = (rows + 1) % pool_tokens
-    other = _native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=shifted)
+    other = native_attention(KERNEL, q, view[:, :kv], view[:, kv:], mask, None, rows=shifted)
     assert not torch.allclose(other.float(), want, rtol=tol, atol=tol)
 
 

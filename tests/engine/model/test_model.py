@@ -23,14 +23,9 @@ from neuron_trio.engine.model.linear import (
     Q8Linear,
     RefinedHead,
 )
-from neuron_trio.engine.model.loader import (
-    ShardFn,
-    SingleRunner,
-    estimate_kv_bytes,
-    estimate_weight_bytes,
-    load_transformer,
-)
+from neuron_trio.engine.model.loader import ShardFn, SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
 from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
 

@@ -18,13 +18,14 @@ from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model import loader, module_codec, packing
 from neuron_trio.engine.model.embedding import QuantizedEmbedding
 from neuron_trio.engine.model.load_phases import LoadPhases
-from neuron_trio.engine.model.loader import estimate_weight_bytes, load_transformer
+from neuron_trio.engine.model.loader import load_transformer
 from neuron_trio.engine.model.module_codec import (
     Snapshot,
     SnapshotError,
     UncacheableError,
     decode,
 )
+from neuron_trio.engine.model.sizing import estimate_weight_bytes
 from neuron_trio.engine.model.weight_cache import WeightCache, snapshot_key
 from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_gguf import write_tiny_llama
