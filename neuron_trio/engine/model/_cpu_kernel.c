@@ -40,6 +40,12 @@
 #define FLAG_X_BF16 1
 #define FLAG_Y_BF16 2
 #define FLAG_CENTRED 4 /* 5-bit weights of Q5_0: minimum = -16 · scale, not read (saves its bytes) */
+#define FLAG_ONE_PASS 8 /* 4-bit weights: one int8 pass of the activations, no residual pass
+                           (the head's coarse pass, whose best candidates are recomputed
+                           exactly anyway: half its dot products) */
+/* The 4-bit tiles' variants (`kind`), each compiled on its own so that no loop tests them */
+#define KIND_FIVE 1 /* 5-bit codes (j->high) */
+#define KIND_ONE 2  /* no residual pass (j->qlo is NULL) */
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
@@ -258,6 +264,11 @@ typedef struct {
     void *y;
 } job_t;
 
+/* The 4-bit tiles' variant of a job (KIND_*). */
+static inline int job_kind(const job_t *j) {
+    return (j->high != NULL ? KIND_FIVE : 0) | (j->qlo == NULL ? KIND_ONE : 0);
+}
+
 TARGET_AVX2 static inline void store8(const job_t *j, int b, int r0, const float *v) {
     store8_f(j->y, j->flags & FLAG_Y_BF16, (size_t)b * j->out + r0, _mm256_loadu_ps(v));
 }
@@ -279,8 +290,8 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
 
 #define TILE_KERNEL(NAME, TARGET, DOT)                                                         \
     TARGET static inline __attribute__((always_inline)) void NAME##_tile(                      \
-        const job_t *j, int t, int b0, const int nb, const int five) {                         \
-        const int groups = j->in / GROUP;                                                      \
+        const job_t *j, int t, int b0, const int nb, const int kind) {                         \
+        const int groups = j->in / GROUP, five = kind & KIND_FIVE, two = !(kind & KIND_ONE);   \
         const uint8_t *wt = j->qs + (size_t)t * groups * 128;                                  \
         const uint16_t *st = (const uint16_t *)j->scale + (size_t)t * groups * 8;              \
         const uint16_t *mt = (const uint16_t *)j->minimum + (size_t)t * groups * 8;            \
@@ -302,19 +313,21 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
                 const uint32_t *h = j->high + ((size_t)t * groups + g) * 8;                    \
                 for (int k = 0; k < 8; k++) w[k] = fifth_##NAME(w[k], h[k]);                   \
             }                                                                                  \
-            /* the scales in steps of 1 / LOW_STEPS (exact: a power of two), once for all k */   \
+            /* two passes: the scales in steps of 1 / LOW_STEPS (exact: a power of two) */      \
             const __m256 sc = _mm256_mul_ps(                                                   \
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))),       \
-                _mm256_set1_ps(1.0f / LOW_STEPS));                                             \
+                _mm256_set1_ps(two ? 1.0f / LOW_STEPS : 1.0f));                                \
             const __m256 mn = j->flags & FLAG_CENTRED                                          \
                 ? _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))), \
                                 _mm256_set1_ps(-16.0f))                                        \
                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8)));      \
             for (int k = 0; k < nb; k++) {                                                     \
                 const size_t xg = (size_t)(b0 + k) * groups + g;                               \
-                const __m256i hi = group8_##NAME(w, (const int32_t *)(j->qx + xg * GROUP));      \
-                const __m256i lo = group8_##NAME(w, (const int32_t *)(j->qlo + xg * GROUP));     \
-                const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, LOW_BITS), lo)); \
+                __m256i sum = group8_##NAME(w, (const int32_t *)(j->qx + xg * GROUP));           \
+                if (two)                                                                       \
+                    sum = _mm256_add_epi32(_mm256_slli_epi32(sum, LOW_BITS),                   \
+                                           group8_##NAME(w, (const int32_t *)(j->qlo + xg * GROUP))); \
+                const __m256 f = _mm256_cvtepi32_ps(sum);                                      \
                 acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, _mm256_set1_ps(j->dx[xg])), acc[k]); \
                 acc[k] = _mm256_fmadd_ps(mn, _mm256_set1_ps(j->sx[xg]), acc[k]);               \
             }                                                                                  \
@@ -326,21 +339,31 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
         }                                                                                      \
     }                                                                                          \
     TARGET static inline __attribute__((always_inline)) void NAME##_rows(const job_t *j,      \
-                                                                          int t, const int five) { \
+                                                                          int t, const int kind) { \
         int b = 0;                                                                             \
-        for (; b + 4 <= j->batch; b += 4) NAME##_tile(j, t, b, 4, five);                       \
-        for (; b + 2 <= j->batch; b += 2) NAME##_tile(j, t, b, 2, five);                       \
-        for (; b < j->batch; b++) NAME##_tile(j, t, b, 1, five);                               \
+        for (; b + 4 <= j->batch; b += 4) NAME##_tile(j, t, b, 4, kind);                       \
+        for (; b + 2 <= j->batch; b += 2) NAME##_tile(j, t, b, 2, kind);                       \
+        for (; b < j->batch; b++) NAME##_tile(j, t, b, 1, kind);                               \
     }                                                                                          \
     TARGET static void NAME##_run(const job_t *j) {                                            \
         const int tiles = j->out / 8;                                                          \
-        /* two copies of the loop (4 and 5 bits), so that neither tests for the fifth bit */   \
-        if (j->high == NULL) {                                                                 \
+        /* a copy of the loop per variant, so that none tests for the fifth bit or the pass */ \
+        switch (job_kind(j)) {                                                                 \
+        case 0:                                                                                \
             _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++)            \
                 NAME##_rows(j, t, 0);                                                          \
-        } else {                                                                               \
+            break;                                                                             \
+        case KIND_FIVE:                                                                        \
             _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++)            \
-                NAME##_rows(j, t, 1);                                                          \
+                NAME##_rows(j, t, KIND_FIVE);                                                  \
+            break;                                                                             \
+        case KIND_ONE:                                                                         \
+            _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++)            \
+                NAME##_rows(j, t, KIND_ONE);                                                   \
+            break;                                                                             \
+        default:                                                                               \
+            _Pragma("omp for schedule(dynamic, 8)") for (int t = 0; t < tiles; t++)            \
+                NAME##_rows(j, t, KIND_FIVE | KIND_ONE);                                       \
         }                                                                                      \
     }
 
@@ -415,8 +438,8 @@ TARGET_VNNI static inline __m512i group16(const __m512i *w, const int32_t *x4) {
 
 TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const job_t *j, int t,
                                                                           int b0, const int nb,
-                                                                          const int five) {
-    const int groups = j->in / GROUP;
+                                                                          const int kind) {
+    const int groups = j->in / GROUP, five = kind & KIND_FIVE, two = !(kind & KIND_ONE);
     const size_t span = (size_t)groups * 128;
     const uint8_t *w0 = j->qs + (size_t)t * span, *w1 = w0 + span;
     const uint16_t *s0 = (const uint16_t *)j->scale + (size_t)t * groups * 8, *s1 = s0 + groups * 8;
@@ -453,7 +476,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
             }
         }
         const __m512 sc = _mm512_mul_ps(join_ph(s0 + (size_t)g * 8, s1 + (size_t)g * 8),
-                                        _mm512_set1_ps(1.0f / LOW_STEPS)); /* as in the tiles */
+                                        _mm512_set1_ps(two ? 1.0f / LOW_STEPS : 1.0f)); /* as in the tiles */
         const __m512 mn = j->flags & FLAG_CENTRED /* as in the tiles */
             ? _mm512_mul_ps(join_ph(s0 + (size_t)g * 8, s1 + (size_t)g * 8), _mm512_set1_ps(-16.0f))
             : join_ph(m0 + (size_t)g * 8, m1 + (size_t)g * 8);
@@ -462,9 +485,11 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
 #pragma GCC unroll 8
         for (int k = 0; k < nb; k++) {
             const size_t xg = (size_t)(b0 + k) * groups + g;
-            const __m512i hi = group16(w, (const int32_t *)(j->qx + xg * GROUP));
-            const __m512i lo = group16(w, (const int32_t *)(j->qlo + xg * GROUP));
-            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, LOW_BITS), lo));
+            __m512i sum = group16(w, (const int32_t *)(j->qx + xg * GROUP));
+            if (two)
+                sum = _mm512_add_epi32(_mm512_slli_epi32(sum, LOW_BITS),
+                                       group16(w, (const int32_t *)(j->qlo + xg * GROUP)));
+            const __m512 f = _mm512_cvtepi32_ps(sum);
             acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dx[xg])), acc[k]);
             acc[k] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->sx[xg]), acc[k]);
         }
@@ -575,15 +600,29 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
    256-bit tiles, read in one stream, beat a pair's two streams (~1.5x on the head, whose
    28 MB do not stay in cache). The same bits either way. */
 
+/* one call per variant (literal kinds: each compiled without tests in its loops) */
+#define BY_KIND(F, NB)                                                                         \
+    do {                                                                                       \
+        switch (kind) {                                                                        \
+        case 0: F(j, 2 * p, b, NB, 0); break;                                                  \
+        case KIND_FIVE: F(j, 2 * p, b, NB, KIND_FIVE); break;                                  \
+        case KIND_ONE: F(j, 2 * p, b, NB, KIND_ONE); break;                                    \
+        default: F(j, 2 * p, b, NB, KIND_FIVE | KIND_ONE);                                     \
+        }                                                                                      \
+    } while (0)
 #define PAIR_TILE(NB)                                                                          \
-    (int8 ? vnni16_tile8(j, 2 * p, b, NB)                                                      \
-          : (five ? vnni16_tile(j, 2 * p, b, NB, 1) : vnni16_tile(j, 2 * p, b, NB, 0)))
+    do {                                                                                       \
+        if (int8) vnni16_tile8(j, 2 * p, b, NB);                                               \
+        else BY_KIND(vnni16_tile, NB);                                                         \
+    } while (0)
 #define ONE_TILE(NB)                                                                           \
-    (int8 ? vnni_tile8(j, 2 * p, b, NB)                                                        \
-          : (five ? vnni_tile(j, 2 * p, b, NB, 1) : vnni_tile(j, 2 * p, b, NB, 0)))
+    do {                                                                                       \
+        if (int8) vnni_tile8(j, 2 * p, b, NB);                                                 \
+        else BY_KIND(vnni_tile, NB);                                                           \
+    } while (0)
 
 TARGET_VNNI static void vnni16_run(const job_t *j) {
-    const int int8 = j->minimum == NULL, five = j->high != NULL;
+    const int int8 = j->minimum == NULL, kind = job_kind(j);
     if (j->batch == 1) {
         (int8 ? vnni_run8 : vnni_run)(j);
         return;
@@ -606,6 +645,7 @@ TARGET_VNNI static void vnni16_run(const job_t *j) {
 
 #undef PAIR_TILE
 #undef ONE_TILE
+#undef BY_KIND
 
 /* ---- decode attention: one query token per row, grouped query heads, float32 maths ----
 
@@ -1358,7 +1398,9 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     j.wsum = j.minimum == NULL ? (const int32_t *)aux : NULL;
     const size_t groups = (size_t)j.batch * (j.in / GROUP);
     const size_t staged = mode == PRO_NONE ? 0 : (size_t)j.batch * j.in;
-    const int two = j.minimum != NULL; /* 4-bit: two int8 passes (see quantize_rows) */
+    const int int8 = j.minimum == NULL;
+    /* 4-bit: two int8 passes (see quantize_rows), unless the caller asks for one */
+    const int two = !int8 && !(j.flags & FLAG_ONE_PASS);
     /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice) */
     char *scratch = malloc((staged + 2 * groups) * sizeof(float) + 2 * (size_t)j.batch * j.in);
     if (scratch == NULL) return PyErr_NoMemory();
@@ -1368,9 +1410,9 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     j.dx = dx;
     j.sx = sx;
     j.qlo = two ? qlo : NULL;
-    j.qxu = two ? NULL : (uint8_t *)qlo; /* int8 weights: qlo's room, for qx + 128 */
+    j.qxu = int8 ? (uint8_t *)qlo : NULL; /* int8 weights: qlo's room, for qx + 128 */
     /* vnni16_tile8 (batch 2 and more) takes the activations unsigned: qx + 128 */
-    const int flip = !two && j.batch > 1 && RUN8 == vnni16_run;
+    const int flip = int8 && j.batch > 1 && RUN8 == vnni16_run;
     const int bf16 = j.flags & FLAG_X_BF16;
     /* the input's row: gate and up for the GLU prologues, else `in` values */
     const size_t row = (size_t)j.in * (mode == PRO_SILU || mode == PRO_GELU ? 2 : 1);

@@ -126,7 +126,10 @@ class Q4Linear(LinearLayer):
     Input and output in the input's dtype (bfloat16 or float32; `out_dtype` fixes it); CPU
     only. With `high` (the fifth bits `[out, in]`, 0/1: packing.pack_q5) the codes are 5-bit
     (Q5_0, Q5_1 weights); then a `minimum` of None means -16 · scale (Q5_0's centred codes,
-    which the kernel then need not read: ~8% fewer bytes a step).
+    which the kernel then need not read: ~8% fewer bytes a step). With `one_pass` the kernel
+    quantises the input to int8 once, without the residual pass that makes its products
+    nearly float32's: half the dot products, for a coarse pass whose best outputs are
+    recomputed exactly (RefinedHead's).
 
     `normed` and `gated` also run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
     saves a decode step ~16 torch ops a layer. With `dense` (a bfloat16 copy of the weight),
@@ -146,6 +149,7 @@ class Q4Linear(LinearLayer):
         high: torch.Tensor | None = None,
         *,
         out_dtype: torch.dtype | None = None,
+        one_pass: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
@@ -159,7 +163,8 @@ class Q4Linear(LinearLayer):
         nibbles, scale, minimum = packing.tile_q4(
             nibbles, scale, scale if minimum is None else minimum
         )
-        self._flags = 4 if centred else 0  # the kernel's FLAG_CENTRED
+        # the kernel's FLAG_CENTRED and FLAG_ONE_PASS
+        self._flags = (4 if centred else 0) | (8 if one_pass else 0)
         tiled_high = None if high is None else packing.tile_high(high)
         self.register_buffer("nibbles", nibbles)
         self.register_buffer("scale", scale)
@@ -220,7 +225,8 @@ class Q4Linear(LinearLayer):
         x = x.contiguous()
         n = x.shape[0]
         y = torch.empty(n, self.out_features, dtype=out)
-        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32), bit 2: centred 5-bit codes
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32), bit 2: centred 5-bit
+        # codes, bit 3: one pass
         flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16) | self._flags
         qs, scale, minimum = self._pointers
         self._matmul(

@@ -311,7 +311,9 @@ def _load_tables(
         coarse: torch.nn.Module
         with phases.phase("pack"):
             if AUTO_INT4_HEAD and native_ok:
-                coarse = Q4Linear(kernel, *packing.pack_q4(head), out_dtype=torch.float32)
+                coarse = Q4Linear(
+                    kernel, *packing.pack_q4(head), out_dtype=torch.float32, one_pass=True
+                )
             elif AUTO_INT4_HEAD and int4_ok:
                 packed, scales_zeros = packing.pack_int4(head)
                 coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)

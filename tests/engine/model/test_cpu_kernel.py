@@ -82,7 +82,7 @@ def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batc
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["4-bit", "int8"])
+@pytest.mark.parametrize("weights", ["4-bit", "4-bit one pass", "int8"])
 @pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576)])
 def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
     weights: str, out_f: int, in_f: int
@@ -94,8 +94,8 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
     g = torch.Generator().manual_seed(out_f)
     w = torch.randn(out_f, in_f, generator=g)
     layer: torch.nn.Module
-    if weights == "4-bit":
-        layer = Q4Linear(KERNEL, *packing.pack_q4(w))
+    if weights.startswith("4-bit"):
+        layer = Q4Linear(KERNEL, *packing.pack_q4(w), one_pass=weights.endswith("one pass"))
     else:
         layer = Q8Linear(KERNEL, *packing.pack_q8(w))
     x = torch.randn(21, in_f, generator=g)  # more than 16 rows
@@ -107,6 +107,27 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
             assert torch.equal(layer(x), alone), isa
     finally:
         KERNEL.use(default)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, batch: int) -> None:
+    """`one_pass` (the head's coarse pass): on inputs int8 keeps exactly (each group's largest
+    ±127, integers) it equals the two-pass product; on others it is coarser than two passes
+    but still close to float32 (one int8 rounding of the input per group)."""
+    g = torch.Generator().manual_seed(batch)
+    w = torch.randn(64, 128, generator=g)
+    nibbles, scale, minimum = packing.pack_q4(w)
+    one = Q4Linear(KERNEL, nibbles, scale, minimum, one_pass=True)
+    two = Q4Linear(KERNEL, nibbles, scale, minimum)
+    exact = torch.randint(-127, 128, (batch, 128), generator=g).float()
+    exact.view(batch, -1, 32)[:, :, 0] = 127.0
+    torch.testing.assert_close(one(exact), two(exact), rtol=1e-6, atol=1e-3)
+    x = torch.randn(batch, 128, generator=g)
+    want = x.double() @ _dequantised(nibbles, scale, minimum).double().T
+    err_one = float((one(x).double() - want).abs().max())
+    err_two = float((two(x).double() - want).abs().max())
+    assert err_two < err_one < 0.05 * float(want.abs().max())
 
 
 @needs_kernel

@@ -69,15 +69,17 @@ def test_tile_high_sets_the_bit_of_each_weight_in_its_lane() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("centred", [False, True])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 15, 16, 21])
 @pytest.mark.parametrize(("out_f", "in_f"), [(8, 32), (24, 96), (904, 896)])
 def test_five_bit_product_exact_on_int8_representable_inputs(
-    isa: str, batch: int, out_f: int, in_f: int, centred: bool
+    isa: str, batch: int, out_f: int, in_f: int, centred: bool, one_pass: bool
 ) -> None:
     """Inputs whose groups each hold ±127 and integers: the kernel equals the float32 product
     of the file's own Q5_0 weights (a lost fifth bit is off by 16 steps), with the minimum
-    stored or (`centred`) implied as -16 · scale."""
+    stored or (`centred`) implied as -16 · scale; in one pass too (such inputs leave no
+    residual for the second)."""
     raw, w = _file_blocks(quant.QType.Q5_0, out_f, in_f, seed=out_f + batch)
     q, scale, minimum = quant.five_bit_codes(raw, quant.QType.Q5_0, (out_f, in_f))
     nibbles, high = packing.pack_q5(q)
@@ -85,7 +87,8 @@ def test_five_bit_product_exact_on_int8_representable_inputs(
     x = torch.randint(-127, 128, (batch, in_f), generator=g).float()
     x.view(batch, -1, 32)[:, :, 0] = 127.0
     want = x.double() @ w.double().T
-    layer = Q4Linear(KERNEL, nibbles, scale, None if centred else minimum, high=high)
+    minimum = None if centred else minimum
+    layer = Q4Linear(KERNEL, nibbles, scale, minimum, high=high, one_pass=one_pass)
     assert (layer.minimum is None) == centred
     got = layer(x).double()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
