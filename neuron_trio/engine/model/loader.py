@@ -58,18 +58,21 @@ ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto" on CPU: the output head's coarse pass is 4-bit (the native kernel; torch's int4
-# elsewhere), then each row's HEAD_REFINE best logits are recomputed exactly from the float32
-# table (linear.RefinedHead). Decode reads the head every step and is bound by memory: on a
+# elsewhere; one int8 pass of the activations), then each row's HEAD_REFINE best logits are
+# recomputed exactly from the table (float32, or the file's Q8_0 blocks: linear.RefinedHead).
+# Decode reads the head every step and is bound by memory: on a
 # 151,936-token vocabulary the int8 pass was a third of the bytes a step reads, and 4 bits
 # halve it. Top-1 agreement with float32 (bench/bench_decode.py's parity prompts, 8 x 24
 # positions) is the same as with the int8 pass on the built-in model, Gemma 3 and Qwen2.5
 # (191, 181, 188 of 192); the coarse tail moves the mean KL divergence from float32 from
 # 0.0002 / 0.0128 / 0.0025 to 0.0011 / 0.0140 / 0.0029 nats per token, which 256 exact
-# candidates (not 64: 0.0026 / 0.0159 / 0.0035) keep small.
+# candidates (not 64: 0.0026 / 0.0159 / 0.0035) keep small. With the coarse pass's one int8
+# pass the agreement is 192, 181, 190 of 192.
 AUTO_INT4_HEAD = True
 HEAD_REFINE = 256  # candidates per row recomputed exactly
 # Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
-# every other format (Q5_x, Q6_K, Q8_0, floats) takes the int8 kernel.
+# Q5_0/Q5_1 keep their 5-bit codes where the native kernel is built (make_linear's
+# `five_bit`); every other format (Q6_K, Q8_0, floats) takes the int8 kernel.
 FOUR_BIT = frozenset(
     {
         quant.QType.Q4_0,
