@@ -253,18 +253,21 @@ class KVEventsPublisher:
             self._retired.clear()
         for source in sources:
             records = source.log.drain()
-            if records:
-                self._send(source.topic, wire_events(records))
+            # Counted before the batch goes out: whoever has received its "all cleared" then
+            # also sees the loss in the statistics (counted after, a subscriber could read
+            # the batch and still find dropped == 0).
             dropped = source.log.statistics().dropped
             if dropped > source.dropped_seen:
+                self._dropped += dropped - source.dropped_seen
                 log.warning(
                     "kv events: %s: %d events dropped (not drained in time); an 'all cleared'"
-                    " went out instead",
+                    " goes out instead",
                     source.topic.decode(errors="replace"),
                     dropped - source.dropped_seen,
                 )
-                self._dropped += dropped - source.dropped_seen
                 source.dropped_seen = dropped
+            if records:
+                self._send(source.topic, wire_events(records))
 
     def _send(self, topic: bytes, events: list[Any]) -> None:
         import zmq
