@@ -28,18 +28,15 @@ def health_status(
 ) -> HealthStatus:
     """The node's health from its models' states and its own: wedged first, then draining,
     starting (not serving yet), recovering, ok."""
-    status: HealthStatus
     if deadman_firing or "wedged" in states.values():
-        status = "wedged"
-    elif draining:
-        status = "draining"
-    elif not serving:
-        status = "starting"
-    elif "recovering" in states.values():
-        status = "recovering"
-    else:
-        status = "ok"
-    return status
+        return "wedged"
+    if draining:
+        return "draining"
+    if not serving:
+        return "starting"
+    if "recovering" in states.values():
+        return "recovering"
+    return "ok"
 
 
 async def live_gpus(gpus: GpuSource | None) -> Any:

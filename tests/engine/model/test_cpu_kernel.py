@@ -23,10 +23,6 @@ KERNEL = packing.native_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
 
 
-def _isas() -> list[str]:
-    return usable_isas(KERNEL)
-
-
 @pytest.fixture(params=ALL_ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     yield from isa_fixture(request)
@@ -102,7 +98,7 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
     alone = torch.cat([layer(x[i : i + 1]) for i in range(21)])
     default = KERNEL.isa()
     try:
-        for isa in _isas():
+        for isa in usable_isas():
             assert KERNEL.use(isa)
             assert torch.equal(layer(x), alone), isa
     finally:
@@ -288,7 +284,7 @@ def test_decode_attention_has_the_same_bits_on_either_instruction_set(
     keys, values = pool[:, :kv], pool[:, kv:]
     default, outputs = KERNEL.isa(), []
     try:
-        for isa in _isas():
+        for isa in usable_isas():
             assert KERNEL.use(isa)
             got = native_attention(KERNEL, q, keys, values, mask[:, None, None], None, rows=rows)
             outputs.append(got)
