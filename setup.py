@@ -17,6 +17,7 @@ if x86:
         Extension(
             "neuron_trio.engine.model._cpu_kernel",
             ["neuron_trio/engine/model/_cpu_kernel.c"],
+            depends=["neuron_trio/engine/model/_cpu_layers.c"],
             extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
             extra_link_args=["-fopenmp"],
             optional=True,

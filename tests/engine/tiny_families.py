@@ -216,8 +216,17 @@ def llama3_rope_factors(
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original=64)
 
 
-def write_tiny_family(path: str | Path, family: str, *, seed: int = 0, qtype: str = "F32") -> Path:
-    """Write a tiny random GGUF file of `family` (a key of FAMILIES) and return its path."""
+def write_tiny_family(
+    path: str | Path,
+    family: str,
+    *,
+    seed: int = 0,
+    qtype: str = "F32",
+    qtypes: dict[str, str] | None = None,
+) -> Path:
+    """Write a tiny random GGUF file of `family` (a key of FAMILIES) and return its path.
+    `qtypes`: another format for the matrices whose names end so (as real files mix Q4_K
+    with Q6_K or Q8_0: {"attn_v.weight": "Q8_0"})."""
     fam = FAMILIES[family]
     shape: dict[str, Any] = dict(
         n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, rope_base=10000.0
@@ -320,8 +329,9 @@ def write_tiny_family(path: str | Path, family: str, *, seed: int = 0, qtype: st
             w[p + "ffn_gate.weight"] = mat(ffn, dim)
             w[p + "ffn_up.weight"] = mat(ffn, dim)
         w[p + "ffn_down.weight"] = mat(dim, ffn)
-    qt = gguf.GGMLQuantizationType[qtype]
     for name, t in w.items():
+        suffix = next((k for k in qtypes or {} if name.endswith(k)), None)
+        qt = gguf.GGMLQuantizationType[qtype if suffix is None else (qtypes or {})[suffix]]
         if t.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, t)
         else:

@@ -262,6 +262,7 @@ typedef struct {
                              (bit 4 r + i: row r's weight i of the step), or NULL (4 bits) */
     int batch, in, out, flags;
     void *y;
+    size_t ystride; /* y's row stride in elements: `out`, or more when y is a slice of wider rows */
 } job_t;
 
 /* The 4-bit tiles' variant of a job (KIND_*). */
@@ -270,7 +271,7 @@ static inline int job_kind(const job_t *j) {
 }
 
 TARGET_AVX2 static inline void store8(const job_t *j, int b, int r0, const float *v) {
-    store8_f(j->y, j->flags & FLAG_Y_BF16, (size_t)b * j->out + r0, _mm256_loadu_ps(v));
+    store8_f(j->y, j->flags & FLAG_Y_BF16, (size_t)b * j->ystride + r0, _mm256_loadu_ps(v));
 }
 
 /* w (a step's 8 rows x 4 weights, 0..15) plus 16 where the step's bit 4 r + i is set. */
@@ -1054,6 +1055,8 @@ typedef struct {
     const void *qkv;
     const long long *pos, *rows;
     const float *cos, *sin;
+    const float *norm; /* QK-norm: each Q and K head's RMSNorm weight [heads + kv, dim], or NULL */
+    float eps;
     void *pool, *q;
     long long pool_tokens;
     int n, heads, kv, dim, x_bf16, pool_bf16, q_bf16;
@@ -1084,6 +1087,12 @@ static void rope_rows_scalar(const rope_t *r) {
             size_t to;
             void *out = rope_dest(r, n, h, &bf16, &to);
             const int rotate = h < r->heads + r->kv; /* Q and K rotate; V does not */
+            if (rotate && r->norm != NULL) {
+                float ss = 0.0f;
+                for (int i = 0; i < D; i++) ss += x[i] * x[i];
+                const float inv = 1.0f / sqrtf(ss / (float)D + r->eps);
+                for (int i = 0; i < D; i++) x[i] = x[i] * inv * r->norm[(size_t)h * D + i];
+            }
             for (int i = 0; i < D; i++) {
                 const float other = x[i < half ? i + half : i - half];
                 store_f(out, bf16, to + i, rotate ? fmaf(x[i], c[i], other * s[i]) : x[i]);
@@ -1103,9 +1112,24 @@ TARGET_AVX2 static void rope_rows_avx2(const rope_t *r) {
             size_t to;
             void *out = rope_dest(r, n, h, &bf16, &to);
             const int rotate = h < r->heads + r->kv;
+            const float *w = rotate ? r->norm : NULL;
+            __m256 inv = _mm256_set1_ps(1.0f);
+            if (w != NULL) { /* QK-norm first: RMSNorm over the head, times its weight */
+                __m256 ss = _mm256_setzero_ps();
+                for (int i = 0; i < D; i += 8) {
+                    const __m256 v = load8(r->qkv, r->x_bf16, at + i);
+                    ss = _mm256_fmadd_ps(v, v, ss);
+                }
+                inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)D + r->eps));
+                w += (size_t)h * D;
+            }
             for (int i = 0; i < half; i += 8) {
-                const __m256 lo = load8(r->qkv, r->x_bf16, at + i);
-                const __m256 hi = load8(r->qkv, r->x_bf16, at + half + i);
+                __m256 lo = load8(r->qkv, r->x_bf16, at + i);
+                __m256 hi = load8(r->qkv, r->x_bf16, at + half + i);
+                if (w != NULL) {
+                    lo = _mm256_mul_ps(_mm256_mul_ps(lo, inv), _mm256_loadu_ps(w + i));
+                    hi = _mm256_mul_ps(_mm256_mul_ps(hi, inv), _mm256_loadu_ps(w + half + i));
+                }
                 if (!rotate) {
                     store8_f(out, bf16, to + i, lo);
                     store8_f(out, bf16, to + half + i, hi);
@@ -1138,14 +1162,20 @@ static void rope_write_rows(const rope_t *r) {
         rope_rows_scalar(r);
 }
 
-/* rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool tokens, rows, q):
-   flags: 1 bfloat16 qkv, 2 bfloat16 pool, 4 bfloat16 q (else float32). positions and rows:
-   int64 [n]. Pointers as ints. */
+/* rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool tokens, rows, q
+   [, norm, eps]): flags: 1 bfloat16 qkv, 2 bfloat16 pool, 4 bfloat16 q (else float32).
+   positions and rows: int64 [n]. norm: QK-norm's weights, float32 [heads + kv, dim] (0:
+   none). Pointers as ints. */
 static PyObject *q4_rope_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[13];
-    if (take_ints(args, nargs, 13, 13, v, "rope_write") < 0) return NULL;
+    long long v[14] = {0};
+    if (take_ints(args, nargs, nargs == 15 ? 15 : 13, nargs == 15 ? 14 : 13, v, "rope_write") < 0)
+        return NULL;
+    double eps = 0.0;
+    if (nargs == 15 && (eps = PyFloat_AsDouble(args[14])) == -1.0 && PyErr_Occurred()) return NULL;
     rope_t r;
+    r.norm = (const float *)(intptr_t)v[13];
+    r.eps = (float)eps;
     r.qkv = (const void *)(intptr_t)v[0];
     r.n = (int)v[1];
     r.heads = (int)v[2];
@@ -1335,16 +1365,80 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
     Py_RETURN_FALSE;
 }
 
-/* matmul(x, batch, in, weights, scale, minimum, out, y, flags, prologue, aux, eps[, high]):
-   4-bit weights when `minimum` is non-zero (5-bit with `high`, their fifth bits), else int8
-   weights with one scale per row; `prologue`
-   (PRO_*) first transforms x (`aux`: RMSNorm's weight, float32). int8 weights take no
-   prologue, and `aux` is then their group sums x 128 (int32, in the tiles' layout
-   [tiles, groups, 8]: packing.q8_group_sums). */
+/* One product, however it is called (matmul below, or the decode layers' loop): the job's
+   weights and output, its input x (float32 or bfloat16: FLAG_X_BF16) and prologue (PRO_*,
+   `norm`: RMSNorm's weight), and for int8 weights their group sums (`wsum`). Call without
+   the GIL. 0, or -1 when the scratch cannot be had. */
+typedef struct {
+    job_t j;
+    const void *x;
+    int mode;
+    const float *norm;
+    float eps;
+} product_t;
+
+static int product(product_t *p) {
+    job_t *jp = &p->j;
+    const int int8 = jp->minimum == NULL;
+    run_fn run = int8 ? RUN8 : RUN;
+    const size_t groups = (size_t)jp->batch * (jp->in / GROUP);
+    const size_t staged = p->mode == PRO_NONE ? 0 : (size_t)jp->batch * jp->in;
+    /* 4-bit: two int8 passes (see quantize_rows), unless the caller asks for one */
+    const int two = !int8 && !(jp->flags & FLAG_ONE_PASS);
+    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice) */
+    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + 2 * (size_t)jp->batch * jp->in);
+    if (scratch == NULL) return -1;
+    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups;
+    int8_t *qx = (int8_t *)(sx + groups), *qlo = qx + (size_t)jp->batch * jp->in;
+    jp->qx = qx;
+    jp->dx = dx;
+    jp->sx = sx;
+    jp->qlo = two ? qlo : NULL;
+    jp->qxu = int8 ? (uint8_t *)qlo : NULL; /* int8 weights: qlo's room, for qx + 128 */
+    /* vnni16_tile8 (batch 2 and more) takes the activations unsigned: qx + 128 */
+    const int flip = int8 && jp->batch > 1 && RUN8 == vnni16_run;
+    const int bf16 = jp->flags & FLAG_X_BF16, mode = p->mode;
+    /* the input's row: gate and up for the GLU prologues, else `in` values */
+    const size_t row = (size_t)jp->in * (mode == PRO_SILU || mode == PRO_GELU ? 2 : 1);
+    const size_t row_bytes = row * (bf16 ? 2 : 4);
+    const int gpr = jp->in / GROUP;
+    const job_t j = *jp;
+    /* One parallel region: each thread prepares its rows (prologue, int8 quantisation), then
+       the threads share the product (the run functions' `omp for`). Prepared before the
+       region, the rows kept one core idle: ~0.5 ms a decode step at batch 8. */
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int b = 0; b < j.batch; b++) {
+            const void *xb = (const char *)p->x + (size_t)b * row_bytes;
+            int xb_bf16 = bf16;
+            if (mode != PRO_NONE) {
+                float *out = xf + (size_t)b * j.in;
+                prologue(xb, bf16, mode, p->norm, p->eps, 1, j.in, out);
+                xb = out;
+                xb_bf16 = 0;
+            }
+            const size_t at = (size_t)b * j.in;
+            quantize_rows(xb, xb_bf16, 1, j.in, qx + at, dx + (size_t)b * gpr,
+                          sx + (size_t)b * gpr, two ? qlo + at : NULL);
+            if (flip)
+                for (int i = 0; i < j.in; i++) j.qxu[at + i] = (uint8_t)(qx[at + i] ^ 0x80);
+        }
+        run(&j);
+    }
+    free(scratch);
+    return 0;
+}
+
+/* matmul(x, batch, in, weights, scale, minimum, out, y, flags, prologue, aux, eps[, high
+   [, sums]]): 4-bit weights when `minimum` is non-zero (5-bit with `high`, their fifth bits),
+   else int8 weights with one scale per row; `prologue` (PRO_*) first transforms x (`aux`:
+   RMSNorm's weight, float32). int8 weights need their group sums x 128 (int32, in the tiles'
+   layout [tiles, groups, 8]: packing.q8_group_sums): `sums`, or without a prologue `aux`. */
 static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 12 && nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "matmul takes 12 or 13 arguments");
+    if (nargs < 12 || nargs > 14) {
+        PyErr_SetString(PyExc_TypeError, "matmul takes 12 to 14 arguments");
         return NULL;
     }
     if (RUN == NULL) {
@@ -1358,94 +1452,61 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const double eps = PyFloat_AsDouble(args[11]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    long long high = 0;
-    if (nargs == 13) {
-        high = PyLong_AsLongLong(args[12]);
-        if (high == -1 && PyErr_Occurred()) return NULL;
+    long long extra[2] = {0, 0}; /* high, sums */
+    for (Py_ssize_t i = 12; i < nargs; i++) {
+        extra[i - 12] = PyLong_AsLongLong(args[i]);
+        if (extra[i - 12] == -1 && PyErr_Occurred()) return NULL;
     }
-    job_t j;
-    j.high = (const uint32_t *)(intptr_t)high;
-    const void *x = (const void *)(intptr_t)v[0];
-    j.batch = (int)v[1];
-    j.in = (int)v[2];
-    j.qs = (const uint8_t *)(intptr_t)v[3];
-    j.scale = (const void *)(intptr_t)v[4];
-    j.minimum = (const void *)(intptr_t)v[5];
-    j.out = (int)v[6];
-    j.y = (void *)(intptr_t)v[7];
-    j.flags = (int)v[8];
-    const int mode = (int)v[9];
+    product_t p;
+    job_t *j = &p.j;
+    j->high = (const uint32_t *)(intptr_t)extra[0];
+    p.x = (const void *)(intptr_t)v[0];
+    j->batch = (int)v[1];
+    j->in = (int)v[2];
+    j->qs = (const uint8_t *)(intptr_t)v[3];
+    j->scale = (const void *)(intptr_t)v[4];
+    j->minimum = (const void *)(intptr_t)v[5];
+    j->out = (int)v[6];
+    j->y = (void *)(intptr_t)v[7];
+    j->ystride = (size_t)j->out;
+    j->flags = (int)v[8];
+    p.mode = (int)v[9];
     const float *aux = (const float *)(intptr_t)v[10];
-    if (j.batch < 1 || j.in < GROUP || j.in % GROUP || j.out < 8 || j.out % 8) {
+    p.eps = (float)eps;
+    if (j->batch < 1 || j->in < GROUP || j->in % GROUP || j->out < 8 || j->out % 8) {
         PyErr_SetString(PyExc_ValueError,
                         "matmul: bad shape (in must be a multiple of 32, out of 8)");
         return NULL;
     }
-    if (j.high != NULL && j.minimum == NULL) {
+    if (j->high != NULL && j->minimum == NULL) {
         PyErr_SetString(PyExc_ValueError, "matmul: fifth bits need 4-bit weights (a minimum)");
         return NULL;
     }
-    if (mode < PRO_NONE || mode > PRO_GELU || (mode == PRO_RMSNORM && aux == NULL)) {
+    if (p.mode < PRO_NONE || p.mode > PRO_GELU || (p.mode == PRO_RMSNORM && aux == NULL)) {
         PyErr_SetString(PyExc_ValueError, "matmul: bad prologue");
         return NULL;
     }
-    run_fn run = j.minimum != NULL ? RUN : RUN8;
-    if (j.minimum == NULL && (aux == NULL || mode != PRO_NONE)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "matmul: int8 weights take no prologue and need their group sums (aux)");
-        return NULL;
-    }
-    j.wsum = j.minimum == NULL ? (const int32_t *)aux : NULL;
-    const size_t groups = (size_t)j.batch * (j.in / GROUP);
-    const size_t staged = mode == PRO_NONE ? 0 : (size_t)j.batch * j.in;
-    const int int8 = j.minimum == NULL;
-    /* 4-bit: two int8 passes (see quantize_rows), unless the caller asks for one */
-    const int two = !int8 && !(j.flags & FLAG_ONE_PASS);
-    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice) */
-    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + 2 * (size_t)j.batch * j.in);
-    if (scratch == NULL) return PyErr_NoMemory();
-    float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups;
-    int8_t *qx = (int8_t *)(sx + groups), *qlo = qx + (size_t)j.batch * j.in;
-    j.qx = qx;
-    j.dx = dx;
-    j.sx = sx;
-    j.qlo = two ? qlo : NULL;
-    j.qxu = int8 ? (uint8_t *)qlo : NULL; /* int8 weights: qlo's room, for qx + 128 */
-    /* vnni16_tile8 (batch 2 and more) takes the activations unsigned: qx + 128 */
-    const int flip = int8 && j.batch > 1 && RUN8 == vnni16_run;
-    const int bf16 = j.flags & FLAG_X_BF16;
-    /* the input's row: gate and up for the GLU prologues, else `in` values */
-    const size_t row = (size_t)j.in * (mode == PRO_SILU || mode == PRO_GELU ? 2 : 1);
-    const size_t row_bytes = row * (bf16 ? 2 : 4);
-    const int gpr = j.in / GROUP;
-    Py_BEGIN_ALLOW_THREADS
-    /* One parallel region: each thread prepares its rows (prologue, int8 quantisation), then
-       the threads share the product (the run functions' `omp for`). Prepared before the
-       region, the rows kept one core idle: ~0.5 ms a decode step at batch 8. */
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int b = 0; b < j.batch; b++) {
-            const void *xb = (const char *)x + (size_t)b * row_bytes;
-            int xb_bf16 = bf16;
-            if (mode != PRO_NONE) {
-                float *out = xf + (size_t)b * j.in;
-                prologue(xb, bf16, mode, aux, (float)eps, 1, j.in, out);
-                xb = out;
-                xb_bf16 = 0;
-            }
-            const size_t at = (size_t)b * j.in;
-            quantize_rows(xb, xb_bf16, 1, j.in, qx + at, dx + (size_t)b * gpr,
-                          sx + (size_t)b * gpr, two ? qlo + at : NULL);
-            if (flip)
-                for (int i = 0; i < j.in; i++) j.qxu[at + i] = (uint8_t)(qx[at + i] ^ 0x80);
+    const int int8 = j->minimum == NULL;
+    const int32_t *sums = (const int32_t *)(intptr_t)extra[1];
+    p.norm = aux;
+    j->wsum = NULL;
+    if (int8) {
+        j->wsum = sums != NULL ? sums : p.mode == PRO_NONE ? (const int32_t *)aux : NULL;
+        if (j->wsum == NULL) {
+            PyErr_SetString(PyExc_ValueError, "matmul: int8 weights need their group sums");
+            return NULL;
         }
-        run(&j);
     }
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = product(&p);
     Py_END_ALLOW_THREADS
-    free(scratch);
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
+
+/* the decode layers' loop (decode_layers, norm_add): its own file, compiled as part of this one */
+#include "_cpu_layers.c"
 
 static PyMethodDef METHODS[] = {
     {"matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
@@ -1459,6 +1520,15 @@ static PyMethodDef METHODS[] = {
     {"rope_write", (PyCFunction)(void (*)(void))q4_rope_write, METH_FASTCALL,
      "rope_write(qkv, n, heads, kv, dim, flags, positions, cos, sin, pool, pool_tokens, rows, "
      "q): RoPE on the rows' Q and K heads; Q out, K and V into the pool"},
+    {"norm_add", (PyCFunction)(void (*)(void))q4_norm_add, METH_FASTCALL,
+     "norm_add(x, src, src_bf16, n, width, weight, eps, out): out = x + RMSNorm(src) · weight "
+     "(weight 0: x + src)"},
+    {"decode_layers", (PyCFunction)(void (*)(void))q4_decode_layers, METH_FASTCALL,
+     "decode_layers(plan, layers, x, n, dim, heads, kv, head_dim, ffn, flags, pool_tokens, "
+     "positions, write_rows, token_rows, length, mask, mask_stride, window, window_stride): "
+     "every layer of a decode step"},
+    {"layer_fields", q4_layer_fields, METH_NOARGS,
+     "(fields a part, parts a layer, fields a layer) of decode_layers' plan"},
     {"isa", q4_isa, METH_NOARGS, "the instruction set used: avx512vnni, avx2, or '' (none)"},
     {NULL, NULL, 0, NULL},
 };

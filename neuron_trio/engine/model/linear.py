@@ -120,7 +120,52 @@ class Int4Linear(LinearLayer):
 _PRO_NONE, _PRO_RMSNORM, _PRO_SILU, _PRO_GELU = 0, 1, 2, 3
 
 
-class Q4Linear(LinearLayer):
+class NativeLinear(LinearLayer):
+    """A projection in the native kernel (`_cpu_kernel.c`, see packing.native_kernel): its
+    `normed` and `gated` run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
+    saves a decode step ~16 torch ops a layer. Inputs of NATIVE_DENSE_MIN_ROWS rows or more
+    (or in dtypes the kernel does not take) go through torch and `forward` instead.
+    """
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        act: torch.dtype,
+        out: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm(x) · weight, then the product, as `out` (default `act`): x `[N, in]` and
+        weight float32; in the kernel unless the rows are many or the dtypes are not its."""
+        out = act if out is None else out
+        if (
+            x.shape[0] >= NATIVE_DENSE_MIN_ROWS
+            or x.dtype != torch.float32
+            or weight.dtype != x.dtype
+        ):
+            return self.forward(F.rms_norm(x, (self.in_features,), weight, eps).to(out))
+        return self._product(x, out, _PRO_RMSNORM, weight.data_ptr(), eps)
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
+        if gate_up.shape[0] >= NATIVE_DENSE_MIN_ROWS:
+            gate, up = gate_up[:, : self.in_features], gate_up[:, self.in_features :]
+            gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+            return self.forward(gate * up)
+        return self._product(gate_up, gate_up.dtype, _PRO_GELU if gelu else _PRO_SILU)
+
+    def _product(
+        self, x: torch.Tensor, out: torch.dtype, prologue: int = 0, aux: int = 0, eps: float = 0.0
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def plan_part(self) -> list[int]:
+        """This projection as a part of native_decode's plan: weights, scales, minimums (0:
+        int8), fifth bits, group sums, outputs, flags (the kernel's PART_FIELDS)."""
+        raise NotImplementedError
+
+
+class Q4Linear(NativeLinear):
     """Weight-only 4-bit groups of 32 through the native kernel (`_cpu_kernel.c`, see
     packing.native_kernel): int8 activations and integer dot products, as llama.cpp on the same CPU.
     Input and output in the input's dtype (bfloat16 or float32; `out_dtype` fixes it); CPU
@@ -131,10 +176,8 @@ class Q4Linear(LinearLayer):
     nearly float32's: half the dot products, for a coarse pass whose best outputs are
     recomputed exactly (RefinedHead's).
 
-    `normed` and `gated` also run the layer's RMSNorm or SwiGLU/GeGLU inside the kernel, which
-    saves a decode step ~16 torch ops a layer. With `dense` (a bfloat16 copy of the weight),
-    inputs of NATIVE_DENSE_MIN_ROWS rows or more take a dense GEMM instead (after the same ops
-    in torch).
+    With `dense` (a bfloat16 copy of the weight), inputs of NATIVE_DENSE_MIN_ROWS rows or more
+    take a dense GEMM instead (after the same ops in torch).
     """
 
     dense: torch.Tensor | None
@@ -190,33 +233,6 @@ class Q4Linear(LinearLayer):
             return F.linear(x.to(dense.dtype), dense).to(out)
         return self._product(x, out)
 
-    def normed(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        act: torch.dtype,
-        out: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """RMSNorm(x) · weight, then the product, as `out` (default `act`): x `[N, in]` and
-        weight float32; in the kernel unless the rows are many or the dtypes are not its."""
-        out = act if out is None else out
-        if (
-            x.shape[0] >= NATIVE_DENSE_MIN_ROWS
-            or x.dtype != torch.float32
-            or weight.dtype != x.dtype
-        ):
-            return self.forward(F.rms_norm(x, (self.in_features,), weight, eps).to(out))
-        return self._product(x, out, _PRO_RMSNORM, weight.data_ptr(), eps)
-
-    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
-        """act(gate) · up, then the product: gate_up `[N, 2 · in]` (SiLU, or GELU-tanh)."""
-        if gate_up.shape[0] >= NATIVE_DENSE_MIN_ROWS:
-            gate, up = gate_up[:, : self.in_features], gate_up[:, self.in_features :]
-            gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
-            return self.forward(gate * up)
-        return self._product(gate_up, gate_up.dtype, _PRO_GELU if gelu else _PRO_SILU)
-
     def _product(
         self, x: torch.Tensor, out: torch.dtype, prologue: int = 0, aux: int = 0, eps: float = 0.0
     ) -> torch.Tensor:
@@ -235,14 +251,18 @@ class Q4Linear(LinearLayer):
         )  # fmt: skip
         return y
 
+    def plan_part(self) -> list[int]:
+        qs, scale, minimum = self._pointers
+        return [qs, scale, minimum, self._high, 0, self.out_features, self._flags]
 
-class Q8Linear(LinearLayer):
+
+class Q8Linear(NativeLinear):
     """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
     output head's coarse pass under "auto" (RefinedHead), and layers whose format has more
     than 5 bits (Q6_K, Q8_0). Output in float32 (the coarse logits of the tail are then not
     rounded to bfloat16's steps), or with `keep_dtype` in the input's (a layer in a block).
     With `dense` (a bfloat16 copy), inputs of NATIVE_DENSE_MIN_ROWS rows or more take a dense
-    GEMM instead.
+    GEMM instead. `normed` and `gated` write the dtype asked for, as Q4Linear's.
     """
 
     dense: torch.Tensor | None
@@ -276,17 +296,27 @@ class Q8Linear(LinearLayer):
         if x.dtype not in (torch.bfloat16, torch.float32):
             x = x.float()
         lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()
-        out = x.dtype if self.keep_dtype else torch.float32
+        x = x.reshape(-1, self.in_features)
+        y = self._product(x, x.dtype if self.keep_dtype else torch.float32)
+        return y.reshape(*lead, self.out_features)
+
+    def _product(
+        self, x: torch.Tensor, out: torch.dtype, prologue: int = 0, aux: int = 0, eps: float = 0.0
+    ) -> torch.Tensor:
+        x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=out)
         weight, scale, sums = self._pointers
         # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32)
         flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16)
         self._matmul(
             x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
-            y.data_ptr(), flags, _PRO_NONE, sums, 0.0,
+            y.data_ptr(), flags, prologue, aux, eps, 0, sums,
         )  # fmt: skip
-        return y.reshape(*lead, self.out_features)
+        return y
+
+    def plan_part(self) -> list[int]:
+        weight, scale, sums = self._pointers
+        return [weight, scale, 0, 0, sums, self.out_features, 0]
 
 
 class StackedLinear(LinearLayer):

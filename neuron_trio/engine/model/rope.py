@@ -48,9 +48,12 @@ def rope_write(
     act: torch.dtype,
     h: int,
     kv: int,
+    qk_norm: torch.Tensor | None = None,  # float32 [H + KV, D]
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """RoPE on the Q and K heads, K and V into the cache at `at.write_rows`, in the
-    native kernel (float32 maths, rounded once); returns Q `[N, H, D]` in `act`."""
+    native kernel (float32 maths, rounded once); returns Q `[N, H, D]` in `act`. With
+    `qk_norm`, each Q and K head is RMS-normed (times its weight) first."""
     qkv = qkv.contiguous()
     n, d = qkv.shape[0], qkv.shape[2]
     q = torch.empty(n, h, d, dtype=act)
@@ -62,6 +65,6 @@ def rope_write(
     kernel.rope_write(
         qkv.data_ptr(), n, h, kv, d, flags, positions.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), cache.data_ptr(), cache.shape[1], rows.data_ptr(),
-        q.data_ptr(),
+        q.data_ptr(), 0 if qk_norm is None else qk_norm.data_ptr(), eps,
     )  # fmt: skip
     return q

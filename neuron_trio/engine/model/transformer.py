@@ -32,6 +32,7 @@ from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model.attention import attend, attend_decode, read_kv
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import Linear
+from neuron_trio.engine.model.native_decode import plan_for
 from neuron_trio.engine.model.placement import Placement, place_blocks, place_packed
 from neuron_trio.engine.model.rope import rope_rows, rope_table, rope_write
 
@@ -83,6 +84,7 @@ class Block(nn.Module):
         # The native kernel module when decode attention should run in it (the loader sets it
         # under "auto" on CPU; float32, the reference, keeps SDPA).
         self.attend_kernel: Any = None
+        self._qk_norm_f32: torch.Tensor | None = None  # see qk_norm_f32
 
     def steps(
         self,
@@ -98,7 +100,7 @@ class Block(nn.Module):
         n = x.shape[0]
         # Modules and buffers straight from their dicts: nn.Module.__getattr__ costs ~0.5 us a
         # lookup, 6 per layer and step.
-        mods, bufs, shape = self._modules, self._buffers, (self.dim,)
+        mods, bufs = self._modules, self._buffers
         native_rope = at.positions is not None
         # float32 for the native RoPE: Q, K and V are then rounded to `act` once, after it
         # (where the projection's kernel can write float32 directly)
@@ -110,11 +112,12 @@ class Block(nn.Module):
             qkv = qkv + bias
         qkv = qkv.view(n, h + 2 * kv, d)
         qk_norm = bufs["qk_norm"]
-        if qk_norm is not None:  # RMSNorm over each Q and K head, before RoPE
+        if qk_norm is not None and not native_rope:  # RMSNorm over each Q and K head
             qk = F.rms_norm(qkv[:, : h + kv], (d,), eps=self.eps) * qk_norm
             qkv = torch.cat((qk.to(qkv.dtype), qkv[:, h + kv :]), dim=1)
-        if native_rope:  # RoPE and the K/V write in one native call
-            q = rope_write(self.attend_kernel, qkv, rope, cache, at, act, h, kv)  # [N, H, D]
+        if native_rope:  # QK-norm, RoPE and the K/V write in one native call: [N, H, D]
+            norm = None if qk_norm is None else self.qk_norm_f32()
+            q = rope_write(self.attend_kernel, qkv, rope, cache, at, act, h, kv, norm, self.eps)
         else:
             # RoPE on every head at once: the V heads get cos = 1, sin = 0 (rope tables).
             cos, sin = rope
@@ -151,19 +154,43 @@ class Block(nn.Module):
         o = mods["wo"].forward(o)  # type: ignore[union-attr]  # [N, dim]
         if partial:
             o = yield o
-        post = bufs["post_attn_norm"]
-        if post is not None:  # on the whole sum: after the all-reduce
-            o = F.rms_norm(o.to(x.dtype), shape, post, self.eps)
-        x = x + o
+        x = self._residual(x, o, bufs["post_attn_norm"])  # after the all-reduce: the sum
         # [N, 2 · ffn]
         gate_up = mods["w_gate_up"].normed(x, bufs["ffn_norm"], self.eps, act)  # type: ignore[union-attr,operator]
         y = mods["w_down"].gated(gate_up, self.gelu)  # type: ignore[union-attr,operator]
         if partial:
             y = yield y
-        post = bufs["post_ffn_norm"]
-        if post is not None:
-            y = F.rms_norm(y.to(x.dtype), shape, post, self.eps)
-        return x + y
+        return self._residual(x, y, bufs["post_ffn_norm"])
+
+    def _residual(
+        self, x: torch.Tensor, o: torch.Tensor, post: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x + o, or with a post-norm x + RMSNorm(o) · post: in the native kernel where the
+        loader gave one (as native_decode's loop does it: the same bits), else in torch."""
+        if post is None:
+            return x + o
+        kernel = self.attend_kernel
+        if kernel is None or x.dtype != torch.float32 or post.dtype != torch.float32:
+            return x + F.rms_norm(o.to(x.dtype), (self.dim,), post, self.eps)
+        o = o.contiguous()
+        out = torch.empty_like(x)
+        bf16 = int(o.dtype == torch.bfloat16)
+        if o.dtype not in (torch.bfloat16, torch.float32):
+            o, bf16 = o.float(), 0
+        kernel.norm_add(
+            x.data_ptr(), o.data_ptr(), bf16, x.shape[0], self.dim, post.data_ptr(), self.eps,
+            out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def qk_norm_f32(self) -> torch.Tensor:
+        """QK-norm's weights in float32 (the native RoPE's), converted once."""
+        norm = self._qk_norm_f32
+        qk_norm = self._buffers["qk_norm"]
+        assert qk_norm is not None
+        if norm is None or norm.shape != qk_norm.shape:
+            norm = self._qk_norm_f32 = qk_norm.float().contiguous()
+        return norm
 
 
 class Transformer(nn.Module):
@@ -344,9 +371,14 @@ class Transformer(nn.Module):
         if c.embed_scale != 1.0:  # gemma; in the residual dtype, as transformers rounds it
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         act, partial = self.act_dtype, self.partial_sums
-        for i, layer in enumerate(self.layers):
-            layer_rope = rope_local if layer.sliding else rope
-            x = yield from layer.steps(x, layer_rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
+        plan = plan_for(self) if t == 1 and at.positions is not None else None
+        native = None if plan is None else plan.run(x, at, kv)  # all layers in one call
+        if native is not None:
+            x = native
+        else:
+            for i, layer in enumerate(self.layers):
+                layer_rope = rope_local if layer.sliding else rope
+                x = yield from layer.steps(x, layer_rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
         if at.real is None:
             x = x.view(b, t, c.dim)
             if not all_logits:  # each row's last real token: [B, dim]

@@ -1,0 +1,117 @@
+"""The decode layers' native loop (engine/model/native_decode.py, `decode_layers` in
+_cpu_layers.c) against the Python path through the same kernels: the same logits, bit for bit,
+on every family it takes; and the steps and models it leaves to Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_trio.engine.model import native_decode, packing
+from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.transformer import Transformer
+from tests.engine.slot_runner import SlotRunner
+from tests.engine.tiny_families import write_tiny_family
+
+pytestmark = pytest.mark.skipif(
+    packing.native_kernel() is None, reason="the native kernel is not built on this machine"
+)
+
+# Real Q4_K_M files mix formats: a fused Q/K/V of two kernels, an int8 down projection.
+MIXED = {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q8_0"}
+
+
+def tiny(tmp_path: Path, family: str) -> Path:
+    return write_tiny_family(tmp_path / f"{family}.gguf", family, qtype="Q4_1", qtypes=MIXED)
+
+
+class CountingPlan:
+    """Counts the steps the loop ran (its `run` answered) and the ones it left to Python."""
+
+    def __init__(self, model: Transformer) -> None:
+        plan = native_decode.plan_for(model)
+        assert plan is not None
+        self.ran = self.declined = 0
+        run = plan.run
+
+        def counted(*args: Any) -> torch.Tensor | None:
+            out = run(*args)
+            if out is None:
+                self.declined += 1
+            else:
+                self.ran += 1
+            return out
+
+        plan.run = counted  # type: ignore[method-assign]
+
+
+def python_path(path: Path) -> Transformer:
+    model = load_transformer(path, dtype="auto")
+    model._decode_plan = None  # see native_decode.plan_for
+    return model
+
+
+def decode_both(
+    path: Path, prompts: list[list[int]], steps: int, *, scattered: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], CountingPlan]:
+    """The same prefill and greedy decode steps through both paths: each step's logits."""
+    models = [python_path(path), load_transformer(path, dtype="auto")]
+    counting = CountingPlan(models[1])
+    out: list[list[torch.Tensor]] = [[], []]
+    for model, logits in zip(models, out, strict=True):
+        runner = SlotRunner(model, slots=len(prompts), context=64, scattered=scattered)
+        slots = torch.arange(len(prompts))
+        last = []
+        for i, p in enumerate(prompts):
+            row = runner.forward(torch.tensor([p]), torch.tensor([0]), slots[i : i + 1])
+            last.append(int(row.argmax()))
+        pos = torch.tensor([len(p) for p in prompts])
+        for step in range(steps):
+            step_logits = runner.forward(torch.tensor([[t] for t in last]), pos + step, slots)
+            logits.append(step_logits)
+            last = step_logits.argmax(dim=-1).tolist()
+    return out[0], out[1], counting
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize(("rows", "scattered"), [(1, False), (3, True)])
+def test_the_loop_gives_the_python_paths_bits(
+    tmp_path: Path, family: str, rows: int, scattered: bool
+) -> None:
+    # rows of different lengths (an additive mask), short enough that gemma3's window of 8
+    # masks nothing
+    prompts = [[5 + i, 9, 12 + i, 7][: 2 + i] for i in range(rows)]
+    python, native, counting = decode_both(tiny(tmp_path, family), prompts, 4, scattered=scattered)
+    assert counting.ran == 4 and counting.declined == 0
+    for a, b in zip(python, native, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_window_that_masks_keys_goes_to_python_with_the_same_results(tmp_path: Path) -> None:
+    prompts = [[5, 9, 12, 7, 3, 4, 8], [6, 9]]  # past gemma3's window of 8 within the steps
+    python, native, counting = decode_both(tiny(tmp_path, "gemma3"), prompts, 4, scattered=True)
+    assert counting.ran >= 1 and counting.declined >= 1
+    for a, b in zip(python, native, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_models_it_does_not_take(tmp_path: Path) -> None:
+    gemma2 = load_transformer(tiny(tmp_path, "gemma2"), dtype="auto")  # soft-capped scores
+    assert native_decode.plan_for(gemma2) is None
+    dense = load_transformer(tiny(tmp_path, "llama3"), dtype="float32")  # no native kernel
+    assert native_decode.plan_for(dense) is None
+
+
+def test_the_kernels_parts_agree_with_torch() -> None:
+    kernel = packing.native_kernel()
+    torch.manual_seed(0)
+    x, src, w = torch.randn(3, 64), torch.randn(3, 64).bfloat16(), torch.rand(64) + 0.5
+    out = torch.empty_like(x)
+    kernel.norm_add(x.data_ptr(), src.data_ptr(), 1, 3, 64, w.data_ptr(), 1e-6, out.data_ptr())
+    want = x + torch.nn.functional.rms_norm(src.float(), (64,), w, 1e-6)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+    kernel.norm_add(x.data_ptr(), src.data_ptr(), 1, 3, 64, 0, 0.0, out.data_ptr())
+    assert torch.equal(out, x + src.float())  # one float32 add: exact
