@@ -22,8 +22,10 @@
    several tiles, so the prefetch of the next one mostly lands on the thread that reads it.
 
    The module exposes `matmul`, `attend`, `rope_write` and `refine` (pointers and strides as
-   ints, from model.py's Q4Linear, Q8Linear, _native_attention, Block and RefinedHead),
-   `isa()`: "avx512vnni", "avx2" or "" (a CPU it cannot use), and `use(name)` for tests.
+   ints, from engine/model's linear.py (Q4Linear, Q8Linear, RefinedHead), attention.py and
+   rope.py), `norm_add` and `decode_layers` (_cpu_layers.c, included below: every layer of a
+   decode step, from native_decode.py), `isa()`: "avx512vnni", "avx2" or "" (a CPU it cannot
+   use), and `use(name)` for tests.
    Both instruction sets give the same bits (the integers are exact, and the float operations
    run in the same order), and so do all batch sizes: batching never changes a sequence's
    tokens. */
@@ -43,6 +45,9 @@
 #define FLAG_ONE_PASS 8 /* 4-bit weights: one int8 pass of the activations, no residual pass
                            (the head's coarse pass, whose best candidates are recomputed
                            exactly anyway: half its dot products) */
+#define FLAG_GLU_ROUNDED 16 /* SwiGLU of a bfloat16 x rounds SiLU(gate) and its product with up
+                               to bfloat16, as torch does in that dtype (the int8 layers: their
+                               GLU ran in torch first; see linear.py's _Q8_FLAGS) */
 /* The 4-bit tiles' variants (`kind`), each compiled on its own so that no loop tests them */
 #define KIND_FIVE 1 /* 5-bit codes (j->high) */
 #define KIND_ONE 2  /* no residual pass (j->qlo is NULL) */
@@ -202,8 +207,15 @@ TARGET_AVX2 static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* v rounded to bfloat16's precision (to nearest even), still as floats */
+TARGET_AVX2 static inline __m256 round_bf16(__m256 v) {
+    uint16_t h[8];
+    store8_f(h, 1, 0, v);
+    return load8(h, 1, 0);
+}
+
 TARGET_AVX2 static void prologue(const void *x, int bf16, int mode, const float *weight, float eps,
-                                 int batch, int in, float *out) {
+                                 int batch, int in, float *out, int rounded) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int b = 0; b < batch; b++) {
         float *o = out + (size_t)b * in;
@@ -236,7 +248,9 @@ TARGET_AVX2 static void prologue(const void *x, int bf16, int mode, const float 
                     act = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
                                         _mm256_add_ps(one, t));
                 }
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(act, load8(x, bf16, up + i)));
+                if (rounded) act = round_bf16(act);
+                __m256 y = _mm256_mul_ps(act, load8(x, bf16, up + i));
+                _mm256_storeu_ps(o + i, rounded ? round_bf16(y) : y);
             }
         }
     }
@@ -1414,7 +1428,8 @@ static int product(product_t *p) {
             int xb_bf16 = bf16;
             if (mode != PRO_NONE) {
                 float *out = xf + (size_t)b * j.in;
-                prologue(xb, bf16, mode, p->norm, p->eps, 1, j.in, out);
+                prologue(xb, bf16, mode, p->norm, p->eps, 1, j.in, out,
+                         bf16 && mode == PRO_SILU && (j.flags & FLAG_GLU_ROUNDED));
                 xb = out;
                 xb_bf16 = 0;
             }

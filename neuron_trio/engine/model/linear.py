@@ -256,6 +256,13 @@ class Q4Linear(NativeLinear):
         return [qs, scale, minimum, self._high, 0, self.out_features, self._flags]
 
 
+# The kernel's FLAG_GLU_ROUNDED for int8 layers: their SwiGLU of bfloat16 rows rounds as torch's
+# did when it ran first. Measured on the parity prompts (top-1 agreement with float32, 192
+# positions): a float32 SwiGLU cost Qwen2.5 0.5B one position (190 -> 189), rounding it kept
+# 190; the same rounding of GeGLU cost Gemma 3 one (181 -> 180), so GeGLU stays float32.
+_Q8_FLAGS = 16
+
+
 class Q8Linear(NativeLinear):
     """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
     output head's coarse pass under "auto" (RefinedHead), and layers whose format has more
@@ -306,8 +313,9 @@ class Q8Linear(NativeLinear):
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=out)
         weight, scale, sums = self._pointers
-        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32)
-        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16)
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32), bit 4: a SwiGLU of
+        # bfloat16 rounded to it, as torch's was (_Q8_FLAGS)
+        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16) | _Q8_FLAGS
         self._matmul(
             x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
             y.data_ptr(), flags, prologue, aux, eps, 0, sums,
@@ -316,7 +324,7 @@ class Q8Linear(NativeLinear):
 
     def plan_part(self) -> list[int]:
         weight, scale, sums = self._pointers
-        return [weight, scale, 0, 0, sums, self.out_features, 0]
+        return [weight, scale, 0, 0, sums, self.out_features, _Q8_FLAGS]
 
 
 class StackedLinear(LinearLayer):

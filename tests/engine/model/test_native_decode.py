@@ -4,6 +4,7 @@ on every family it takes; and the steps and models it leaves to Python."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from neuron_trio.engine.model import native_decode, packing
+from neuron_trio.engine.model.linear import Q8Linear
 from neuron_trio.engine.model.loader import load_transformer
 from neuron_trio.engine.model.transformer import Transformer
+from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture
 from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_families import write_tiny_family
 
@@ -22,6 +25,11 @@ pytestmark = pytest.mark.skipif(
 
 # Real Q4_K_M files mix formats: a fused Q/K/V of two kernels, an int8 down projection.
 MIXED = {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q8_0"}
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from isa_fixture(request)
 
 
 def tiny(tmp_path: Path, family: str) -> Path:
@@ -90,6 +98,13 @@ def test_the_loop_gives_the_python_paths_bits(
         assert torch.equal(a, b)
 
 
+def test_either_instruction_set_the_same_bits_as_its_python_path(tmp_path: Path, isa: str) -> None:
+    prompts = [[5, 9, 12], [6, 9], [7, 3, 4, 8]]
+    python, native, _ = decode_both(tiny(tmp_path, "qwen2"), prompts, 3, scattered=True)
+    for a, b in zip(python, native, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_window_that_masks_keys_goes_to_python_with_the_same_results(tmp_path: Path) -> None:
     prompts = [[5, 9, 12, 7, 3, 4, 8], [6, 9]]  # past gemma3's window of 8 within the steps
     python, native, counting = decode_both(tiny(tmp_path, "gemma3"), prompts, 4, scattered=True)
@@ -115,3 +130,16 @@ def test_the_kernels_parts_agree_with_torch() -> None:
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
     kernel.norm_add(x.data_ptr(), src.data_ptr(), 1, 3, 64, 0, 0.0, out.data_ptr())
     assert torch.equal(out, x + src.float())  # one float32 add: exact
+
+
+def test_int8_layers_swiglu_of_bfloat16_rounds_as_torchs_did() -> None:
+    # The int8 layers' SwiGLU ran in torch before the kernel took it; agreement with float32
+    # was measured that way, so the kernel rounds SiLU(gate) and its product to bfloat16.
+    kernel = packing.native_kernel()
+    torch.manual_seed(0)
+    weight, scale = packing.pack_q8(torch.randn(64, 128))
+    layer = Q8Linear(kernel, weight, scale, keep_dtype=True)
+    gate_up = torch.randn(5, 256).bfloat16()
+    fused = layer.gated(gate_up, False)
+    in_torch = layer.forward(torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:])
+    assert torch.equal(fused, in_torch)
