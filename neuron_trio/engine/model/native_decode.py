@@ -9,8 +9,8 @@ hold it to that.
 
 `Transformer.forward_steps` asks `DecodePlan.run` first for a step of decode rows and takes
 the Python path when it answers None: a model or a step it does not take (tensor-parallel
-shards, layers without the native kernel, soft-capped scores, a sliding window that masks
-keys, 48 rows or more where the layers switch to their dense copies).
+shards, layers without the native kernel, soft-capped scores, 48 rows or more where the
+layers switch to their dense copies).
 """
 
 from __future__ import annotations
@@ -119,18 +119,15 @@ class DecodePlan:
         n = x.shape[0]
         if at.t != 1 or at.real is not None or at.positions is None or at.write_rows is None:
             return None
-        if n >= NATIVE_DENSE_MIN_ROWS or at.window_mask is not None:
+        if n >= NATIVE_DENSE_MIN_ROWS:
             return None
         cache, act = kv.layers[0], model.act_dtype
         if cache.dtype != act or not cache.is_contiguous():
             return None
-        mask, mask_stride = at.mask, 0
-        if mask is not None:
-            if mask.dtype != act or mask.dim() != 4 or mask.shape[1:3] != (1, 1):
-                return None
-            if mask.stride(-1) != 1:
-                return None
-            mask_stride = mask.stride(0) if mask.shape[0] > 1 else 0
+        masks = (at.mask, at.window_mask)
+        if not all(m is None or _additive_row_mask(m, act) for m in masks):
+            return None
+        (mask, mask_stride), (window, window_stride) = (_mask_args(m) for m in masks)
         rows = at.token_rows
         if rows is None:
             if not isinstance(at.read, slice):
@@ -145,9 +142,23 @@ class DecodePlan:
             self._plan.data_ptr(), c.n_layers, x.data_ptr(), n, c.dim, c.n_heads,
             c.n_kv_heads, c.head_dim, c.ffn_dim, flags, cache.shape[1],
             at.positions.data_ptr(), at.write_rows.data_ptr(), rows.data_ptr(), at.length,
-            0 if mask is None else mask.data_ptr(), mask_stride, 0, 0,
+            mask, mask_stride, window, window_stride,
         )  # fmt: skip
         return x
+
+
+def _additive_row_mask(mask: torch.Tensor, act: torch.dtype) -> bool:
+    """An additive mask of a row's keys, `[B or 1, 1, 1, L]` in `act`: what the loop takes."""
+    return (
+        mask.dtype == act and mask.dim() == 4 and mask.shape[1:3] == (1, 1) and mask.stride(-1) == 1
+    )
+
+
+def _mask_args(mask: torch.Tensor | None) -> tuple[int, int]:
+    """A mask's address and row stride for the kernel (0, 0: none; stride 0: one row for all)."""
+    if mask is None:
+        return 0, 0
+    return mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0
 
 
 def plan_for(model: Any) -> DecodePlan | None:

@@ -47,7 +47,8 @@ class Placement:
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
         self.causal = False
         # Sliding layers: bool [B, 1, T, L], True where a key lies within the window of the
-        # query (and is attended at all); None when no query's window excludes a key.
+        # query (and is attended at all); None when no query's window excludes a key. Decode
+        # rows with the native kernel: additive [B, 1, 1, L] (0 / -inf), as `mask`.
         self.window_mask: torch.Tensor | None = None
 
 

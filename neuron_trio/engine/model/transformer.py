@@ -351,6 +351,10 @@ class Transformer(nn.Module):
             at.window_mask = (
                 (cols <= qpos[..., None]) & (cols > qpos[..., None] - c.sliding_window)
             )[:, None]  # [B, 1, T, L]
+            if t == 1 and self.native_kernel is not None:
+                # decode rows: additive, as at.mask, so that the native attention takes it
+                window = torch.zeros(at.window_mask.shape, dtype=self.act_dtype, device=dev)
+                at.window_mask = window.masked_fill_(~at.window_mask, float("-inf"))
         ids = input_ids.to(dev).reshape(-1)
         if at.real is not None:  # padded chunks: the layers see the real tokens only
             ids, positions = ids[at.real], positions[at.real]
