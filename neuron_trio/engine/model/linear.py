@@ -25,8 +25,9 @@ class LinearLayer(nn.Module):
 
     `forward(x)` is the product. `normed` and `gated` are the product after the op that always
     precedes it in a block (RMSNorm; the gate's activation times the up projection): here in
-    torch, while a kernel that fuses them (Q4Linear) overrides them. So `Block` calls the
-    same three methods on every projection and never asks which kernel it holds.
+    torch, while the kernel that fuses them (NativeLinear: Q4Linear, Q8Linear) overrides
+    them. So `Block` calls the same three methods on every projection and never asks which
+    kernel it holds.
     """
 
     in_features: int

@@ -84,7 +84,7 @@ class Block(nn.Module):
         # The native kernel module when decode attention should run in it (the loader sets it
         # under "auto" on CPU; float32, the reference, keeps SDPA).
         self.attend_kernel: Any = None
-        self._qk_norm_f32: torch.Tensor | None = None  # see qk_norm_f32
+        self._qk_norm_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # see qk_norm_f32
 
     def steps(
         self,
@@ -170,7 +170,8 @@ class Block(nn.Module):
         if post is None:
             return x + o
         kernel = self.attend_kernel
-        if kernel is None or x.dtype != torch.float32 or post.dtype != torch.float32:
+        fits = x.dtype == post.dtype == torch.float32 and x.is_contiguous() and self.dim % 8 == 0
+        if kernel is None or not fits:
             return x + F.rms_norm(o.to(x.dtype), (self.dim,), post, self.eps)
         o = o.contiguous()
         out = torch.empty_like(x)
@@ -184,13 +185,13 @@ class Block(nn.Module):
         return out
 
     def qk_norm_f32(self) -> torch.Tensor:
-        """QK-norm's weights in float32 (the native RoPE's), converted once."""
-        norm = self._qk_norm_f32
+        """QK-norm's weights in float32 (the native RoPE's), converted once per buffer."""
         qk_norm = self._buffers["qk_norm"]
         assert qk_norm is not None
-        if norm is None or norm.shape != qk_norm.shape:
-            norm = self._qk_norm_f32 = qk_norm.float().contiguous()
-        return norm
+        cached = self._qk_norm_f32
+        if cached is None or cached[0] is not qk_norm:
+            cached = self._qk_norm_f32 = (qk_norm, qk_norm.float().contiguous())
+        return cached[1]
 
 
 class Transformer(nn.Module):
