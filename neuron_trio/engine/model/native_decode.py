@@ -96,10 +96,7 @@ class DecodePlan:
                 fields += [0] * self.part_fields if part is None else part.plan_part()
             sliding = bool(layer.sliding)
             qk = layer.qk_norm_f32() if layer.qk_norm is not None else None
-
-            def ptr(t: torch.Tensor | None) -> int:
-                return 0 if t is None else t.data_ptr()
-
+            ptr = _address
             fields += [
                 ptr(layer.attn_norm), ptr(layer.ffn_norm), ptr(layer.qkv_bias), ptr(qk),
                 ptr(layer.post_attn_norm), ptr(layer.post_ffn_norm), cache.data_ptr(),
@@ -147,6 +144,10 @@ class DecodePlan:
         return x
 
 
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def _additive_row_mask(mask: torch.Tensor, act: torch.dtype) -> bool:
     """An additive mask of a row's keys, `[B or 1, 1, 1, L]` in `act`: what the loop takes."""
     return (
@@ -162,9 +163,10 @@ def _mask_args(mask: torch.Tensor | None) -> tuple[int, int]:
 
 
 def plan_for(model: Any) -> DecodePlan | None:
-    """The model's plan (made once and kept on it), or None when its layers need Python.
-    Setting `model._decode_plan = None` keeps a model on the Python path (the tests compare)."""
-    plan = getattr(model, "_decode_plan", False)
+    """The model's plan (made at its first decode step and kept in `model._decode_plan`), or
+    None when its layers need Python. A `_decode_plan` of None keeps a model on the Python
+    path (the tests and bench_native_decode.py compare the two); False: not decided yet."""
+    plan = model._decode_plan
     if plan is False:
         plan = DecodePlan(model, model.native_kernel) if DecodePlan.takes(model) else None
         model._decode_plan = plan

@@ -239,6 +239,9 @@ class Transformer(nn.Module):
         self.embedding: nn.Module | None = None
         none = torch.empty(0, config.head_dim)
         self.rope_f32 = self.rope_f32_local = (none, none)
+        # Decode steps' layers in one native call (native_decode.plan_for): False until the
+        # first decode step decides, then the plan or None (the Python path)
+        self._decode_plan: Any = False
 
     @property
     def device(self) -> torch.device:
