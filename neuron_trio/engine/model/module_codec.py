@@ -12,10 +12,12 @@ That is only sound when every attribute is plain data. What is not:
 - the native kernel module and its functions (`Q4Linear._matmul`): recorded by name and
   looked up again (`packing.native_kernel()`);
 - raw pointers to the module's own tensors (`Q4Linear._pointers`, their `data_ptr()`s, which
-  the kernel is called with): any int of 2**32 or more must be the address of a tensor of
-  the same snapshot, and is re-pointed at the restored tensor; anything else of that size, an
-  int64 tensor that holds such an address, a Python callable, a hook, a parameter, an
-  overlapping view: `UncacheableError`, and the loader keeps its uncached path. A wrong
+  the kernel is called with): an int that is the start of a tensor of the same snapshot is
+  re-pointed at the restored tensor, whatever its size (a small tensor from the C heap of a
+  non-PIE interpreter lies below 4 GiB). Refused (`UncacheableError`, and the loader keeps
+  its uncached path): an int inside a recorded tensor but not at its start, any other int of
+  2**32 or more (an address of something not recorded), an int64 tensor that holds a
+  tensor's address, a Python callable, a hook, a parameter, an overlapping view. A wrong
   pointer would crash the process; refusing costs only the cache.
 """
 
@@ -33,7 +35,8 @@ from neuron_trio.engine.model import packing
 
 # Classes a snapshot may name: the project's own modules and torch's.
 _ALLOWED_MODULE_PREFIXES = ("neuron_trio.", "torch.nn.")
-_POINTER_MIN = 1 << 32  # user-space addresses on 64-bit Linux lie above 4 GiB
+_POINTER_MIN = 1 << 32  # an int this large is taken for an address (it must be a tensor's)
+_NO_ADDRESS_BELOW = 1 << 16  # Linux maps nothing there (vm.mmap_min_addr): sizes, flags
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 _SIMPLE = (bool, int, float, str, type(None))
 
@@ -54,6 +57,7 @@ class Snapshot:
     tensors: list[torch.Tensor] = field(default_factory=list)
     _index: dict[tuple[int, torch.dtype, tuple[int, ...]], int] = field(default_factory=dict)
     _storages: dict[int, int] = field(default_factory=dict)  # storage address → tensor index
+    _starts: dict[int, int] = field(default_factory=dict)  # data address → tensor index
 
     def add(self, name: str, value: nn.Module | torch.Tensor) -> None:
         """Record one slot (a built layer, or a table)."""
@@ -89,24 +93,32 @@ class Snapshot:
         index = len(self.tensors)
         self.tensors.append(t)
         self._index[key] = index
+        self._starts.setdefault(t.data_ptr(), index)
         if storage:
             self._storages[storage] = index
         return index
 
-    def _pointer(self, value: int) -> list[Any]:
-        for (address, _, _), index in self._index.items():
-            if address == value:
-                return ["ptr", index]
-        raise UncacheableError(f"an int {value:#x} that is no recorded tensor's address")
+    def _int(self, value: int) -> list[Any]:
+        """A plain int, or a pointer to a recorded tensor (re-pointed when restored)."""
+        if abs(value) < _NO_ADDRESS_BELOW:
+            return ["v", value]
+        index = self._starts.get(value)
+        if index is not None:
+            return ["ptr", index]
+        for t in self.tensors:
+            start = t.data_ptr()
+            if start < value < start + t.numel() * t.element_size():
+                raise UncacheableError(f"an int {value:#x}: an address inside a tensor")
+        if abs(value) >= _POINTER_MIN:
+            raise UncacheableError(f"an int {value:#x} that is no recorded tensor's address")
+        return ["v", value]
 
     def _value(self, value: Any) -> list[Any]:
         kernel = packing.native_kernel()
         if isinstance(value, bool) or value is None or isinstance(value, float | str):
             return ["v", value]
         if isinstance(value, int):
-            if abs(value) >= _POINTER_MIN:
-                return self._pointer(value)
-            return ["v", value]
+            return self._int(value)
         if isinstance(value, torch.Tensor):
             return ["tensor", self._tensor(value)]
         if isinstance(value, torch.dtype):

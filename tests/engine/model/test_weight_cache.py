@@ -204,6 +204,24 @@ def test_a_snapshot_restores_classes_buffers_and_pointers(monkeypatch: pytest.Mo
         decode(snap.slots["h"], copies)
 
 
+def test_pointers_below_4_gib_are_re_pointed_and_checked_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A small tensor can live on the C heap of a non-PIE interpreter, below 4 GiB: whether an
+    # int is a pointer must not depend on its size (as if every address were small here).
+    monkeypatch.setattr(module_codec, "_POINTER_MIN", 1 << 62)
+    monkeypatch.setattr(module_codec, "_ALLOWED_MODULE_PREFIXES", ("tests.", "torch.nn."))
+    holder = Holder(torch.arange(6.0))
+    snap = Snapshot()
+    snap.add("h", holder)
+    copies = [t.clone() for t in snap.tensors]
+    restored = decode(snap.slots["h"], copies)
+    assert restored.pointer == copies[0].data_ptr() != holder.pointer
+    holder.__dict__["pointer"] = holder.weight.data_ptr() + 8  # inside it, not its start
+    with pytest.raises(UncacheableError, match="inside a tensor"):
+        Snapshot().add("h", holder)
+
+
 def test_what_a_snapshot_cannot_restore_safely_is_refused() -> None:
     holder = nn.Module()
     holder.register_buffer("w", torch.zeros(4))
