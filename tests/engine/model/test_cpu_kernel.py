@@ -372,6 +372,48 @@ def test_refine_recomputes_each_rows_best_logits_exactly(dtype: torch.dtype) -> 
         KERNEL.refine(got.data_ptr(), 5, vocab, x.data_ptr(), 0, table.data_ptr(), dim, vocab + 1)
 
 
+def _refined_reference(coarse: torch.Tensor, exact: torch.Tensor, k: int) -> torch.Tensor:
+    """coarse with each row's k best replaced by exact: best by logit, then the lower index."""
+    order = torch.sort(-coarse, dim=-1, stable=True).indices[:, :k]
+    return coarse.scatter(1, order, exact.gather(1, order))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "case", ["ties", "ascending", "all equal", "a nan", "few reach the sample's threshold"]
+)
+def test_refine_over_a_large_vocabulary_picks_the_same_k_best(case: str) -> None:
+    """Over a vocabulary large enough for the sampled threshold, `refine` still recomputes
+    exactly the k best (ties to the lower index), and rows where the sample would mislead
+    (everything tied, a NaN, a threshold too few reach) take the whole row instead."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(9)
+    rows, vocab, dim, k = 3, 40_000, 64, 256
+    table = torch.randn(vocab, dim, generator=g)
+    x = torch.randn(rows, dim, generator=g)
+    coarse = (torch.randn(rows, vocab, generator=g) * 4).round() / 4  # many ties everywhere
+    if case == "ascending":  # each logit beats the ones before it: the worst order for a heap
+        coarse = torch.arange(vocab, dtype=torch.float32).repeat(rows, 1)
+    elif case == "all equal":
+        coarse = torch.zeros(rows, vocab)
+    elif case == "a nan":
+        coarse[1, 777] = float("nan")
+    elif case == "few reach the sample's threshold":
+        # the sampled logits (every 16th) high, the rest low: fewer than k reach the sample's
+        # threshold, so the threshold must not be used
+        coarse = torch.zeros(rows, vocab)
+        coarse[:, ::16] = 1 + torch.rand(rows, (vocab + 15) // 16, generator=g)
+        coarse[:, 1:16:2] = 3.0  # 8 logits above every sample
+    got = coarse.clone()
+    KERNEL.refine(got.data_ptr(), rows, vocab, x.data_ptr(), 0, table.data_ptr(), dim, k)
+    exact = (x.double() @ table.double().T).float()
+    clean = [r for r in range(rows) if not coarse[r].isnan().any()]
+    want = _refined_reference(coarse[clean], exact[clean], k)
+    torch.testing.assert_close(got[clean], want, rtol=1e-5, atol=1e-5)
+    changed = (got[clean] != coarse[clean]).sum(dim=-1)
+    assert bool((changed <= k).all()) and bool((changed >= k - 2).all())
+
+
 @needs_kernel
 @pytest.mark.parametrize("batch", [1, 3])
 def test_refine_from_q8_0_blocks_gives_the_float32_tables_bits(batch: int) -> None:
