@@ -314,8 +314,9 @@ def _load_tables(
         coarse: torch.nn.Module
         with phases.phase("pack"):
             if AUTO_INT4_HEAD and native_ok:
+                nibbles, scale = packing.pack_q4_symmetric(head)
                 coarse = Q4Linear(
-                    kernel, *packing.pack_q4(head), out_dtype=torch.float32, one_pass=True
+                    kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True
                 )
             elif AUTO_INT4_HEAD and int4_ok:
                 packed, scales_zeros = packing.pack_int4(head)

@@ -69,6 +69,24 @@ def pack_q4(
     return nibbles.contiguous(), scale16, lo16
 
 
+def pack_q4_symmetric(
+    weight: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[out, in]` → (nibbles uint8 `[out, in/2]` as pack_q4 lays them, scale float16
+    `[out, in/group]`): w ≈ scale · (q - 8), q in 0..15, as Q4_0 (the group's value of largest
+    magnitude is -8 steps). The native kernel's coarse kind (Q4Linear's `coarse`): no minimum
+    to read or add."""
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # signed
+    scale = (extreme / -8.0).half().float()
+    inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (torch.round(w * inv) + 8).clamp(0, 15).to(torch.uint8)  # [out, groups, group]
+    half = group // 2
+    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2)
+    return nibbles.contiguous(), scale.reshape(out_f, -1).half()
+
+
 def pack_q5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """5-bit codes uint8 `[out, in]` (0..31, e.g. quant.five_bit_codes) → (nibbles `[out,
     in/2]` as pack_q4 lays them, the fifth bits `[out, in]` as 0/1) for the native kernel."""

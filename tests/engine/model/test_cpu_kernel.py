@@ -78,7 +78,7 @@ def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batc
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["4-bit", "4-bit one pass", "int8"])
+@pytest.mark.parametrize("weights", ["4-bit", "4-bit one pass", "4-bit coarse", "int8"])
 @pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576)])
 def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
     weights: str, out_f: int, in_f: int
@@ -90,7 +90,9 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
     g = torch.Generator().manual_seed(out_f)
     w = torch.randn(out_f, in_f, generator=g)
     layer: torch.nn.Module
-    if weights.startswith("4-bit"):
+    if weights == "4-bit coarse":
+        layer = Q4Linear(KERNEL, *packing.pack_q4_symmetric(w), None, coarse=True)
+    elif weights.startswith("4-bit"):
         layer = Q4Linear(KERNEL, *packing.pack_q4(w), one_pass=weights.endswith("one pass"))
     else:
         layer = Q8Linear(KERNEL, *packing.pack_q8(w))
@@ -124,6 +126,46 @@ def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, ba
     err_one = float((one(x).double() - want).abs().max())
     err_two = float((two(x).double() - want).abs().max())
     assert err_two < err_one < 0.05 * float(want.abs().max())
+
+
+def _dequantised_symmetric(nibbles: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """pack_q4_symmetric's layout back to float32: scale · (q - 8)."""
+    return _dequantised(nibbles, scale, -8.0 * scale.float())
+
+
+def test_symmetric_packing_keeps_q4_0_blocks_exactly() -> None:
+    """pack_q4_symmetric is Q4_0's grid: a Q4_0 weight comes back unchanged."""
+    w = np.random.default_rng(2).standard_normal((64, 128)).astype(np.float32)
+    t = gguf.GGMLQuantizationType.Q4_0
+    deq = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t).copy())
+    back = _dequantised_symmetric(*packing.pack_q4_symmetric(deq))
+    torch.testing.assert_close(back, deq, rtol=0, atol=1e-6 * float(deq.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_coarse_kind_scales_each_row_once(isa: str, batch: int) -> None:
+    """`coarse` (the head's pass): on rows int8 keeps exactly with one scale per row (integers,
+    each row's largest ±127) the product is the dequantised weights' to float32 rounding; on
+    others one int8 rounding of the whole row, still close to float32. The kind refuses the
+    weights it is not for."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(batch)
+    w = torch.randn(64, 128, generator=g)
+    nibbles, scale = packing.pack_q4_symmetric(w)
+    layer = Q4Linear(KERNEL, nibbles, scale, None, out_dtype=torch.float32, coarse=True)
+    dense = _dequantised_symmetric(nibbles, scale).double()
+    exact = torch.randint(-127, 128, (batch, 128), generator=g).float()
+    exact[:, 5] = 127.0
+    torch.testing.assert_close(
+        layer(exact).double(), exact.double() @ dense.T, rtol=1e-6, atol=1e-3
+    )
+    x = torch.randn(batch, 128, generator=g)
+    want = x.double() @ dense.T
+    err = float((layer(x).double() - want).abs().max())
+    assert 0 < err < 0.05 * float(want.abs().max())
+    with pytest.raises(ValueError, match="coarse kind"):
+        Q4Linear(KERNEL, *packing.pack_q4(w), coarse=True)
 
 
 @needs_kernel
