@@ -110,7 +110,7 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
 @needs_kernel
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, batch: int) -> None:
-    """`one_pass` (the head's coarse pass): on inputs int8 keeps exactly (each group's largest
+    """`one_pass` (a coarse pass, as the head's `coarse` kind is): on inputs int8 keeps exactly (each group's largest
     ±127, integers) it equals the two-pass product; on others it is coarser than two passes
     but still close to float32 (one int8 rounding of the input per group)."""
     g = torch.Generator().manual_seed(batch)
