@@ -9,6 +9,7 @@ row, R real tokens, L attended positions.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK
@@ -73,21 +74,25 @@ def place_blocks(
         at.write_rows = torch.arange(base + starts[0], base + ends[0])
         at.read = slice(base, base + length)
         return
-    cols = torch.arange(length)
+    # In numpy: a dozen small ops on [B, L] integers, each ~1 us there and ~8 us in torch
+    # (~0.2 ms of a step at 8 rows).
+    cols = np.arange(length)
     offsets = cols % BLOCK_TOKENS
-    rows = tables.repeat_interleave(BLOCK_TOKENS, dim=1)[:, :length] * BLOCK_TOKENS + offsets
+    blocks = tables.numpy().astype(np.int64, copy=False)
+    rows = np.repeat(blocks, BLOCK_TOKENS, axis=1)[:, :length] * BLOCK_TOKENS + offsets
     # Positions past a row's end (another row is longer) read the zeroed null block, never
     # stale or uninitialised memory: masked garbage could be NaN, and NaN - inf is NaN.
-    beyond = cols[None, :] >= torch.tensor(ends)[:, None]
-    rows = torch.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
-    heads = torch.arange(2 * n_kv_heads) * pool_tokens  # [2KV]
-    at.read = (heads[None, :, None] + rows[:, None, :]).reshape(-1).to(dev)  # [B·2KV·L]
+    beyond = cols[None, :] >= np.asarray(ends)[:, None]
+    rows = np.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
+    heads = np.arange(2 * n_kv_heads) * pool_tokens  # [2KV]
+    at.read = torch.from_numpy((heads[None, :, None] + rows[:, None, :]).reshape(-1)).to(dev)
+    token_rows = torch.from_numpy(np.ascontiguousarray(rows))
     if dev.type == "cpu":
-        at.token_rows = rows.contiguous()
+        at.token_rows = token_rows
     spans = zip(starts, ends, strict=True)
-    written = torch.cat([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
-    at.write_rows = written
-    at.write = (heads[:, None] + written[None, :]).reshape(-1).to(dev)  # [2KV · R]
+    written = np.concatenate([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
+    at.write_rows = torch.from_numpy(written)
+    at.write = torch.from_numpy((heads[:, None] + written[None, :]).reshape(-1)).to(dev)
 
 
 def place_packed(
