@@ -49,7 +49,7 @@
                          weights, w = scale · (q - 8), no minimum read, times int8 activations
                          with one scale per row, so that a group costs the dot products, one
                          integer correction and one multiply-add (not four float operations):
-                         ~20% off the head at batch 8 */
+                         Qwen2.5's coarse pass at batch 8, 5.1 -> 4.5 ms */
 #define FLAG_GLU_ROUNDED 16 /* SwiGLU of a bfloat16 x rounds SiLU(gate) and its product with up
                                to bfloat16, as torch does in that dtype (the int8 layers: their
                                GLU ran in torch first; see linear.py's _Q8_FLAGS) */

@@ -37,12 +37,22 @@ def _dequantised(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return (q * scale[..., None] + minimum[..., None]).reshape(out_f, groups * 32)
 
 
-def test_packing_keeps_q4_1_blocks_exactly() -> None:
-    """A Q4_1 weight (the built-in model's format) comes back from pack_q4 unchanged."""
+def _dequantised_symmetric(nibbles: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """pack_q4_symmetric's layout back to float32: scale · (q - 8)."""
+    return _dequantised(nibbles, scale, -8.0 * scale.float())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
+def test_packing_keeps_the_formats_blocks_exactly(kind: str) -> None:
+    """A Q4_1 weight (the built-in model's format) comes back from pack_q4 unchanged, and a
+    Q4_0 weight from pack_q4_symmetric (the coarse head's kind: Q4_0's grid)."""
     w = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
-    t = gguf.GGMLQuantizationType.Q4_1
+    t = getattr(gguf.GGMLQuantizationType, kind)
     deq = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t).copy())
-    back = _dequantised(*packing.pack_q4(deq))
+    if kind == "Q4_1":
+        back = _dequantised(*packing.pack_q4(deq))
+    else:
+        back = _dequantised_symmetric(*packing.pack_q4_symmetric(deq))
     torch.testing.assert_close(back, deq, rtol=0, atol=1e-6 * float(deq.abs().max()))
 
 
@@ -126,20 +136,6 @@ def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, ba
     err_one = float((one(x).double() - want).abs().max())
     err_two = float((two(x).double() - want).abs().max())
     assert err_two < err_one < 0.05 * float(want.abs().max())
-
-
-def _dequantised_symmetric(nibbles: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """pack_q4_symmetric's layout back to float32: scale · (q - 8)."""
-    return _dequantised(nibbles, scale, -8.0 * scale.float())
-
-
-def test_symmetric_packing_keeps_q4_0_blocks_exactly() -> None:
-    """pack_q4_symmetric is Q4_0's grid: a Q4_0 weight comes back unchanged."""
-    w = np.random.default_rng(2).standard_normal((64, 128)).astype(np.float32)
-    t = gguf.GGMLQuantizationType.Q4_0
-    deq = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t).copy())
-    back = _dequantised_symmetric(*packing.pack_q4_symmetric(deq))
-    torch.testing.assert_close(back, deq, rtol=0, atol=1e-6 * float(deq.abs().max()))
 
 
 @needs_kernel
