@@ -18,9 +18,9 @@ dtype:
   attention; elsewhere torch's int4 (groups of 32) and int8 (one scale per row) kernels. The
   head's best candidates are recomputed exactly (see AUTO_INT4_HEAD). A fused projection
   whose parts the file stores in different formats is one layer per format (StackedLinear).
-  Each such layer also keeps a bfloat16 copy for long prefill chunks,
-  where a dense GEMM beats the int kernels (from 16 rows for torch's, 48 for the native one:
-  model.py's thresholds). bench/bench_decode.py measures it (against llama.cpp too) and
+  A layer in torch's int kernels also keeps a bfloat16 copy for long prefill chunks, where
+  a dense GEMM beats them (from 16 rows); a native layer only where the CPU has AMX
+  (packing.native_dense_copies: from 48 rows), elsewhere its kernel takes prefill too. bench/bench_decode.py measures it (against llama.cpp too) and
   prints auto's top-1 agreement with float32.
 """
 
@@ -372,14 +372,17 @@ def make_linear(
 
     `five_bit`: the weight's own 5-bit codes (quant.five_bit_codes: q, scale, minimum), which
     the native kernel keeps exactly. Under "cpu-int" the layer also keeps a bfloat16 copy for
-    prefill chunks.
+    prefill chunks: torch's int kernels always, the native kernel's where
+    packing.native_dense_copies() says so.
     """
     if scheme != "cpu-int":
         return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
-    dense = weight.to(device=device, dtype=torch.bfloat16)
     out_f, in_f = weight.shape
     kernel = packing.native_kernel() if device.type == "cpu" else None
     fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
+    # the native layers' copy (or None); a layer that ends in torch's kernels has one always
+    copies = kernel is None or not fits or packing.native_dense_copies()
+    dense = weight.to(device=device, dtype=torch.bfloat16) if copies else None
     if five_bit is not None and kernel is not None and fits:
         q, scale, minimum = five_bit
         nibbles, high = packing.pack_q5(q)
@@ -390,10 +393,12 @@ def make_linear(
         return Q4Linear(kernel, *packing.pack_q4(weight), dense)
     if four_bit and in_f % packing.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = packing.pack_int4(weight)
+        dense = weight.to(device=device, dtype=torch.bfloat16) if dense is None else dense
         return Int4Linear(packed, scales_zeros, out_f, in_f, packing.INT4_GROUP, dense)
     if kernel is not None and fits:  # int8, one scale per row, in the native kernel
         return Q8Linear(kernel, *packing.pack_q8(weight), dense, keep_dtype=True)
     q8, scales = packing.pack_int8(weight)
+    dense = weight.to(device=device, dtype=torch.bfloat16) if dense is None else dense
     return Int8Linear(q8, scales, dense)
 
 

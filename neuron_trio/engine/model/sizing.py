@@ -110,6 +110,9 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
     scheme = resolve_dtype(dtype, torch.device(device))
     act, _ = scheme_dtypes(scheme)
     native = torch.device(device).type == "cpu" and packing.native_kernel() is not None
+    # the bfloat16 copy of a projection: torch's kernels always, the native one's maybe (a
+    # weight beyond float16's range that falls back to torch's int4 is not foreseen here)
+    copy = 2 if not native or packing.native_dense_copies() else 0
     total = 0
     for name, info in gf.tensors.items():
         n = info.n_elements
@@ -129,11 +132,11 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif info.qtype in FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy
             scales = 4  # float16 scale and minimum (native), or bfloat16 scale and zero (torch)
-            total += n // 2 + n // packing.INT4_GROUP * scales + 2 * n
+            total += n // 2 + n // packing.INT4_GROUP * scales + copy * n
         elif info.qtype in quant.FIVE_BIT and native:  # nibbles, fifth bits, scales, dense
-            total += n // 2 + n // 8 + n // packing.INT4_GROUP * 4 + 2 * n
+            total += n // 2 + n // 8 + n // packing.INT4_GROUP * 4 + copy * n
         elif native:  # int8 + float32 row scales + int32 group sums + bf16 dense copy
-            total += n + 4 * info.shape[0] + n // packing.INT4_GROUP * 4 + 2 * n
+            total += n + 4 * info.shape[0] + n // packing.INT4_GROUP * 4 + copy * n
         else:  # int8 + bf16 scales + bf16 dense copy
             total += n + 2 * info.shape[0] + 2 * n
     return total

@@ -185,11 +185,15 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     [("Q5_0", "Int8Linear"), ("Q5_1", "Int8Linear"), ("IQ4_NL", "Int4Linear"),
      ("Q2_K", "Int4Linear"), ("Q3_K", "Int4Linear"), ("IQ4_XS", "Int4Linear")],
 )  # fmt: skip
-def test_auto_on_cpu_keeps_new_formats_quantised(tmp_path: Path, name: str, kind: str) -> None:
+def test_auto_on_cpu_keeps_new_formats_quantised(
+    tmp_path: Path, name: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`dtype = "auto"` on CPU: 4-bit-or-fewer formats take the int4 kernel, 5-bit ones int8 (the
-    native kernel: 4 and 5 bits); the layer's dense copy equals the file's float32
-    dequantisation (to bfloat16)."""
+    native kernel: 4 and 5 bits); the layer's dense copy (kept for prefill: here asked for)
+    equals the file's float32 dequantisation (to bfloat16)."""
     from neuron_trio.engine.model.loader import load_transformer
+
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "1")
 
     shape = {**SHAPE, "dim": 256, "ffn_dim": 256}  # K-quants need rows of 256
     qtype = quant.QType[name]

@@ -346,6 +346,40 @@ def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
     assert type(make_linear(torch.randn(20, 64), "cpu-int", cpu, four_bit=True)) is not Q4Linear
 
 
+@pytest.mark.parametrize(
+    ("flags", "forced", "copies"),
+    [("avx512f amx_bf16 amx_tile", None, True), ("avx512f avx512_bf16", None, False),
+     ("avx512f", "1", True), ("avx512f amx_bf16", "0", False), ("avx2", "yes", False)],
+)  # fmt: skip
+def test_the_native_layers_keep_a_prefill_copy_only_where_amx_makes_it_pay(
+    monkeypatch: pytest.MonkeyPatch, flags: str, forced: str | None, copies: bool
+) -> None:
+    """packing.native_dense_copies: AMX's bfloat16 tiles, or NEURON_DENSE_COPIES=1/0 (anything
+    else is ignored). The native layers follow it; torch's int kernels keep their copy always
+    (their large-batch GEMM is far slower than a dense one)."""
+    from neuron_trio.engine.model.linear import Int4Linear
+    from neuron_trio.engine.model.loader import make_linear
+
+    monkeypatch.setattr(packing, "_cpu_flags", lambda: frozenset(flags.split()))
+    if forced is None:
+        monkeypatch.delenv("NEURON_DENSE_COPIES", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_DENSE_COPIES", forced)
+    assert packing.native_dense_copies() is copies
+    if KERNEL is None:
+        return
+    cpu, w = torch.device("cpu"), torch.randn(32, 64)
+    native = make_linear(w, "cpu-int", cpu, four_bit=True)
+    int8 = make_linear(w, "cpu-int", cpu, four_bit=False)
+    torch_int4 = make_linear(w * 1e5, "cpu-int", cpu, four_bit=True)
+    assert type(native) is Q4Linear and type(int8) is Q8Linear and type(torch_int4) is Int4Linear
+    assert (native.dense is not None) is copies and (int8.dense is not None) is copies
+    assert torch_int4.dense is not None
+    x = torch.randn(NATIVE_DENSE_MIN_ROWS, 64)  # a prefill chunk: the copy, or the kernel
+    want = x @ w.T  # (4-bit weights: within a few percent of the largest output)
+    assert float((native(x) - want).abs().max()) < 0.1 * float(want.abs().max())
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("batch", "length"), [(1, 5), (3, 40), (8, 130)])

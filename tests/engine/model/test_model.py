@@ -387,8 +387,13 @@ def estimate_model_bytes(path: Path, dtype: str, context: int, max_batch: int) -
         return weights + kv
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
-def test_estimate_model_bytes_is_close(files: dict[str, Path], dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "copies"), [("float32", "1"), ("bfloat16", "1"), ("auto", "1"), ("auto", "0")]
+)
+def test_estimate_model_bytes_is_close(
+    files: dict[str, Path], dtype: str, copies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEURON_DENSE_COPIES", copies)  # with and without the prefill copies
     model = load_transformer(files["Q4_1"], dtype=dtype, device="cpu")
     seen: set[int] = set()
     weights = 0
