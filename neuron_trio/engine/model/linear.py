@@ -178,8 +178,9 @@ class Q4Linear(NativeLinear):
     recomputed exactly (RefinedHead's). `coarse` goes further for that pass: the weights are
     packing.pack_q4_symmetric's (a `minimum` of None) and the input has one int8 scale per
     row, so the kernel spends one float multiply-add a group instead of four (Qwen2.5's
-    151,936 x 896 at batch 8: 5.1 -> 4.5 ms). On the parity prompts the exact best logit stayed within the coarse
-    pass's 4 best (12 on Gemma 3), far inside the 256 that RefinedHead recomputes.
+    151,936 x 896 at batch 8: 5.1 -> 4.5 ms). On the parity prompts the exact best logit
+    stayed within the coarse pass's 4 best (12 on Gemma 3), far inside the 256 that
+    RefinedHead recomputes.
 
     With `dense` (a bfloat16 copy of the weight), inputs of NATIVE_DENSE_MIN_ROWS rows or more
     take a dense GEMM instead (after the same ops in torch).

@@ -20,8 +20,9 @@ dtype:
   whose parts the file stores in different formats is one layer per format (StackedLinear).
   A layer in torch's int kernels also keeps a bfloat16 copy for long prefill chunks, where
   a dense GEMM beats them (from 16 rows); a native layer only where the CPU has AMX
-  (packing.native_dense_copies: from 48 rows), elsewhere its kernel takes prefill too. bench/bench_decode.py measures it (against llama.cpp too) and
-  prints auto's top-1 agreement with float32.
+  (packing.native_dense_copies: from 48 rows), elsewhere its kernel takes prefill too.
+  bench/bench_decode.py measures it (against llama.cpp too) and prints auto's top-1
+  agreement with float32.
 """
 
 from __future__ import annotations
@@ -380,26 +381,29 @@ def make_linear(
     out_f, in_f = weight.shape
     kernel = packing.native_kernel() if device.type == "cpu" else None
     fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
-    # the native layers' copy (or None); a layer that ends in torch's kernels has one always
-    copies = kernel is None or not fits or packing.native_dense_copies()
-    dense = weight.to(device=device, dtype=torch.bfloat16) if copies else None
+
+    def dense(native: bool) -> torch.Tensor | None:
+        """The layer's bfloat16 copy for prefill chunks, made only where it is kept."""
+        if native and not packing.native_dense_copies():
+            return None
+        return weight.to(device=device, dtype=torch.bfloat16)
+
     if five_bit is not None and kernel is not None and fits:
         q, scale, minimum = five_bit
         nibbles, high = packing.pack_q5(q)
         centred = torch.equal(minimum.float(), scale.float() * -16.0)  # Q5_0: not stored
-        return Q4Linear(kernel, nibbles, scale, None if centred else minimum, dense, high=high)
+        stored = None if centred else minimum
+        return Q4Linear(kernel, nibbles, scale, stored, dense(True), high=high)
     # (its float16 scales: weights beyond float16's range take torch's kernel)
     if four_bit and kernel is not None and fits and float(weight.abs().max()) < 6e4:
-        return Q4Linear(kernel, *packing.pack_q4(weight), dense)
+        return Q4Linear(kernel, *packing.pack_q4(weight), dense(True))
     if four_bit and in_f % packing.INT4_GROUP == 0 and out_f % 16 == 0:
         packed, scales_zeros = packing.pack_int4(weight)
-        dense = weight.to(device=device, dtype=torch.bfloat16) if dense is None else dense
-        return Int4Linear(packed, scales_zeros, out_f, in_f, packing.INT4_GROUP, dense)
+        return Int4Linear(packed, scales_zeros, out_f, in_f, packing.INT4_GROUP, dense(False))
     if kernel is not None and fits:  # int8, one scale per row, in the native kernel
-        return Q8Linear(kernel, *packing.pack_q8(weight), dense, keep_dtype=True)
+        return Q8Linear(kernel, *packing.pack_q8(weight), dense(True), keep_dtype=True)
     q8, scales = packing.pack_int8(weight)
-    dense = weight.to(device=device, dtype=torch.bfloat16) if dense is None else dense
-    return Int8Linear(q8, scales, dense)
+    return Int8Linear(q8, scales, dense(False))
 
 
 class SingleRunner:

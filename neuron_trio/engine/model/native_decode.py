@@ -96,10 +96,10 @@ class DecodePlan:
                 fields += [0] * self.part_fields if part is None else part.plan_part()
             sliding = bool(layer.sliding)
             qk = layer.qk_norm_f32() if layer.qk_norm is not None else None
-            ptr = _address
             fields += [
-                ptr(layer.attn_norm), ptr(layer.ffn_norm), ptr(layer.qkv_bias), ptr(qk),
-                ptr(layer.post_attn_norm), ptr(layer.post_ffn_norm), cache.data_ptr(),
+                _address(layer.attn_norm), _address(layer.ffn_norm), _address(layer.qkv_bias),
+                _address(qk), _address(layer.post_attn_norm), _address(layer.post_ffn_norm),
+                cache.data_ptr(),
                 (cos_local if sliding else cos).data_ptr(),
                 (sin_local if sliding else sin).data_ptr(),
                 int(layer.gelu), int(sliding), _double_bits(layer.eps),

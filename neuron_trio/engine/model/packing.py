@@ -64,10 +64,16 @@ def pack_q4(
     scale = ((hi - lo) / 15.0).half().float()
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((w - lo) * inv).clamp(0, 15).to(torch.uint8)  # [out, groups, group]
-    half = group // 2
-    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2)
     scale16, lo16 = scale.reshape(out_f, -1).half(), lo.reshape(out_f, -1).half()
-    return nibbles.contiguous(), scale16, lo16
+    return _nibbles(q), scale16, lo16
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes uint8 `[out, groups, group]` (0..15) → `[out, in/2]` bytes: in each group's
+    bytes, the low nibbles hold elements 0 .. group/2 - 1 and the high ones the rest."""
+    out_f, groups, group = q.shape
+    half = group // 2
+    return (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, groups * half).contiguous()
 
 
 def pack_q4_symmetric(
@@ -83,9 +89,7 @@ def pack_q4_symmetric(
     scale = (extreme / -8.0).half().float()
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
     q = (torch.round(w * inv) + 8).clamp(0, 15).to(torch.uint8)  # [out, groups, group]
-    half = group // 2
-    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2)
-    return nibbles.contiguous(), scale.reshape(out_f, -1).half()
+    return _nibbles(q), scale.reshape(out_f, -1).half()
 
 
 def pack_q5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +97,7 @@ def pack_q5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     in/2]` as pack_q4 lays them, the fifth bits `[out, in]` as 0/1) for the native kernel."""
     out_f, in_f = q.shape
     grouped = q.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
-    half = INT4_GROUP // 2
-    low = grouped & 0x0F
-    nibbles = (low[..., :half] | (low[..., half:] << 4)).reshape(out_f, in_f // 2)
-    return nibbles.contiguous(), (q >> 4) & 1
+    return _nibbles(grouped & 0x0F), (q >> 4) & 1
 
 
 Q4_TILE = 8  # output rows the native kernel computes together

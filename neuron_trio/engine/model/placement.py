@@ -86,9 +86,8 @@ def place_blocks(
     rows = np.where(beyond, NULL_BLOCK * BLOCK_TOKENS + offsets, rows)  # [B, L]
     heads = np.arange(2 * n_kv_heads) * pool_tokens  # [2KV]
     at.read = torch.from_numpy((heads[None, :, None] + rows[:, None, :]).reshape(-1)).to(dev)
-    token_rows = torch.from_numpy(np.ascontiguousarray(rows))
     if dev.type == "cpu":
-        at.token_rows = token_rows
+        at.token_rows = torch.from_numpy(np.ascontiguousarray(rows))
     spans = zip(starts, ends, strict=True)
     written = np.concatenate([rows[i, s:e] for i, (s, e) in enumerate(spans)])  # [R]
     at.write_rows = torch.from_numpy(written)
