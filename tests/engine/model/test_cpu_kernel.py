@@ -368,16 +368,19 @@ def test_the_native_layers_keep_a_prefill_copy_only_where_amx_makes_it_pay(
     assert packing.native_dense_copies() is copies
     if KERNEL is None:
         return
-    cpu, w = torch.device("cpu"), torch.randn(32, 64)
+    g = torch.Generator().manual_seed(3)
+    cpu, w = torch.device("cpu"), torch.randn(32, 64, generator=g)
     native = make_linear(w, "cpu-int", cpu, four_bit=True)
     int8 = make_linear(w, "cpu-int", cpu, four_bit=False)
     torch_int4 = make_linear(w * 1e5, "cpu-int", cpu, four_bit=True)
     assert type(native) is Q4Linear and type(int8) is Q8Linear and type(torch_int4) is Int4Linear
     assert (native.dense is not None) is copies and (int8.dense is not None) is copies
     assert torch_int4.dense is not None
-    x = torch.randn(NATIVE_DENSE_MIN_ROWS, 64)  # a prefill chunk: the copy, or the kernel
-    want = x @ w.T  # (4-bit weights: within a few percent of the largest output)
-    assert float((native(x) - want).abs().max()) < 0.1 * float(want.abs().max())
+    x = torch.randn(NATIVE_DENSE_MIN_ROWS, 64, generator=g)  # a prefill chunk
+    # the copy's GEMM (the weight in bfloat16), or the kernel (its 4-bit weight, ~float32)
+    held = w.to(torch.bfloat16).float() if copies else _dequantised(*packing.pack_q4(w))
+    want = x @ held.T
+    assert float((native(x) - want).abs().max()) < 0.02 * float(want.abs().max())
 
 
 @needs_kernel
