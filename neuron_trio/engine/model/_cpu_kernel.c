@@ -412,23 +412,23 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
         /* a copy of the loop per variant, so that none tests for the fifth bit or the pass */ \
         switch (job_kind(j)) {                                                                 \
         case 0:                                                                                \
-            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)            \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
                 NAME##_rows(j, t, 0);                                                          \
             break;                                                                             \
         case KIND_FIVE:                                                                        \
-            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)            \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
                 NAME##_rows(j, t, KIND_FIVE);                                                  \
             break;                                                                             \
         case KIND_ONE:                                                                         \
-            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)            \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
                 NAME##_rows(j, t, KIND_ONE);                                                   \
             break;                                                                             \
         case KIND_COARSE | KIND_ONE:                                                           \
-            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)            \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
                 NAME##_rows(j, t, KIND_COARSE | KIND_ONE);                                     \
             break;                                                                             \
         default:                                                                               \
-            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)            \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
                 NAME##_rows(j, t, KIND_FIVE | KIND_ONE);                                       \
         }                                                                                      \
     }
@@ -612,7 +612,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
     }                                                                                          \
     TARGET static void NAME##_run8(const job_t *j) {                                           \
         const int tiles = j->out / 8;                                                          \
-        _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++) {              \
+        _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++) {                                \
             int b = 0;                                                                         \
             for (; b + 4 <= j->batch; b += 4) NAME##_tile8(j, t, b, 4);                        \
             for (; b + 2 <= j->batch; b += 2) NAME##_tile8(j, t, b, 2);                        \
@@ -703,7 +703,7 @@ TARGET_VNNI static void vnni16_run(const job_t *j) {
         return;
     }
     const int tiles = j->out / 8, pairs = tiles / 2;
-_Pragma(TILES_SHARED)
+    _Pragma(TILES_SHARED)
     for (int p = 0; p < pairs + (tiles & 1); p++) {
         int b = 0;
         if (p == pairs) { /* an odd last tile: 256 bits (signed activations) */

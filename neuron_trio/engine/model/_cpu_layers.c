@@ -36,7 +36,8 @@ enum {
 };
 
 /* out[t] = x[t] + src[t], or with `w` x[t] + RMSNorm(src[t]) · w; float32 x and out (which
-   may be x), src float32 or bfloat16, width a multiple of 8. */
+   may be x), src float32 or bfloat16, width a multiple of 8. Without x (NULL): no add, out[t]
+   = RMSNorm(src[t]) · w (the model's final norm). */
 TARGET_AVX2 static void norm_add_rows(const float *x, const void *src, int src_bf16, int n,
                                       int width, const float *w, float eps, float *out) {
     for (int t = 0; t < n; t++) {
@@ -53,13 +54,13 @@ TARGET_AVX2 static void norm_add_rows(const float *x, const void *src, int src_b
         for (int i = 0; i < width; i += 8) {
             __m256 v = load8(src, src_bf16, at + i);
             if (w != NULL) v = _mm256_mul_ps(_mm256_mul_ps(v, inv), _mm256_loadu_ps(w + i));
-            _mm256_storeu_ps(out + at + i, _mm256_add_ps(_mm256_loadu_ps(x + at + i), v));
+            _mm256_storeu_ps(out + at + i, x == NULL ? v : _mm256_add_ps(_mm256_loadu_ps(x + at + i), v));
         }
     }
 }
 
 /* norm_add(x, src, src_bf16, n, width, weight, eps, out): see norm_add_rows; weight 0: a
-   plain add. Pointers as ints. */
+   plain add; x 0: RMSNorm alone. Pointers as ints. */
 static PyObject *q4_norm_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[8];

@@ -396,11 +396,24 @@ class Transformer(nn.Module):
             x = x.new_zeros(b * t, c.dim).index_copy_(0, at.real, x).view(b, t, c.dim)
         else:  # each row's last real token: the real rows are in order, row after row
             x = x[torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1]
-        x = F.rms_norm(x, (c.dim,), self.norm, c.rms_eps).to(act)
-        logits = self.output(x).float()
+        logits = self.output(self._final_norm(x).to(act)).float()
         if c.final_softcap:  # gemma2
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the rows that get logits: in the native kernel for float32 rows on the
+        CPU (torch's took ~75 us at 1 row and ~200 us at 8 rows of 576, a few us here)."""
+        c, kernel, norm = self.config, self.native_kernel, self.norm
+        fits = x.dtype == norm.dtype == torch.float32 and x.device.type == "cpu"
+        if kernel is None or not fits or c.dim % 8 or x.numel() == 0:
+            return F.rms_norm(x, (c.dim,), norm, c.rms_eps)
+        rows = x.reshape(-1, c.dim).contiguous()
+        out = torch.empty_like(rows)
+        kernel.norm_add(
+            0, rows.data_ptr(), 0, rows.shape[0], c.dim, norm.data_ptr(), c.rms_eps, out.data_ptr()
+        )
+        return out.view(x.shape)
 
     def _native_rope(self, kv: KVCache) -> bool:
         """Whether RoPE and the K/V write run in the native kernel: on the CPU, activations

@@ -131,6 +131,25 @@ def test_the_kernels_parts_agree_with_torch() -> None:
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
     kernel.norm_add(x.data_ptr(), src.data_ptr(), 1, 3, 64, 0, 0.0, out.data_ptr())
     assert torch.equal(out, x + src.float())  # one float32 add: exact
+    # without x: RMSNorm alone (the final norm), float32 in
+    kernel.norm_add(0, x.data_ptr(), 0, 3, 64, w.data_ptr(), 1e-6, out.data_ptr())
+    assert torch.allclose(
+        out, torch.nn.functional.rms_norm(x, (64,), w, 1e-6), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_the_final_norm_in_the_kernel_is_torchs(tmp_path: Path) -> None:
+    model = load_transformer(tiny(tmp_path, "llama3"), dtype="auto", device="cpu")
+    assert model.native_kernel is not None
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, model.config.dim) * 4
+    want = torch.nn.functional.rms_norm(x, (model.config.dim,), model.norm, model.config.rms_eps)
+    got = model._final_norm(x)
+    assert got.shape == x.shape
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, x)  # it normed
+    model.native_kernel = None  # torch's, bit for bit
+    assert torch.equal(model._final_norm(x), want)
 
 
 def test_int8_layers_swiglu_of_bfloat16_rounds_as_torchs_did() -> None:
