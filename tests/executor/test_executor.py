@@ -6,18 +6,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import PREFILL_CHUNK
 from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
 from neuron_trio.executor.api import RankInfo
-from neuron_trio.executor.executor import Executor, build_executor
+from neuron_trio.executor.executor import CachedMerges, Executor, build_executor
 from neuron_trio.executor.tp.inprocess import InProcessCommunicator
+from tests.engine.tiny_families import write_tiny_family
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.executor.tp.test_communicators import TIMEOUT, SignallingFailpoints, Worker
 
@@ -201,3 +204,38 @@ def test_the_start_up_phases_are_logged_once_after_the_warm_up(
     if packing.int4_available():  # "auto" is cpu-int: the cache is used
         assert "dequantize" in lines[0] and "pack " in lines[0] and "pack " not in lines[1]
         assert "weight cache miss: stored" in lines[0] and "weight cache hit" in lines[1]
+
+
+def test_derived_merges_are_kept_in_the_weight_cache(tmp_path: Path) -> None:
+    # a SentencePiece vocabulary without merges: the first start derives them from the
+    # scores and stores them, the next reads them back (and tokenizes the same)
+    path = write_tiny_family(tmp_path / "spm.gguf", "mistral")
+    cache = WeightCache(tmp_path / "cache", 1 << 30, background=False)
+    texts = ["hello world", "the quick brown fox", "  spaces  and\nlines"]
+    encoded, notes = [], []
+    for _ in range(2):
+        executor = build_executor(_spec(1, "auto"), path, CPU, weight_cache=cache)
+        tokenizer = executor.engine.tokenizer
+        encoded.append([tokenizer.encode(t, add_special_tokens=False) for t in texts])
+        notes.append(executor.load_phases.statistics().notes)
+        executor.close()
+    assert encoded[0] == encoded[1] and any(encoded[0])
+    assert not any("merges" in n for n in notes[0])
+    assert any("tokenizer merges from the weight cache" in n for n in notes[1])
+    assert len(list((tmp_path / "cache").glob("merges-*"))) == 1
+
+
+def test_cached_merges_round_trip_and_a_corrupt_entry_is_a_miss(tmp_path: Path) -> None:
+    cache = WeightCache(tmp_path, 1 << 30, background=False)
+    store = CachedMerges(cache, LoadPhases())
+    assert store.get("k") is None
+    pairs = np.array([[3, 4], [5, 6], [7, 8]], dtype=np.int32)
+    store.put("k", pairs)
+    got = store.get("k")
+    assert got is not None and got.tolist() == pairs.tolist()
+    (entry,) = tmp_path.glob("merges-k*")
+    data = bytearray(entry.read_bytes())
+    data[-8] ^= 0xFF  # the pairs' bytes: the checksum no longer matches
+    entry.write_bytes(bytes(data))
+    assert store.get("k") is None
+    assert not entry.exists()  # removed: the next start derives and stores again

@@ -58,6 +58,7 @@ _PREFIX = struct.Struct("<8sQI")  # magic, header length, the header's CRC-32
 _HEADER_MAX = 64 << 20  # a header past this is corrupt (the 0.5B model's is ~100 KiB)
 _DATA_ALIGN = 4096  # the data region starts on a page
 _TENSOR_ALIGN = 64  # and each tensor on a cache line, as torch's allocator aligns them
+_ARRAY_SLOT = "array"  # the one slot of a `store_array` entry
 _TAIL_BYTES = 1 << 20
 _STALE_TEMP_S = 3600.0  # a temporary file this old is a crashed writer's: removed
 
@@ -314,6 +315,20 @@ class WeightCache:
             temp.unlink(missing_ok=True)
             return None
         return total
+
+    def load_array(self, key: str) -> torch.Tensor | None:
+        """The single tensor `store_array` kept under `key` (a view of the mapped file), or
+        None."""
+        loaded = self.load(key)
+        value = None if loaded is None else loaded.slots.get(_ARRAY_SLOT)
+        return value if isinstance(value, torch.Tensor) else None
+
+    def store_array(self, key: str, tensor: torch.Tensor) -> int | None:
+        """Keep one tensor under `key` (what start-up derives besides weights, e.g. a
+        tokenizer's merges): `store_logged`, on this thread."""
+        snapshot = Snapshot()
+        snapshot.add(_ARRAY_SLOT, tensor.contiguous())
+        return self.store_logged(key, snapshot)
 
     def store_logged(self, key: str, snapshot: Snapshot) -> int | None:
         """`store`, logged, and never raising: the cache is an optimisation."""

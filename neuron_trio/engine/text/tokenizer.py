@@ -29,6 +29,7 @@ from neuron_trio.engine.text.gguf_vocab import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_USER_DEFINED,
+    MergesStore,
     build_byte_level,
     build_sentencepiece,
 )
@@ -79,23 +80,28 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, *, pre: str | None = None) -> Tokenizer:
+    def from_gguf(
+        cls, gguf: GGUFFile, *, pre: str | None = None, merges_store: MergesStore | None = None
+    ) -> Tokenizer:
         """The tokenizer of a GGUF file already parsed (its metadata is not read again);
         ModelLoadError naming the file if it has none we support.
 
         `pre` overrides the file's pre-tokenizer name (`tokenizer.ggml.pre`), e.g. "gpt2" to
         split as transformers' GGUF loader does for names it does not know (see from_metadata).
+        `merges_store` keeps merges derived from scores between starts (gguf_vocab.MergesStore).
         """
         metadata = dict(gguf.metadata)
         if pre is not None:
             metadata["tokenizer.ggml.pre"] = pre
         try:
-            return cls.from_metadata(metadata)
+            return cls.from_metadata(metadata, merges_store=merges_store)
         except ModelLoadError as e:
             raise type(e)(f"{gguf.path}: {e}") from None
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+    def from_metadata(
+        cls, metadata: Mapping[str, Any], *, merges_store: MergesStore | None = None
+    ) -> Tokenizer:
         """Build from GGUF metadata as plain values (keys as in the file: `tokenizer.ggml.tokens`...).
 
         The pre-tokenizer follows llama.cpp's meaning of `tokenizer.ggml.pre`, except "smollm",
@@ -123,7 +129,7 @@ class Tokenizer:
         # 422), whether it says so with a bare Exception or panics (see native_errors).
         try:
             with panics_as_model_file_errors("the tokenizer"):
-                return cls._from_checked_metadata(metadata, model, tokens, types)
+                return cls._from_checked_metadata(metadata, model, tokens, types, merges_store)
         except ModelLoadError:
             raise
         except Exception as exc:
@@ -131,13 +137,18 @@ class Tokenizer:
 
     @classmethod
     def _from_checked_metadata(
-        cls, metadata: Mapping[str, Any], model: str, tokens: list[str], types: list[int]
+        cls,
+        metadata: Mapping[str, Any],
+        model: str,
+        tokens: list[str],
+        types: list[int],
+        merges_store: MergesStore | None,
     ) -> Tokenizer:
         if model == "gpt2":
             backend, token_bytes, strip = build_byte_level(metadata, tokens, types)
             add_bos_default = False
         else:
-            backend, token_bytes, strip = build_sentencepiece(metadata, tokens, types)
+            backend, token_bytes, strip = build_sentencepiece(metadata, tokens, types, merges_store)
             add_bos_default = True
 
         special: list[int] = []

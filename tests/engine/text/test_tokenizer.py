@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from neuron_trio.engine.text import gguf_vocab
 from neuron_trio.engine.text.gguf_vocab import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
@@ -203,6 +205,80 @@ def test_sentencepiece_byte_fallback_and_space_prefix() -> None:
     # a continuation keeps its leading space
     cont = IncrementalDetokenizer(tok, prompt_ids=[1, 5])
     assert cont.push(ids[1]) == " hello"
+
+
+class DictMerges:
+    """A MergesStore in memory, counting its calls."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, np.ndarray] = {}
+        self.gets = self.puts = 0
+
+    def get(self, key: str) -> np.ndarray | None:
+        self.gets += 1
+        return self.entries.get(key)
+
+    def put(self, key: str, pairs: np.ndarray) -> None:
+        self.puts += 1
+        self.entries[key] = pairs.copy()
+
+
+def test_derived_merges_come_back_from_a_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DictMerges()
+    fresh = Tokenizer.from_metadata(spm_metadata(), merges_store=store)
+    assert (store.gets, store.puts) == (1, 1)
+    (pairs,) = store.entries.values()
+    tokens = spm_metadata()["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, list)
+    # "▁hello" is "▁hell" + "o"; the best-scored merge comes first: "▁h" = "▁" + "h" (-3.0)
+    named = [(tokens[a], tokens[b]) for a, b in pairs.tolist()]
+    assert named[0] == ("\u2581", "h")
+    assert ("\u2581hell", "o") in named
+
+    # the second build reads them and derives nothing
+    def derive(*args: object) -> None:
+        raise AssertionError("derived again")
+
+    monkeypatch.setattr(gguf_vocab, "_merges_from_scores", derive)
+    cached = Tokenizer.from_metadata(spm_metadata(), merges_store=store)
+    assert store.puts == 1
+    for text in ("hello hé", "hell", "ll lo oh", ""):
+        assert cached.encode(text, add_special_tokens=False) == fresh.encode(
+            text, add_special_tokens=False
+        )
+
+
+def test_stored_merges_that_do_not_fit_the_vocabulary_are_derived_again() -> None:
+    store = DictMerges()
+    want = Tokenizer.from_metadata(spm_metadata()).encode("hello hello", add_special_tokens=False)
+    metadata = spm_metadata()
+    tokens, types, scores = (
+        metadata[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores")
+    )
+    key = gguf_vocab.merges_key(tokens, types, scores)  # type: ignore[arg-type]
+    for bad in (
+        np.array([[0, 10_000]]),
+        np.array([[-1, 3]]),
+        np.zeros((3,), np.int32),
+        np.array([[0.5, 1.0]]),
+    ):
+        store.entries[key] = bad
+        tok = Tokenizer.from_metadata(metadata, merges_store=store)
+        assert tok.encode("hello hello", add_special_tokens=False) == want
+        stored = store.entries[key]  # replaced by the derived pairs
+        assert stored.shape[1] == 2 and int(stored.max()) < len(tokens)  # type: ignore[arg-type]
+
+
+def test_the_merges_key_follows_the_scores() -> None:
+    metadata = spm_metadata()
+    tokens, types, scores = (
+        metadata[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores")
+    )
+    key = gguf_vocab.merges_key(tokens, types, scores)  # type: ignore[arg-type]
+    assert key == gguf_vocab.merges_key(list(tokens), list(types), list(scores))  # type: ignore[call-overload]
+    changed = list(scores)  # type: ignore[call-overload]
+    changed[-1] = -8.0
+    assert gguf_vocab.merges_key(tokens, types, changed) != key  # type: ignore[arg-type]
 
 
 # ---- the built-in model, against transformers ---------------------------------------------
