@@ -217,8 +217,8 @@ def merges_key(tokens: Sequence[str], types: Sequence[int], scores: Sequence[flo
     derives them (its source: a changed derivation is a new key). 32 hex digits."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(_DERIVATION)
-    digest.update(len(tokens).to_bytes(8, "little"))
-    digest.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
+    digest.update(array("q", [len(t) for t in tokens]).tobytes())  # no two vocabularies alike
+    digest.update("".join(tokens).encode("utf-8", "surrogatepass"))
     digest.update(array("q", types).tobytes())
     digest.update(array("d", scores).tobytes())
     return digest.hexdigest()
@@ -282,5 +282,15 @@ def _merges_from_scores(
     return [(left, right) for _, _, left, right in found]
 
 
-# The derivation's own source, part of every merges_key (read once, at import).
-_DERIVATION = inspect.getsource(_merges_from_scores).encode()
+def _derivation() -> bytes:
+    """`_merges_from_scores` as merges_key takes it: its source, or where none was installed
+    its bytecode and constants."""
+    try:
+        return inspect.getsource(_merges_from_scores).encode()
+    except (OSError, TypeError):
+        code = _merges_from_scores.__code__
+        return code.co_code + repr(code.co_consts).encode()
+
+
+# Read once, at import (a test may replace the function afterwards).
+_DERIVATION = _derivation()

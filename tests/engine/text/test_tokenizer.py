@@ -279,6 +279,10 @@ def test_the_merges_key_follows_the_scores() -> None:
     changed = list(scores)  # type: ignore[call-overload]
     changed[-1] = -8.0
     assert gguf_vocab.merges_key(tokens, types, changed) != key  # type: ignore[arg-type]
+    # the same characters split into other tokens: another vocabulary
+    assert gguf_vocab.merges_key(["ab", "c"], [1, 1], [0.0, 0.0]) != gguf_vocab.merges_key(
+        ["a", "bc"], [1, 1], [0.0, 0.0]
+    )
 
 
 # ---- the built-in model, against transformers ---------------------------------------------
