@@ -403,7 +403,7 @@ class Transformer(nn.Module):
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the rows that get logits: in the native kernel for float32 rows on the
-        CPU (torch's took ~75 us at 1 row and ~200 us at 8 rows of 576, a few us here)."""
+        CPU (torch's cost a batch-1 step of the built-in model ~0.1 ms, the kernel a few us)."""
         c, kernel, norm = self.config, self.native_kernel, self.norm
         fits = x.dtype == norm.dtype == torch.float32 and x.device.type == "cpu"
         if kernel is None or not fits or c.dim % 8 or x.numel() == 0:
