@@ -215,7 +215,9 @@ class WeightCache:
             SnapshotError,
             struct.error,
         ) as exc:
-            log.warning("weight cache: %s is unusable (%s); packing from the model file", path, exc)
+            log.warning(
+                "weight cache: %s is unusable (%s); built again from the model file", path, exc
+            )
             path.unlink(missing_ok=True)
             return None
 
