@@ -94,7 +94,7 @@ class MergesStore(Protocol):
     """Where merges derived from a vocabulary's scores are kept between starts, as pairs of
     token ids under a key (`merges_key`); the daemon's is its packed-weight cache
     (executor.executor.CachedMerges). Deriving Gemma 3's 513,511 merges takes ~1 s of a ~5 s
-    start; reading them back ~0.1 s."""
+    start; reading them back ~0.2 s."""
 
     def get(self, key: str) -> np.ndarray | None:
         """The pairs stored under `key` (int [N, 2]), or None."""
