@@ -1,8 +1,20 @@
-"""Shared test configuration: GPU tests are skipped, visibly, on machines without CUDA."""
+"""Shared test configuration: GPU tests are skipped, visibly, on machines without CUDA; the
+daemons a session starts share one packed-weight cache (tests/neuron_process.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from tests import neuron_process
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    neuron_process.SHARED_WEIGHT_CACHE = tmp_path_factory.mktemp("weight-cache")
+    yield
+    neuron_process.SHARED_WEIGHT_CACHE = None
 
 
 def _cuda_available() -> bool:

@@ -31,6 +31,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Set by tests/conftest.py for a pytest session: the packed-weight cache that every daemon the
+# tests start shares (node.weight_cache_dir) unless its config names its own or turns the
+# cache off. As a node's restarts do, the first start of a model file packs it and later ones
+# map it; a session writes each entry once, not once a daemon (the built-in model's: 108 MB).
+SHARED_WEIGHT_CACHE: Path | None = None
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -57,6 +63,9 @@ def write_config(
 ) -> Path:
     """A neuron.toml: each keyword a `[section]` of keys (server, node, tp, …), then each of
     `models` a `[[default_models]]` entry. Returns `path`."""
+    node = dict(sections.get("node", {}))
+    if SHARED_WEIGHT_CACHE is not None and not node.keys() & {"weight_cache", "weight_cache_dir"}:
+        sections = {**sections, "node": {**node, "weight_cache_dir": SHARED_WEIGHT_CACHE}}
     lines: list[str] = []
     for name, keys in sections.items():
         lines.append(f"[{name}]")

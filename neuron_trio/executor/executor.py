@@ -15,6 +15,7 @@ it. With `tp = 1` there is no communicator: `abort_comm()` and `recreate_comm()`
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -51,6 +52,16 @@ CommFactory = Callable[[], Communicator]
 # The most `close` waits for a packed-weight cache entry being written (1.85 GB took ~7 s on a
 # busy 2-core machine): well inside a drain's and systemd's stop timeouts.
 WEIGHT_CACHE_WRITE_WAIT_S = 60.0
+
+
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`). A load frees
+    much of what it allocates (the tokenizer's temporary tables, dequantised weights, the
+    warm-up's buffers) and glibc keeps freed pages mapped: Gemma 3 270M ready with ~24 MB
+    less resident, Qwen2.5 0.5B ~18 MB. Nothing where the C library has no `malloc_trim`."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class Executor:
@@ -115,6 +126,7 @@ class Executor:
         with phases.phase("warm-up"):
             report = warm_up(self.engine)
         log.info("model %s: start-up phases: %s", self.name, phases.summary())
+        release_freed_heap()
         return report
 
     def abort_comm(self) -> None:
