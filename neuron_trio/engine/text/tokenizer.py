@@ -34,6 +34,7 @@ from neuron_trio.engine.text.gguf_vocab import (
     build_sentencepiece,
 )
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
+from neuron_trio.engine.text.token_texts import TokenTexts
 from neuron_trio.errors import ModelFileError, ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Tokenizer:
     ) -> None:
         self.backend = backend
         self._byte_level = byte_level  # GPT-2 byte-level BPE (else sentencepiece-style)
-        self.tokens = list(tokens)
+        self.tokens = TokenTexts(tokens)
         self.token_bytes = list(token_bytes)
         self.special_ids = frozenset(special_ids)
         self._bos_id = bos_id
@@ -75,7 +76,6 @@ class Tokenizer:
         self._chat_template = chat_template
         # sentencepiece: the space added in front of the text is dropped again when decoding
         self.strip_leading_space = strip_leading_space
-        self._ids_by_text = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
 
     # ---- construction -------------------------------------------------------------------
 
@@ -217,7 +217,7 @@ class Tokenizer:
 
     def token_to_id(self, text: str) -> int | None:
         """The id of the token spelled `text` in the vocabulary (e.g. "<|im_end|>"), or None."""
-        return self._ids_by_text.get(text)
+        return self.tokens.id_of(text)
 
     # ---- encode / decode ------------------------------------------------------------------
 
