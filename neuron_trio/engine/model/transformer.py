@@ -141,6 +141,8 @@ class Block(nn.Module):
             o = attend_decode(self.attend_kernel, q, cache, at, act, mask, self.scale, self.softcap)
         else:
             keys, values = read_kv(cache, at, act)
+            if self.sliding and at.window_start:  # keys before every query's window
+                keys, values = keys[:, :, at.window_start :], values[:, :, at.window_start :]
             if at.real is not None:  # padded chunks: padding queries are zeros, then dropped
                 q = q.new_zeros(at.b * at.t, h, d).index_copy_(0, at.real, q)
             q = q.view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
@@ -359,6 +361,9 @@ class Transformer(nn.Module):
                 # decode rows: additive, as at.mask, so that the native attention takes it
                 window = torch.zeros(at.window_mask.shape, dtype=self.act_dtype, device=dev)
                 at.window_mask = window.masked_fill_(~at.window_mask, float("-inf"))
+            elif t > 1:  # prompt chunks: no query sees a key before the earliest one's window
+                at.window_start = max(0, min(starts) - c.sliding_window + 1)
+                at.window_mask = at.window_mask[..., at.window_start :]
         ids = input_ids.to(dev).reshape(-1)
         if at.real is not None:  # padded chunks: the layers see the real tokens only
             ids, positions = ids[at.real], positions[at.real]

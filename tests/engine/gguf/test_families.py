@@ -114,6 +114,28 @@ def test_logits_and_greedy_tokens_equal_transformers(family_dir: Path, family: s
     assert greedy(runner, ids, 32) == hf_out
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_prompt_chunks_past_the_sliding_window_equal_transformers(
+    family_dir: Path, family: str
+) -> None:
+    """Chunks of 5 from position 10 on start past the window of 8: their sliding layers
+    attend from the earliest query's window on (Placement.window_start), not from 0."""
+    path = family_dir / f"{family}.gguf"
+    model = load_transformer(path, dtype="float32", device="cpu")
+    assert model.config.sliding_window == 8
+    runner = SlotRunner(model, slots=1, context=96)
+    ids = prompt_ids(model.config.vocab_size, 20, seed=2)
+    chunks = [
+        runner.forward(torch.tensor([ids[s : s + 5]]), torch.tensor([s]), torch.tensor([0]),
+                       all_logits=True)[0]
+        for s in range(0, 20, 5)
+    ]  # fmt: skip
+    with torch.no_grad():
+        want = hf_model(family_dir, family)(torch.tensor([ids])).logits[0].float()
+    scale = float(want.abs().max())
+    assert float((torch.cat(chunks) - want).abs().max()) < 1e-5 * scale, family
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_prompt_tokens_equal_transformers(family_dir: Path, family: str) -> None:
     path = family_dir / f"{family}.gguf"
