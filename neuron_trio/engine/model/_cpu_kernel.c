@@ -735,6 +735,7 @@ TARGET_VNNI static void vnni16_run(const job_t *j) {
 typedef struct {
     const char *q, *k, *v, *mask;
     const long long *rows; /* [B, L] token rows of K/V, or NULL: position l is row l */
+    long long rows_stride; /* rows' row stride: L, or more when the keys start past position 0 */
     long long qs[3], ks[3], vs[3], mask_stride; /* element strides: row, head, (group | pos) */
     int batch, kv, groups, length, dim, bf16, mask_bf16;
     float scale;
@@ -832,7 +833,7 @@ TARGET_AVX2 static void attend_one(const attn_t *a, int b, int h) {
             long long at = b * a->qs[0] + h * a->qs[1] + g * a->qs[2] + d;
             _mm256_storeu_ps(qf + g * D + d, load8s(a->q, a->bf16, at));
         }
-    const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
+    const long long *rows = a->rows ? a->rows + (size_t)b * a->rows_stride : NULL;
     const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
     const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
     /* Scores, 4 keys at a time: each key's row converted to float once, then per query head
@@ -1001,7 +1002,7 @@ TARGET_VNNI static void attend_one512(const attn_t *a, int b, int h) {
             _mm512_storeu_ps(qp + ((size_t)g * steps + d) * 16,
                              join_ps(q, q));
         }
-    const long long *rows = a->rows ? a->rows + (size_t)b * L : NULL;
+    const long long *rows = a->rows ? a->rows + (size_t)b * a->rows_stride : NULL;
     const long long kbase = (rows ? 0 : b * a->ks[0]) + h * a->ks[1];
     const long long vbase = (rows ? 0 : b * a->vs[0]) + h * a->vs[1];
     prefetch_keys(a, rows, kbase, 0, KEYS_AHEAD);
@@ -1086,6 +1087,7 @@ static PyObject *q4_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     a.v = (const char *)(intptr_t)v[8];
     a.mask = (const char *)(intptr_t)v[12];
     a.rows = (const long long *)(intptr_t)rows;
+    a.rows_stride = v[18]; /* the length */
     for (int i = 0; i < 3; i++) {
         a.qs[i] = v[1 + i];
         a.ks[i] = v[5 + i];
@@ -1687,7 +1689,8 @@ static PyMethodDef METHODS[] = {
      "(weight 0: x + src)"},
     {"decode_layers", (PyCFunction)(void (*)(void))q4_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, x, n, dim, heads, kv, head_dim, ffn, flags, pool_tokens, "
-     "positions, write_rows, token_rows, length, mask, mask_stride, window, window_stride): "
+     "positions, write_rows, token_rows, length, mask, mask_stride, window, window_stride, "
+     "window_start): "
      "every layer of a decode step"},
     {"layer_fields", q4_layer_fields, METH_NOARGS,
      "(fields a part, parts a layer, fields a layer) of decode_layers' plan"},

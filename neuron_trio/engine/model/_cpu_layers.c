@@ -88,6 +88,7 @@ typedef struct {
     long long pool_tokens;
     const long long *positions, *write_rows, *token_rows; /* [n], [n], [n, length] */
     int length;
+    int window_start; /* sliding layers with a window: the first position they attend */
     const void *mask, *window; /* additive, in the activations' dtype [n or 1, L], or NULL */
     long long mask_stride, window_stride;
 } step_t;
@@ -199,7 +200,11 @@ static int decode_layers_run(const long long *plan, int layers, const step_t *s)
         a.ks[0] = a.vs[0] = 2LL * KV * s->pool_tokens * D;
         a.ks[1] = a.vs[1] = s->pool_tokens * D;
         a.ks[2] = a.vs[2] = D;
-        a.rows = s->token_rows;
+        /* a sliding layer reads from window_start on: keys before it are outside every
+           row's window (their scores would be -inf, their weights exactly 0) */
+        const int start = window ? s->window_start : 0;
+        a.rows = s->token_rows + start;
+        a.rows_stride = s->length;
         a.mask = (const char *)(window ? s->window : s->mask);
         a.mask_stride = window ? s->window_stride : s->mask_stride;
         a.bf16 = act;
@@ -207,7 +212,7 @@ static int decode_layers_run(const long long *plan, int layers, const step_t *s)
         a.batch = n;
         a.kv = KV;
         a.groups = G;
-        a.length = s->length;
+        a.length = s->length - start;
         a.dim = D;
         const double scale = plan_double(L[L_SCALE]);
         a.scale = (float)(scale != 0.0 ? scale : 1.0 / sqrt((double)D));
@@ -235,14 +240,15 @@ static int decode_layers_run(const long long *plan, int layers, const step_t *s)
 }
 
 /* decode_layers(plan, layers, x, n, dim, heads, kv, head_dim, ffn, flags, pool_tokens,
-   positions, write_rows, token_rows, length, mask, mask_stride, window, window_stride):
-   flags 1: activations (and the additive masks) in bfloat16, 2: the pool in bfloat16. The
-   pool must be in the activations' dtype (attention reads it in place). Pointers as ints;
-   mask and window 0 when there is none. */
+   positions, write_rows, token_rows, length, mask, mask_stride, window, window_stride,
+   window_start): flags 1: activations (and the additive masks) in bfloat16, 2: the pool in
+   bfloat16. The pool must be in the activations' dtype (attention reads it in place).
+   Pointers as ints; mask and window 0 when there is none. The window's columns are positions
+   window_start .. length - 1 (its row stride: window_stride). */
 static PyObject *q4_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[19];
-    if (take_ints(args, nargs, 19, 19, v, "decode_layers") < 0) return NULL;
+    long long v[20];
+    if (take_ints(args, nargs, 20, 20, v, "decode_layers") < 0) return NULL;
     step_t s;
     s.x = (float *)(intptr_t)v[2];
     s.n = (int)v[3];
@@ -262,11 +268,13 @@ static PyObject *q4_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     s.mask_stride = v[16];
     s.window = (const void *)(intptr_t)v[17];
     s.window_stride = v[18];
+    s.window_start = (int)v[19];
     const int layers = (int)v[1];
     if (s.n < 1 || layers < 0 || s.kv < 1 || s.heads % s.kv || s.heads / s.kv > 16 ||
         s.head_dim < 16 || s.head_dim > 256 || s.head_dim % 16 || s.dim % GROUP ||
         s.ffn % GROUP || (s.heads * s.head_dim) % GROUP || s.length < 1 ||
-        s.act_bf16 != s.cache_bf16 || s.token_rows == NULL) {
+        s.act_bf16 != s.cache_bf16 || s.token_rows == NULL || s.window_start < 0 ||
+        s.window_start >= s.length) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: shapes or dtypes it does not take");
         return NULL;
     }

@@ -27,8 +27,10 @@ def attend_decode(
     mask: torch.Tensor | None,
     scale: float | None,
     softcap: float | None,
+    start: int = 0,  # the first position attended (a sliding layer's at.window_start)
 ) -> torch.Tensor:
-    """Decode attention, `[B, H · D]`: in the native kernel where it fits, else SDPA."""
+    """Decode attention, `[B, H · D]`: in the native kernel where it fits, else SDPA.
+    `mask` covers positions `start` .. L - 1."""
     kv = q.shape[1]
     if kernel is not None and at.token_rows is not None and cache.dtype == act:
         # Rows on scattered blocks: the kernel reads K/V in place through their token
@@ -36,9 +38,10 @@ def attend_decode(
         pool = cache.unsqueeze(0)  # [1, 2KV, pool tokens, D]
         keys, values = pool[:, :kv], pool[:, kv:]
         if native_attention_fits(q, keys, values, mask, softcap):
-            rows = at.token_rows
+            rows = at.token_rows[:, start:].contiguous()
             return native_attention(kernel, q, keys, values, mask, scale, rows=rows)
     keys, values = read_kv(cache, at, act)
+    keys, values = keys[:, :, start:], values[:, :, start:]
     if kernel is not None and native_attention_fits(q, keys, values, mask, softcap):
         return native_attention(kernel, q, keys, values, mask, scale)
     return attend(q, keys, values, mask, False, scale, softcap).reshape(q.shape[0], -1)

@@ -139,7 +139,7 @@ class DecodePlan:
             self._plan.data_ptr(), c.n_layers, x.data_ptr(), n, c.dim, c.n_heads,
             c.n_kv_heads, c.head_dim, c.ffn_dim, flags, cache.shape[1],
             at.positions.data_ptr(), at.write_rows.data_ptr(), rows.data_ptr(), at.length,
-            mask, mask_stride, window, window_stride,
+            mask, mask_stride, window, window_stride, at.window_start,
         )  # fmt: skip
         return x
 

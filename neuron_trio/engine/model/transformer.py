@@ -33,7 +33,12 @@ from neuron_trio.engine.model.attention import attend, attend_decode, read_kv
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import Linear
 from neuron_trio.engine.model.native_decode import plan_for
-from neuron_trio.engine.model.placement import Placement, place_blocks, place_packed
+from neuron_trio.engine.model.placement import (
+    WINDOW_ALIGN,
+    Placement,
+    place_blocks,
+    place_packed,
+)
 from neuron_trio.engine.model.rope import rope_rows, rope_table, rope_write
 
 META = torch.device("meta")
@@ -138,7 +143,10 @@ class Block(nn.Module):
             # in for query positions ([B, KV, H/KV, D]); no K/V expansion, and the per-row
             # mask [B, 1, 1, L] still broadcasts.
             q = q.reshape(n, kv, h // kv, d)
-            o = attend_decode(self.attend_kernel, q, cache, at, act, mask, self.scale, self.softcap)
+            start = at.window_start if self.sliding else 0
+            o = attend_decode(
+                self.attend_kernel, q, cache, at, act, mask, self.scale, self.softcap, start
+            )
         else:
             keys, values = read_kv(cache, at, act)
             if self.sliding and at.window_start:  # keys before every query's window
@@ -361,9 +369,12 @@ class Transformer(nn.Module):
                 # decode rows: additive, as at.mask, so that the native attention takes it
                 window = torch.zeros(at.window_mask.shape, dtype=self.act_dtype, device=dev)
                 at.window_mask = window.masked_fill_(~at.window_mask, float("-inf"))
-            elif t > 1:  # prompt chunks: no query sees a key before the earliest one's window
-                at.window_start = max(0, min(starts) - c.sliding_window + 1)
-                at.window_mask = at.window_mask[..., at.window_start :]
+            # No query sees a key before the earliest query's window: sliding layers attend
+            # from there on (rounded down to WINDOW_ALIGN: the native attention's lanes then
+            # add the same terms in the same order, the same bits as from position 0)
+            first = max(0, min(starts) - c.sliding_window + 1)
+            at.window_start = first - first % WINDOW_ALIGN
+            at.window_mask = at.window_mask[..., at.window_start :]
         ids = input_ids.to(dev).reshape(-1)
         if at.real is not None:  # padded chunks: the layers see the real tokens only
             ids, positions = ids[at.real], positions[at.real]

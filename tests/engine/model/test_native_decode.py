@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.model import native_decode, packing
+from neuron_trio.engine.model import transformer as transformer_module
 from neuron_trio.engine.model.linear import Q8Linear
 from neuron_trio.engine.model.loader import load_transformer
 from neuron_trio.engine.model.transformer import Transformer
@@ -63,14 +64,14 @@ def python_path(path: Path) -> Transformer:
 
 
 def decode_both(
-    path: Path, prompts: list[list[int]], steps: int, *, scattered: bool
+    path: Path, prompts: list[list[int]], steps: int, *, scattered: bool, context: int = 64
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], CountingPlan]:
     """The same prefill and greedy decode steps through both paths: each step's logits."""
     models = [python_path(path), load_transformer(path, dtype="auto")]
     counting = CountingPlan(models[1])
     out: list[list[torch.Tensor]] = [[], []]
     for model, logits in zip(models, out, strict=True):
-        runner = SlotRunner(model, slots=len(prompts), context=64, scattered=scattered)
+        runner = SlotRunner(model, slots=len(prompts), context=context, scattered=scattered)
         slots = torch.arange(len(prompts))
         last = []
         for i, p in enumerate(prompts):
@@ -112,6 +113,32 @@ def test_a_sliding_window_that_masks_keys_the_same_bits(tmp_path: Path) -> None:
     assert counting.ran == 4 and counting.declined == 0
     for a, b in zip(python, native, strict=True):
         assert torch.equal(a, b)
+
+
+def test_sliding_layers_from_the_window_start_the_bits_of_attending_from_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rows at 137 and 140 tokens: gemma3's sliding layers (window 8) attend from position 128
+    # on (Placement.window_start, a multiple of WINDOW_ALIGN), in both paths
+    path = tiny(tmp_path, "gemma3")
+    prompts = [[5 + (7 * i) % 90 for i in range(140)], [5 + (5 * i) % 90 for i in range(137)]]
+    starts: list[int] = []
+    attend_decode = transformer_module.attend_decode
+
+    def recorded(*args: Any) -> torch.Tensor:
+        starts.append(args[-1])
+        return attend_decode(*args)
+
+    monkeypatch.setattr(transformer_module, "attend_decode", recorded)
+    python, native, counting = decode_both(path, prompts, 3, scattered=True, context=160)
+    assert counting.ran == 3 and counting.declined == 0
+    assert set(starts) == {0, 128}  # the global layers from 0, the sliding ones from 128
+    monkeypatch.setattr(transformer_module, "WINDOW_ALIGN", 1 << 20)  # every layer from 0
+    starts.clear()
+    python_0, native_0, _ = decode_both(path, prompts, 3, scattered=True, context=160)
+    assert set(starts) == {0}
+    for a, b, c, d in zip(python, native, python_0, native_0, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(b, d)
 
 
 def test_models_it_does_not_take(tmp_path: Path) -> None:
