@@ -40,23 +40,24 @@ def attend_decode(
         if native_attention_fits(q, keys, values, mask, softcap):
             rows = at.token_rows[:, start:].contiguous()
             return native_attention(kernel, q, keys, values, mask, scale, rows=rows)
-    keys, values = read_kv(cache, at, act)
-    keys, values = keys[:, :, start:], values[:, :, start:]
+    keys, values = read_kv(cache, at, act, start)
     if kernel is not None and native_attention_fits(q, keys, values, mask, softcap):
         return native_attention(kernel, q, keys, values, mask, scale)
     return attend(q, keys, values, mask, False, scale, softcap).reshape(q.shape[0], -1)
 
 
 def read_kv(
-    cache: torch.Tensor, at: Placement, act: torch.dtype
+    cache: torch.Tensor, at: Placement, act: torch.dtype, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' keys and values, each `[B, KV, L, D]` in `act`: a view of one row on
-    consecutive blocks, else one gather (padding positions read the zeroed null block)."""
+    """The rows' keys and values from position `start` on, each `[B, KV, L - start, D]` in
+    `act`: a view of one row on consecutive blocks, else one gather of those positions only
+    (padding positions read the zeroed null block)."""
     kv, d = cache.shape[0] // 2, cache.shape[2]
     if isinstance(at.read, slice):
-        kv_rows = cache[:, at.read].unsqueeze(0)  # [1, 2KV, L, D]
+        kv_rows = cache[:, at.read][:, start:].unsqueeze(0)  # [1, 2KV, L - start, D]
     else:
-        kv_rows = cache.view(-1, d).index_select(0, at.read).view(at.b, 2 * kv, at.length, d)
+        index = at.read.view(at.b, 2 * kv, at.length)[..., start:].reshape(-1)
+        kv_rows = cache.view(-1, d).index_select(0, index).view(at.b, 2 * kv, -1, d)
     if kv_rows.dtype != act:  # a KV cache kept in another dtype than the activations
         kv_rows = kv_rows.to(act)
     return kv_rows[:, :kv], kv_rows[:, kv:]

@@ -52,10 +52,10 @@ class Placement:
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
         self.causal = False
-        # Sliding layers: bool [B, 1, T, L], True where a key lies within the window of the
-        # query (and is attended at all); None when no query's window excludes a key. Decode
-        # rows with the native kernel: additive [B, 1, 1, L] (0 / -inf), as `mask`. Prompt
-        # chunks: [B, 1, T, L - window_start], the columns from window_start on.
+        # Sliding layers: bool [B, 1, T, L - window_start] over positions window_start ..
+        # L - 1, True where a key lies within the window of the query (and is attended at
+        # all); None when no query's window excludes a key. Decode rows with the native
+        # kernel: additive [B, 1, 1, L - window_start] (0 / -inf), as `mask`.
         self.window_mask: torch.Tensor | None = None
         # Sliding layers: keys before this position lie outside every query's window, and the
         # layers attend from here on (a multiple of WINDOW_ALIGN). Gemma 3 270M (15 of its 18

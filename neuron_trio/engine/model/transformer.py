@@ -148,9 +148,8 @@ class Block(nn.Module):
                 self.attend_kernel, q, cache, at, act, mask, self.scale, self.softcap, start
             )
         else:
-            keys, values = read_kv(cache, at, act)
-            if self.sliding and at.window_start:  # keys before every query's window
-                keys, values = keys[:, :, at.window_start :], values[:, :, at.window_start :]
+            # a sliding layer's keys from the earliest query's window on
+            keys, values = read_kv(cache, at, act, at.window_start if self.sliding else 0)
             if at.real is not None:  # padded chunks: padding queries are zeros, then dropped
                 q = q.new_zeros(at.b * at.t, h, d).index_copy_(0, at.real, q)
             q = q.view(at.b, at.t, h, d).transpose(1, 2)  # [B, H, T, D]
@@ -359,22 +358,21 @@ class Transformer(nn.Module):
                 at.mask.masked_fill_(~attend, float("-inf"))
                 at.mask = at.mask[:, None, None]  # [B, 1, 1, L]
         if c.sliding_window and length > c.sliding_window:
-            # [B, T] query positions: each query sees keys pos - W < k <= pos (its last W)
-            qpos = positions.view(b, -1)
-            cols = torch.arange(length, device=dev)
-            at.window_mask = (
-                (cols <= qpos[..., None]) & (cols > qpos[..., None] - c.sliding_window)
-            )[:, None]  # [B, 1, T, L]
-            if t == 1 and self.native_kernel is not None:
-                # decode rows: additive, as at.mask, so that the native attention takes it
-                window = torch.zeros(at.window_mask.shape, dtype=self.act_dtype, device=dev)
-                at.window_mask = window.masked_fill_(~at.window_mask, float("-inf"))
             # No query sees a key before the earliest query's window: sliding layers attend
             # from there on (rounded down to WINDOW_ALIGN: the native attention's lanes then
             # add the same terms in the same order, the same bits as from position 0)
             first = max(0, min(starts) - c.sliding_window + 1)
             at.window_start = first - first % WINDOW_ALIGN
-            at.window_mask = at.window_mask[..., at.window_start :]
+            # [B, T] query positions: each query sees keys pos - W < k <= pos (its last W)
+            qpos = positions.view(b, -1)
+            cols = torch.arange(at.window_start, length, device=dev)
+            at.window_mask = (
+                (cols <= qpos[..., None]) & (cols > qpos[..., None] - c.sliding_window)
+            )[:, None]  # [B, 1, T, L - window_start]
+            if t == 1 and self.native_kernel is not None:
+                # decode rows: additive, as at.mask, so that the native attention takes it
+                window = torch.zeros(at.window_mask.shape, dtype=self.act_dtype, device=dev)
+                at.window_mask = window.masked_fill_(~at.window_mask, float("-inf"))
         ids = input_ids.to(dev).reshape(-1)
         if at.real is not None:  # padded chunks: the layers see the real tokens only
             ids, positions = ids[at.real], positions[at.real]

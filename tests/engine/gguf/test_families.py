@@ -13,6 +13,7 @@ import torch
 
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.placement import WINDOW_ALIGN
 from neuron_trio.engine.model.transformer import Transformer
 from neuron_trio.engine.text.chat import ChatTemplate, end_of_turn_ids
 from neuron_trio.engine.text.tokenizer import Tokenizer
@@ -114,21 +115,23 @@ def test_logits_and_greedy_tokens_equal_transformers(family_dir: Path, family: s
     assert greedy(runner, ids, 32) == hf_out
 
 
+@pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_prompt_chunks_past_the_sliding_window_equal_transformers(
-    family_dir: Path, family: str
+    family_dir: Path, family: str, scattered: bool
 ) -> None:
-    """Chunks of 5 from position 10 on start past the window of 8: their sliding layers
-    attend from the earliest query's window on (Placement.window_start), not from 0."""
+    """The chunk of 25 at position 75 starts past the window of 8 and past WINDOW_ALIGN: its
+    sliding layers read and attend from position 64 on (Placement.window_start), not from 0;
+    its K/V as a view of consecutive blocks, or gathered from blocks scattered in the pool."""
     path = family_dir / f"{family}.gguf"
     model = load_transformer(path, dtype="float32", device="cpu")
-    assert model.config.sliding_window == 8
-    runner = SlotRunner(model, slots=1, context=96)
-    ids = prompt_ids(model.config.vocab_size, 20, seed=2)
+    assert model.config.sliding_window == 8 and WINDOW_ALIGN == 64
+    runner = SlotRunner(model, slots=2, context=128, scattered=scattered)
+    ids = prompt_ids(model.config.vocab_size, 100, seed=2)
     chunks = [
-        runner.forward(torch.tensor([ids[s : s + 5]]), torch.tensor([s]), torch.tensor([0]),
+        runner.forward(torch.tensor([ids[s : s + 25]]), torch.tensor([s]), torch.tensor([1]),
                        all_logits=True)[0]
-        for s in range(0, 20, 5)
+        for s in range(0, 100, 25)
     ]  # fmt: skip
     with torch.no_grad():
         want = hf_model(family_dir, family)(torch.tensor([ids])).logits[0].float()
