@@ -46,7 +46,7 @@ def _json(schema: Any, *, strict: bool = False) -> Constraint:
 def test_pydantic_function_tool_with_a_nested_model_compiles_and_follows_its_refs() -> None:
     tool = openai.pydantic_function_tool(Person, name="person")["function"]
     assert "$defs" in tool["parameters"]  # the nested model is a local $ref
-    function = ToolFunction(tool["name"], "", json.dumps(tool["parameters"]), strict=True)
+    function = ToolFunction(tool["name"], "", json.dumps(tool["parameters"]))
     args = '{"name":"a","home":{"street":"b","city":null},"kind":"c"}'
     for tools in ((function,), (function, ToolFunction("other"))):
         state = _compiler().compile(Constraint("tool_call", tools=tools))
@@ -73,6 +73,23 @@ def test_strict_closes_objects_that_do_not_say_otherwise() -> None:
     assert _walks(_compiler().compile(_json(schema, strict=True)), '{"a":1}')
     schema["additionalProperties"] = True  # said otherwise: kept open
     assert _walks(_compiler().compile(_json(schema, strict=True)), '{"a":1,"b":2}')
+
+
+def test_tool_arguments_admit_no_key_they_do_not_name_unless_the_schema_says_so() -> None:
+    """Without `strict`: a sampled small model invented keys until max_tokens cut the call."""
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+    def walks(parameters: Any, arguments: str) -> bool:
+        tool = ToolFunction("w", "", json.dumps(parameters))
+        state = _compiler().compile(Constraint("tool_call", tools=(tool,)))
+        return _walks(
+            state, '<tool_call>\n{"name":"w","arguments":' + arguments + "}\n</tool_call>"
+        )
+
+    assert walks(weather, '{"city":"a"}')
+    assert not walks(weather, '{"city":"a","x":"b"}')
+    assert walks({**weather, "additionalProperties": True}, '{"city":"a","x":"b"}')
+    assert walks({"type": "object"}, "{}") and not walks({"type": "object"}, '{"x":1}')
 
 
 def test_close_objects_and_rebase_refs_reach_every_subschema() -> None:

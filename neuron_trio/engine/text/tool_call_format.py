@@ -72,8 +72,11 @@ class ToolCallFormat:
             check_size(len(tool.parameters), param=param)
             parameters = decode_schema(tool.parameters, param)
             check_schema(parameters, param=param, size=len(tool.parameters))
-            if tool.strict:
-                close_objects(parameters)
+            # Closed whatever `strict` says (as vLLM's xgrammar does by default): arguments go
+            # to a function, and a key it does not name is one it must refuse. Open, a small
+            # sampled model adds invented keys ("placeholder_1") until max_tokens cuts the
+            # call off and the client gets no call at all.
+            close_objects(parameters)
             at = f"/properties/{self.arguments_key}"
             rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
             prepared.append(parameters)

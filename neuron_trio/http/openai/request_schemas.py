@@ -74,7 +74,8 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # enforced when constrained; true also closes objects
+    # accepted: a constrained call's arguments admit no key they do not name either way
+    strict: bool | None = None
 
 
 class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
