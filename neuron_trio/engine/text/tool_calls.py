@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -191,7 +192,7 @@ class ToolCallParser:
                 return None  # maybe not complete yet
             values = value if isinstance(value, list) else [value]
             return values, len(after) - len(body) + end
-        end = after.find(CLOSE)
+        end = _close_of(after)
         if end < 0:
             return None
         return [after[:end]], end + len(CLOSE)
@@ -242,6 +243,21 @@ class ToolCallParser:
 
 
 _DECODER = json.JSONDecoder()
+
+# A JSON string, complete: its escapes taken whole (so `\"` does not end it).
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _close_of(body: str) -> int:
+    """Where the `</tool_call>` that ends a Hermes call's `body` begins, or -1: one inside a
+    JSON string is an argument's text (a sampled city named "</tool_call>Paris" cut the call
+    there and showed the rest as content), not the end."""
+    at = body.find(CLOSE)
+    if at < 0 or not body.lstrip().startswith("{"):
+        return at  # not JSON: its first marker ends it (the block is dropped as no call)
+    while at >= 0 and '"' in _JSON_STRING.sub("", body[:at]):
+        at = body.find(CLOSE, at + 1)  # in a string that is still open: look further on
+    return at
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -48,6 +48,25 @@ def test_hermes_blocks_that_are_not_calls_never_reach_the_content() -> None:
     assert calls == [] and text == "a < b, and "
 
 
+def test_a_closing_marker_inside_an_argument_string_does_not_end_the_call() -> None:
+    """A sampled model named a city "</tool_call>Paris": the call was cut there, dropped, and
+    the rest (`Paris"}}</tool_call>`) shown as content."""
+    city = (
+        'a \\"</tool_call> \\\\\\"</tool_call>Paris'  # JSON: a \"</tool_call> \\\"</tool_call>Paris
+    )
+    call = '{"name": "get_weather", "arguments": {"city": "' + city + '"}}'
+    for pieces in (["<tool_call>\n" + call + "\n</tool_call> done", ""], list(call)):
+        parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+        if len(pieces) > 2:
+            pieces = ["<tool_call>", *pieces, "</tool_call> done", ""]
+        text, calls = _feed(parser, pieces)
+        assert text == " done"
+        assert calls == ["get_weather" + json.dumps({"city": json.loads('"' + city + '"')})]
+    # not JSON: its first marker still ends the block (dropped, the rest is content)
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    assert _feed(parser, ['<tool_call>say "</tool_call> ok', ""]) == (" ok", [])
+
+
 def test_a_marker_cut_by_max_tokens_is_dropped_but_a_finished_answer_keeps_its_text() -> None:
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
     assert parser.push("<", final=True, cut=True) == ("", [])  # max_tokens 1: no "<" leak
