@@ -83,7 +83,10 @@ def test_openai_async(api_base: str) -> None:
             async with trio.open_nursery() as nursery:
                 for _ in range(3):
                     nursery.start_soon(one)
-            assert len(chats) == 3 and all(c.choices[0].message.content for c in chats)
+            assert len(chats) == 3
+            for chat in chats:  # sampled: an end of turn drawn first is an empty answer
+                assert isinstance(chat.choices[0].message.content, str)
+                assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 8
 
     trio.run(main)
 

@@ -84,8 +84,13 @@ def test_chat_completion(http: httpx.Client, user: Any) -> None:
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant"
     assert isinstance(choice["message"]["content"], str)
-    if body["usage"]["completion_tokens"] == 8:
-        assert choice["finish_reason"] == "length"
+    # Sampled: an end of turn drawn as the 8th token is 8 tokens that stopped (as vLLM
+    # counts it), so "8 tokens means length" would fail about one run in a hundred.
+    if body["usage"]["completion_tokens"] < 8:
+        assert choice["finish_reason"] == "stop"
+    if choice["finish_reason"] == "length":
+        assert body["usage"]["completion_tokens"] == 8
+    assert choice["finish_reason"] in ("stop", "length")
 
 
 def test_chat_completion_stream(http: httpx.Client) -> None:
