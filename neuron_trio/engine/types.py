@@ -13,6 +13,7 @@ class ToolFunction:
     name: str
     description: str = ""
     parameters: str = '{"type":"object"}'  # JSON Schema text (compact, as the client sent it)
+    strict: bool = False  # OpenAI's strict mode: objects admit no keys they do not name
 
 
 @dataclass(frozen=True)

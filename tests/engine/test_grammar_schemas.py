@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from neuron_trio.engine.text import grammar
 from neuron_trio.engine.text.schema_prep import close_objects, one_line, rebase_refs
+from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
 from tests.engine.text.test_grammar import EOS, IM_END, VOCAB, _allowed, _compiler
@@ -46,7 +47,7 @@ def _json(schema: Any, *, strict: bool = False) -> Constraint:
 def test_pydantic_function_tool_with_a_nested_model_compiles_and_follows_its_refs() -> None:
     tool = openai.pydantic_function_tool(Person, name="person")["function"]
     assert "$defs" in tool["parameters"]  # the nested model is a local $ref
-    function = ToolFunction(tool["name"], "", json.dumps(tool["parameters"]))
+    function = ToolFunction(tool["name"], "", json.dumps(tool["parameters"]), strict=True)
     args = '{"name":"a","home":{"street":"b","city":null},"kind":"c"}'
     for tools in ((function,), (function, ToolFunction("other"))):
         state = _compiler().compile(Constraint("tool_call", tools=tools))
@@ -75,21 +76,29 @@ def test_strict_closes_objects_that_do_not_say_otherwise() -> None:
     assert _walks(_compiler().compile(_json(schema, strict=True)), '{"a":1,"b":2}')
 
 
-def test_tool_arguments_admit_no_key_they_do_not_name_unless_the_schema_says_so() -> None:
-    """Without `strict`: a sampled small model invented keys until max_tokens cut the call."""
+def test_a_demanded_call_admits_no_key_its_schema_does_not_name_unless_it_says_so() -> None:
+    """`required`/named, not `strict`: a sampled small model invented keys until max_tokens
+    cut the call off. A call the model begins itself (`auto`) keeps its schema as written."""
     weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
     def walks(parameters: Any, arguments: str) -> bool:
         tool = ToolFunction("w", "", json.dumps(parameters))
         state = _compiler().compile(Constraint("tool_call", tools=(tool,)))
-        return _walks(
-            state, '<tool_call>\n{"name":"w","arguments":' + arguments + "}\n</tool_call>"
-        )
+        call = '<tool_call>\n{"name":"w","arguments":' + arguments + "}\n</tool_call>"
+        return _walks(state, call)
 
     assert walks(weather, '{"city":"a"}')
     assert not walks(weather, '{"city":"a","x":"b"}')
     assert walks({**weather, "additionalProperties": True}, '{"city":"a","x":"b"}')
     assert walks({"type": "object"}, "{}") and not walks({"type": "object"}, '{"x":1}')
+
+    def auto_arguments(strict: bool) -> Any:  # the schema the auto path's grammar embeds
+        tool = ToolFunction("w", "", json.dumps(weather), strict=strict)
+        body = ToolCallFormat("hermes").call_json([tool])
+        return json.loads(body.removeprefix("%json "))["properties"]["arguments"]
+
+    assert "additionalProperties" not in auto_arguments(strict=False)
+    assert auto_arguments(strict=True)["additionalProperties"] is False
 
 
 def test_close_objects_and_rebase_refs_reach_every_subschema() -> None:

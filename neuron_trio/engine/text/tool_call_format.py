@@ -63,20 +63,20 @@ class ToolCallFormat:
             "additionalProperties": False,
         }
 
-    def prepare_parameters(self, tools: Sequence[ToolFunction]) -> list[Any]:
+    def prepare_parameters(
+        self, tools: Sequence[ToolFunction], *, closed: bool = False
+    ) -> list[Any]:
         """Each tool's parameters, decoded, bounded (`schema_limits`), closed under `strict`
-        and with local `$ref`s pointing where `lark` puts them; RequestError naming the tool."""
+        (or for every tool, with `closed`) and with local `$ref`s pointing where `lark` puts
+        them; RequestError naming the tool."""
         prepared = []
         for index, tool in enumerate(tools):
             param = f"tools[{tool.name}].function.parameters"
             check_size(len(tool.parameters), param=param)
             parameters = decode_schema(tool.parameters, param)
             check_schema(parameters, param=param, size=len(tool.parameters))
-            # Closed whatever `strict` says (as vLLM's xgrammar does by default): arguments go
-            # to a function, and a key it does not name is one it must refuse. Open, a small
-            # sampled model adds invented keys ("placeholder_1") until max_tokens cuts the
-            # call off and the client gets no call at all.
-            close_objects(parameters)
+            if closed or tool.strict:
+                close_objects(parameters)
             at = f"/properties/{self.arguments_key}"
             rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
             prepared.append(parameters)

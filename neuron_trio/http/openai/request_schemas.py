@@ -74,8 +74,7 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    # accepted: a constrained call's arguments admit no key they do not name either way
-    strict: bool | None = None
+    strict: bool | None = None  # enforced when constrained; true also closes objects
 
 
 class ToolDef(msgspec.Struct, forbid_unknown_fields=True):

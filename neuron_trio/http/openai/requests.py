@@ -224,6 +224,7 @@ def _constraint(req: ChatCompletionRequest) -> tuple[Constraint | None, tuple[To
                 if t.function.parameters is not None
                 else {"type": "object", "properties": {}}
             ),
+            strict=bool(t.function.strict),
         )
         for t in req.tools or ()
     )
