@@ -244,8 +244,11 @@ class ToolCallParser:
 
 _DECODER = json.JSONDecoder()
 
-# A JSON string, complete: its escapes taken whole (so `\"` does not end it).
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# Text up to the first closing marker outside a JSON string (escapes taken whole, so `\"` does
+# not end one), or up to a string still open. Possessive: no backtracking, one pass in C.
+_BEFORE_CLOSE = re.compile(
+    rf'(?:[^"<]++|<(?!{re.escape(CLOSE[1:])})|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL
+)
 
 
 def _close_of(body: str) -> int:
@@ -255,9 +258,9 @@ def _close_of(body: str) -> int:
     at = body.find(CLOSE)
     if at < 0 or not body.lstrip().startswith("{"):
         return at  # not JSON: its first marker ends it (the block is dropped as no call)
-    while at >= 0 and '"' in _JSON_STRING.sub("", body[:at]):
-        at = body.find(CLOSE, at + 1)  # in a string that is still open: look further on
-    return at
+    match = _BEFORE_CLOSE.match(body)  # never None: the pattern matches the empty string
+    end = match.end() if match is not None else 0
+    return end if body.startswith(CLOSE, end) else -1
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -62,6 +62,15 @@ def test_a_closing_marker_inside_an_argument_string_does_not_end_the_call() -> N
         text, calls = _feed(parser, pieces)
         assert text == " done"
         assert calls == ["get_weather" + json.dumps({"city": json.loads('"' + city + '"')})]
+    # many markers in many strings, the call streamed in pieces: one call, every key kept
+    arguments = {f"k{i}": "</tool_call>" for i in range(300)}
+    call = json.dumps({"name": "get_weather", "arguments": arguments})
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    pieces = ["<tool_call>"] + [call[i : i + 7] for i in range(0, len(call), 7)]
+    assert _feed(parser, [*pieces, "</tool_call>", ""]) == (
+        "",
+        ["get_weather" + json.dumps(arguments)],
+    )
     # not JSON: its first marker still ends the block (dropped, the rest is content)
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
     assert _feed(parser, ['<tool_call>say "</tool_call> ok', ""]) == (" ok", [])
