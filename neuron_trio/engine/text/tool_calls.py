@@ -245,10 +245,11 @@ class ToolCallParser:
 _DECODER = json.JSONDecoder()
 
 # Text up to the first closing marker outside a JSON string (escapes taken whole, so `\"` does
-# not end one), or up to a string still open. Possessive: no backtracking, one pass in C.
-_BEFORE_CLOSE = re.compile(
-    rf'(?:[^"<]++|<(?!{re.escape(CLOSE[1:])})|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL
-)
+# not end one), or up to a string still open. Linear: `*` can end anywhere, so a match never
+# fails and backtracks, and a string takes one character an alternative (an unterminated one
+# backs off once). No possessive quantifiers: with Python 3.11.2 (Debian 12's python3) they
+# matched past the marker, and CI may build on that python.
+_BEFORE_CLOSE = re.compile(rf'(?:[^"<]+|<(?!{re.escape(CLOSE[1:])})|"(?:[^"\\]|\\.)*")*', re.DOTALL)
 
 
 def _close_of(body: str) -> int:
