@@ -90,7 +90,12 @@ def test_a_demanded_call_admits_no_key_its_schema_does_not_name_unless_it_says_s
     assert walks(weather, '{"city":"a"}')
     assert not walks(weather, '{"city":"a","x":"b"}')
     assert walks({**weather, "additionalProperties": True}, '{"city":"a","x":"b"}')
-    assert walks({"type": "object"}, "{}") and not walks({"type": "object"}, '{"x":1}')
+    assert walks({"type": "object", "properties": {}}, "{}")
+    assert not walks({"type": "object", "properties": {}}, '{"x":1}')
+    # a bare object is a free-form dictionary, at the top and nested; strict closes it
+    assert walks({"type": "object"}, '{"x":1}')
+    nested = {"type": "object", "properties": {"meta": {"type": "object"}}}
+    assert walks(nested, '{"meta":{"k":1}}') and not walks(nested, '{"meta":{},"x":1}')
 
     def auto_arguments(strict: bool) -> Any:  # the schema the auto path's grammar embeds
         tool = ToolFunction("w", "", json.dumps(weather), strict=strict)
@@ -99,6 +104,8 @@ def test_a_demanded_call_admits_no_key_its_schema_does_not_name_unless_it_says_s
 
     assert "additionalProperties" not in auto_arguments(strict=False)
     assert auto_arguments(strict=True)["additionalProperties"] is False
+    tool = ToolFunction("w", "", '{"type":"object"}', strict=True)
+    assert ToolCallFormat("hermes").prepare_parameters([tool])[0]["additionalProperties"] is False
 
 
 def test_close_objects_and_rebase_refs_reach_every_subschema() -> None:

@@ -112,11 +112,12 @@ def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, 
         return grammar, size
     if not constraint.tools:
         raise RequestError("tool_choice: no tool to call", param="tool_choice")
-    # A call the request demands (`required`, a named function) is closed whatever `strict`
-    # says, as vLLM's default grammar backend closes it: the grammar writes the whole call,
-    # and open, a small sampled model invented keys ("placeholder_1") until max_tokens cut
-    # the call off and the client got none. A call the model began itself (`auto`,
-    # tool_call_start) stays as open as its schema: the model's own keys are kept.
+    # A call the request demands (`required`, a named function) admits only the keys its
+    # objects list, whatever `strict` says (vLLM's default grammar backend closes them too):
+    # the grammar writes the whole call, and open, a small sampled model invented keys
+    # ("placeholder_1") until max_tokens cut the call off and the client got none. A bare
+    # `{"type": "object"}` stays a free-form dictionary. A call the model began itself
+    # (`auto`, tool_call_start) stays as open as its schema: the model's own keys are kept.
     parameters = tool_format.prepare_parameters(constraint.tools, closed=True)
     lark = tool_format.lark(constraint.tools, constraint.parallel, parameters)
     # all the tools' schemas together: one compile

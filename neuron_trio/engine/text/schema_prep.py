@@ -3,7 +3,8 @@
 Three things clients send that llguidance does not take as they are:
 
 - OpenAI's `strict: true` closes objects: with it, an object schema without
-  `additionalProperties` admits no other keys (`close_objects`).
+  `additionalProperties` admits no other keys (`close_objects`). A tool call the request
+  demands closes the objects that list their properties, strict or not.
 - A tool's parameters are compiled inside a wrapper object (`{"name": ..., "arguments":
   {parameters}}`), so a local reference such as pydantic's `{"$ref": "#/$defs/Address"}`
   must point into the wrapper (`rebase_refs`); otherwise the compiler looks for `$defs` at the
@@ -52,12 +53,16 @@ def _schemas(root: Any) -> Iterator[dict[str, Any]]:
                 stack.append(item)
 
 
-def close_objects(schema: Any) -> None:
+def close_objects(schema: Any, *, listed_only: bool = False) -> None:
     """OpenAI's strict mode, in place: every object schema that does not say otherwise gets
-    `additionalProperties: false`."""
+    `additionalProperties: false`. With `listed_only`, only objects that list their
+    `properties` (an empty list included): a bare `{"type": "object"}` is a free-form
+    dictionary and stays one."""
     for node in _schemas(schema):
         kind = node.get("type")
         is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
+        if listed_only and "properties" not in node:
+            continue
         if (is_object or "properties" in node) and "additionalProperties" not in node:
             node["additionalProperties"] = False
 

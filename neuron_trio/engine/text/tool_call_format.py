@@ -67,16 +67,16 @@ class ToolCallFormat:
         self, tools: Sequence[ToolFunction], *, closed: bool = False
     ) -> list[Any]:
         """Each tool's parameters, decoded, bounded (`schema_limits`), closed under `strict`
-        (or for every tool, with `closed`) and with local `$ref`s pointing where `lark` puts
-        them; RequestError naming the tool."""
+        (with `closed`, every tool's objects that list their properties are closed too) and
+        with local `$ref`s pointing where `lark` puts them; RequestError naming the tool."""
         prepared = []
         for index, tool in enumerate(tools):
             param = f"tools[{tool.name}].function.parameters"
             check_size(len(tool.parameters), param=param)
             parameters = decode_schema(tool.parameters, param)
             check_schema(parameters, param=param, size=len(tool.parameters))
-            if closed or tool.strict:
-                close_objects(parameters)
+            if tool.strict or closed:
+                close_objects(parameters, listed_only=not tool.strict)
             at = f"/properties/{self.arguments_key}"
             rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
             prepared.append(parameters)
