@@ -118,6 +118,45 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
 
 
 @needs_kernel
+@pytest.mark.parametrize("weights", ["4-bit", "5-bit", "int8"])
+@pytest.mark.parametrize(("out_f", "batch"), [(8, 1), (24, 8), (960, 1), (960, 8), (968, 9)])
+def test_every_output_once_and_the_same_bits_on_any_number_of_threads(
+    weights: str, out_f: int, batch: int
+) -> None:
+    """The threads split a product's tiles (or pairs of tiles) into runs (TILES_SHARED):
+    with more threads than tiles or than cores, and with an odd last tile, every output is
+    computed, with the bits of one thread alone. A product of other inputs runs before each
+    call, so an output left out would hold its values."""
+    assert KERNEL is not None
+    in_f = 96
+    g = torch.Generator().manual_seed(out_f + batch)
+    w = torch.randn(out_f, in_f, generator=g)
+    layer: torch.nn.Module
+    if weights == "int8":
+        layer = Q8Linear(KERNEL, *packing.pack_q8(w))
+    elif weights == "5-bit":
+        nibbles, high = packing.pack_q5(torch.randint(0, 32, (out_f, in_f), generator=g))
+        scale = (torch.rand(out_f, in_f // 32, generator=g) / 16).half()
+        minimum = (-16 * scale.float()).half()
+        layer = Q4Linear(KERNEL, nibbles, scale, minimum, high=high)
+    else:
+        layer = Q4Linear(KERNEL, *packing.pack_q4(w))
+    x, other = torch.randn(2, batch, in_f, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+        assert not torch.equal(layer(other), alone)
+        for n in (2, 3, 7):
+            torch.set_num_threads(n)
+            for _ in range(5):  # who takes over what differs from call to call
+                layer(other)
+                assert torch.equal(layer(x), alone), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, batch: int) -> None:
     """`one_pass` (a coarse pass, as the head's `coarse` kind is): on inputs int8 keeps exactly (each group's largest
