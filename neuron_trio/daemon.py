@@ -88,7 +88,9 @@ def _default_node_factory(
 ) -> DaemonNode:
     from neuron_trio.service.node import Node
 
-    node: DaemonNode = Node(config, identity=identity, gpus=gpus, notifier=notifier)
+    node: DaemonNode = Node(
+        config, identity=identity, gpus=gpus, notifier=notifier, settle_heap=True
+    )
     return node
 
 

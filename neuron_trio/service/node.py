@@ -43,6 +43,7 @@ from neuron_trio.errors import (
     TooManyModelsError,
     UnavailableError,
 )
+from neuron_trio.service import heap
 from neuron_trio.service.api import GenerationJob, HealthSnapshot, ModelSummary
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
@@ -117,8 +118,10 @@ class Node:
         watchdog_factory: Callable[[ModelConfig], Watchdog | None] | None = None,
         hostname: str | None = None,
         burst_gap_s: float = BURST_GAP_S,
+        settle_heap: bool = False,
     ) -> None:
         self.config = config
+        self._settle_heap = settle_heap  # the daemon's node: heap.py after loads and unloads
         self._burst_gap_s = burst_gap_s  # ModelActor's wait for a burst of requests
         self.identity = identity if identity is not None else _ephemeral_identity()
         self.hostname = hostname or socket.gethostname()
@@ -232,6 +235,7 @@ class Node:
         if loaded >= self.config.node.max_models and spec.name not in self._actors:
             raise TooManyModelsError(self.config.node.max_models)
         actor = await self._start_model(spec, hub_limits=HubLimits.from_config(self.config))
+        await self._settle()
         return msgspec.to_builtins(actor.info())  # type: ignore[no-any-return]
 
     async def unload_model(self, name: str) -> None:
@@ -288,6 +292,12 @@ class Node:
             started = time.monotonic()
             await self._start_model(spec)
             self._status(f"loaded {spec.name} in {time.monotonic() - started:.1f} s")
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """The loaded objects out of the garbage collector's walks (heap.py)."""
+        if self._settle_heap:
+            await trio.to_thread.run_sync(heap.settle)
 
     def mark_serving(self) -> None:
         """`/health` answers 200 from now on. Arms the failpoints (never before serving)."""
@@ -428,10 +438,13 @@ class Node:
         if self._actors.get(actor.name) is actor:
             del self._actors[actor.name]
             self._fingerprints.pop(actor.name, None)
-        await trio.to_thread.run_sync(_free_memory, on_cuda)
+        await trio.to_thread.run_sync(_free_memory, on_cuda, self._settle_heap)
 
 
-def _free_memory(on_cuda: bool) -> None:
-    gc.collect()
+def _free_memory(on_cuda: bool, settled: bool) -> None:
+    if settled:
+        heap.release()  # collects, the unloaded model's cycles too
+    else:
+        gc.collect()
     if on_cuda and torch.cuda.is_available():
         torch.cuda.empty_cache()

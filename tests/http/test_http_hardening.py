@@ -290,6 +290,39 @@ def test_a_stalled_body_gets_408() -> None:
     run(body, timeout=10)
 
 
+async def _answer(url: str, sent: bytes, *, close_after: bool) -> bytes:
+    """What the server writes back on a raw HTTP/1.1 connection to `sent` (and the client's
+    half close after it: it can still read), until the server closes."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(sent)
+    if close_after:
+        await stream.send_eof()
+    got = bytearray()
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            got += chunk
+    await stream.aclose()
+    return bytes(got)
+
+
+def test_a_request_cut_off_by_the_clients_close_gets_no_answer() -> None:
+    """Fix 8: hypercorn answered a request that the client's close cut off with a 400 that
+    nobody reads (4,096 such connections closed at once kept the event loop ~1 s). Now the
+    connection just ends; a malformed request the client did not cut off still gets its 400,
+    and a whole request before the client's half close its answer."""
+
+    async def body() -> None:
+        async with serving(FakeNode(), make_config()) as srv:
+            assert await _answer(srv.url, b"GET /hea", close_after=True) == b""
+            malformed = await _answer(srv.url, b"NOT A REQUEST\r\n\r\n", close_after=False)
+            assert malformed.startswith(b"HTTP/1.1 400 ")
+            whole = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+            assert (await _answer(srv.url, whole, close_after=True)).startswith(b"HTTP/1.1 200 ")
+
+    run(body, timeout=30)
+
+
 def test_connections_beyond_the_limit_are_closed_at_once() -> None:
     """Every connection busy (a stream in flight): one more is closed at once. (An idle one
     would make room instead: test_http_abuse.py.)"""

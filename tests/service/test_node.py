@@ -32,6 +32,8 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.failpoints import Failpoints, parse
+from neuron_trio.service import heap
+from neuron_trio.service import node as node_module
 from neuron_trio.service.api import ChatMessage, GenerationJob
 from neuron_trio.service.node import Node
 from neuron_trio.service.placement import ModelEstimate
@@ -147,7 +149,7 @@ class World:
             run_thread=self.threads,
         )
 
-    def node(self, config: NeuronConfig) -> Node:
+    def node(self, config: NeuronConfig, **extra: Any) -> Node:
         return Node(
             config,
             gpus=self.gpus,
@@ -160,6 +162,7 @@ class World:
             watchdog_factory=self.watchdog,
             hostname="node-1",
             burst_gap_s=0.0,  # time moves by hand here: step at once
+            **extra,
         )
 
 
@@ -211,6 +214,31 @@ def test_defaults_load_in_order_with_progress_then_health_goes_ok(tmp_path: Path
         prints = [m.fingerprint for m in node.list_models()]
         assert prints[0].startswith("fp_") and prints[0] == prints[1]
         assert await collect(node, job()) == ["x", "x"]
+
+    run_world(tmp_path, test)
+
+
+@pytest.mark.parametrize("settle_heap", [True, False])
+def test_the_daemons_node_settles_the_heap_after_loads_and_thaws_it_to_unload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settle_heap: bool
+) -> None:
+    """heap.py: the daemon's node (settle_heap) freezes the loaded objects once the defaults
+    are in and after each load, and thaws them to free an unloaded model; any other node
+    (tests, tools) leaves the collector alone but for a collection after an unload."""
+    calls: list[str] = []
+    monkeypatch.setattr(heap, "settle", lambda: calls.append("settle"))
+    monkeypatch.setattr(heap, "release", lambda: calls.append("release"))
+    monkeypatch.setattr(node_module.gc, "collect", lambda: calls.append("collect") or 0)
+    config = make_config(tmp_path, [{"name": "a", "source": "a.gguf", "devices": "cpu"}])
+
+    async def test(w: World) -> None:
+        node = w.node(config, settle_heap=settle_heap)
+        await w.nursery.start(node.run)
+        assert calls == (["settle"] if settle_heap else [])
+        await node.load_model(ModelConfig(name="b", source="b.gguf", devices="cpu"))
+        assert calls == (["settle", "settle"] if settle_heap else [])
+        await node.unload_model("b")
+        assert calls == (["settle", "settle", "release"] if settle_heap else ["collect"])
 
     run_world(tmp_path, test)
 
