@@ -391,7 +391,9 @@ def apply_hypercorn_fixes() -> None:
 
     async def h11_handle(self: Any, event: Any) -> None:
         if isinstance(event, RawData) and not event.data:
-            self._neuron_peer_closed = True  # hypercorn's RawData(b"") is the peer's EOF
+            # hypercorn's RawData(b"") is the peer's EOF. Fix 5's flag is set on the server
+            # only after the read loop, too late: the 400 is written while handling this.
+            self._neuron_peer_closed = True
         await original_h11_handle(self, event)
 
     async def h11_error_response(self: Any, status_code: int) -> None:
