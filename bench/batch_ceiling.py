@@ -1,0 +1,156 @@
+"""How far 8 streams can pull ahead of one on this machine: the ratio of their decode rates
+when each runs at the machine's limit, next to the ratio the README's table measured.
+
+    python bench/batch_ceiling.py [--models smollm2,gemma3,qwen2.5-0.5b] [--threads 2]
+                                  [--table bench/results/bench-table.json]
+
+A decode step at batch 1 reads every weight once and does little arithmetic on each: its
+limit is memory bandwidth (bench/roofline.py). At batch 8 the same bytes feed 8 times the
+arithmetic. neuron's kernel multiplies 4- and 5-bit weights by int8 activations in two passes
+(the activations and their residual, ~15 bits: what keeps greedy output in agreement with
+float32) and int8 weights in one, every product an integer `vpdpbusd` lane. So batch 8 can
+be no faster than its products at the instruction's peak rate (bench/dot_peak.c, measured
+here), nor than reading the weights:
+
+    floor(1) = bytes / bandwidth               (its products are ~8% of it on this machine)
+    floor(8) = max(8 · products / peak, bytes / bandwidth)
+    ceiling  = 8 · floor(1) / floor(8)         (aggregate tok/s at 8 over tok/s at 1)
+
+The floors leave out attention, norms, the sampler and the glue between kernels, which cost
+more at batch 8, so a step at both limits would fall short of the ceiling. A measured ratio
+above it means batch 1 runs further below its limit than batch 8 does below its own. "4x"
+needs a batch-8 step of at most twice batch 1's: at batch 1's limit, when the ceiling is
+under 4, not reachable; the last columns say how close to its limit batch 1 may get and
+how close to the peak batch 8 must get for 4x, given the other's measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.roofline import decode_weight_bytes, stream_bandwidth  # noqa: E402
+from bench.table_models import MODELS  # noqa: E402
+from neuron_trio.engine.model.linear import Q4Linear, Q8Linear  # noqa: E402
+from neuron_trio.engine.model.loader import load_transformer  # noqa: E402
+
+STREAMS = 8
+ONE_PASS = 8  # Q4Linear's flag for the kernel's FLAG_ONE_PASS (the head's coarse pass)
+
+
+def dot_peak(threads: int) -> tuple[float, str]:
+    """Integer products per second of `threads` threads at the dot instruction's peak, and
+    the instruction set: bench/dot_peak.c, compiled here with the C compiler ($CC or cc)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / "dot_peak"
+        source = Path(__file__).with_name("dot_peak.c")
+        subprocess.run([compiler, "-O2", "-fopenmp", str(source), "-o", str(binary)], check=True)
+        out = subprocess.run(
+            [str(binary), str(threads)], check=True, capture_output=True, text=True
+        )
+    rate, isa, _ = out.stdout.split()
+    return float(rate), isa
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one decoded row costs the kernels: weight bytes read, integer products."""
+
+    bytes: int
+    products: int
+    uncounted: tuple[str, ...]  # linear layers outside the int kernels (their work left out)
+
+
+def step_work(model: nn.Module) -> StepWork:
+    """The products of every linear layer of the blocks and the head for one row: in · out
+    per pass, two passes for 4/5-bit weights (one for the head's coarse pass), one for int8."""
+    products, uncounted = 0, []
+    parts: list[nn.Module] = [model.layers, model.output]  # type: ignore[list-item]
+    for part in parts:
+        for name, module in part.named_modules():
+            size = getattr(module, "in_features", 0) * getattr(module, "out_features", 0)
+            if isinstance(module, Q4Linear):
+                products += size * (1 if module._flags & ONE_PASS else 2)
+            elif isinstance(module, Q8Linear):
+                products += size
+            elif not list(module.children()) and size:
+                uncounted.append(f"{name} ({type(module).__name__})")
+    return StepWork(decode_weight_bytes(model), products, tuple(uncounted))
+
+
+def measured_steps(table: Path, key: str) -> tuple[float, float] | None:
+    """Seconds a step at batch 1 and at batch 8 from bench_table.py's raw runs (medians)."""
+    if not table.is_file():
+        return None
+    runs = json.loads(table.read_text()).get("models", {}).get(key, {}).get("runs", {})
+    one, eight = runs.get("decode_1", {}).get("neuron"), runs.get("decode_8", {}).get("neuron")
+    if not one or not eight:
+        return None
+    return 1 / statistics.median(one), STREAMS / statistics.median(eight)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--table", type=Path, default=REPO / "bench/results/bench-table.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    peak, isa = dot_peak(args.threads)
+    bandwidth = stream_bandwidth(args.threads, repeats=10)
+    print(
+        f"{args.threads} threads: dot peak {peak / 1e9:.0f} G int8 products/s ({isa}), "
+        f"streaming read {bandwidth / 1e9:.1f} GB/s\n"
+    )
+    print(
+        "| Model | MB read a row | M products a row | floor, batch 1 (ms) | floor, batch 8 (ms) "
+        "| ceiling: 8 streams / 1 | measured (table) | batch 1 at most, for 4× (% of its floor) "
+        "| batch 8 at least, for 4× (% of its floor) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for key in args.models.split(","):
+        work = step_work(load_transformer(MODELS[key].resolve(), dtype="auto"))
+        memory = work.bytes / bandwidth
+        floor1 = max(memory, work.products / peak)
+        floor8 = max(memory, STREAMS * work.products / peak)
+        ceiling = STREAMS * floor1 / floor8
+        row = [
+            MODELS[key].label, f"{work.bytes / 1e6:.1f}", f"{work.products / 1e6:.0f}",
+            f"{floor1 * 1e3:.2f}", f"{floor8 * 1e3:.2f}", f"{ceiling:.2f}×",
+        ]  # fmt: skip
+        steps = measured_steps(args.table, key)
+        if steps is None:
+            row += ["-", "-", "-"]
+        else:
+            one, eight = steps
+            # 4x: eight <= 2 * one. Batch 1 may be no faster than eight / 2 (a share of its
+            # floor); batch 8 must take at most 2 * one (its floor's share of that).
+            row += [
+                f"{STREAMS * one / eight:.2f}×",
+                f"{100 * min(1.0, floor1 / (eight / 2)):.0f}%",
+                f"{100 * floor8 / (2 * one):.0f}%",
+            ]
+        print("| " + " | ".join(row) + " |")
+        if work.uncounted:
+            print(f"  ({key}: not counted, outside the int kernels: {', '.join(work.uncounted)})")
+
+
+if __name__ == "__main__":
+    main()

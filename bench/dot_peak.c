@@ -1,0 +1,75 @@
+/* The CPU's peak rate of the integer dot instruction that neuron's decode kernel is built on
+   (engine/model/_cpu_kernel.c): 512-bit `vpdpbusd` (AVX-512 VNNI: 64 u8 x s8 products each)
+   where the CPU has it, else AVX2's `vpmaddubsw` + `vpmaddwd` + `vpaddd` (32 products a
+   round). Twelve independent accumulators hide the instruction's latency, so the loop runs at
+   its throughput. bench/batch_ceiling.py compiles and runs it.
+
+       cc -O2 -fopenmp dot_peak.c -o dot_peak && ./dot_peak THREADS
+
+   Prints the products per second of all THREADS threads together, and the instruction set. */
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define ROUNDS 20000000L
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Each returns the products it computed; the sums are kept so the loop is not optimised out. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static long vnni(long rounds, int *sink) {
+    __m512i acc[12];
+    const __m512i w = _mm512_set1_epi8(7), x = _mm512_set1_epi8(3);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
+    for (long r = 0; r < rounds; r++)
+#pragma GCC unroll 12 /* the accumulators then stay in registers */
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
+    __m512i s = acc[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_epi32(s, acc[i]);
+    *sink += _mm512_reduce_add_epi32(s);
+    return rounds * 12 * 64;
+}
+
+__attribute__((target("avx2"))) static long avx2(long rounds, int *sink) {
+    __m256i acc[12];
+    const __m256i w = _mm256_set1_epi8(7), x = _mm256_set1_epi8(3), one = _mm256_set1_epi16(1);
+    for (int i = 0; i < 12; i++) acc[i] = _mm256_setzero_si256();
+    for (long r = 0; r < rounds; r++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++)
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), one));
+    int lanes[8];
+    __m256i s = acc[0];
+    for (int i = 1; i < 12; i++) s = _mm256_add_epi32(s, acc[i]);
+    _mm256_storeu_si256((__m256i *)lanes, s);
+    for (int i = 0; i < 8; i++) *sink += lanes[i];
+    return rounds * 12 * 32;
+}
+
+int main(int argc, char **argv) {
+    const int threads = argc > 1 ? atoi(argv[1]) : 1;
+    __builtin_cpu_init();
+    const int has_vnni = __builtin_cpu_supports("avx512vnni");
+    if (!has_vnni && !__builtin_cpu_supports("avx2")) {
+        printf("0 none\n");
+        return 0;
+    }
+    double best = 0.0;
+    int sink = 0;
+    for (int repeat = 0; repeat < 3; repeat++) {
+        long products = 0;
+        const double start = now();
+#pragma omp parallel num_threads(threads) reduction(+ : products, sink)
+        products += has_vnni ? vnni(ROUNDS / 4, &sink) : avx2(ROUNDS / 4, &sink);
+        const double rate = (double)products / (now() - start);
+        best = rate > best ? rate : best;
+    }
+    printf("%.6g %s %d\n", best, has_vnni ? "avx512vnni" : "avx2", sink & 1);
+    return 0;
+}
