@@ -22,6 +22,10 @@ above it means batch 1 runs further below its limit than batch 8 does below its 
 needs a batch-8 step of at most twice batch 1's: at batch 1's limit, when the ceiling is
 under 4, not reachable; the last columns say how close to its limit batch 1 may get and
 how close to the peak batch 8 must get for 4x, given the other's measured step.
+
+The bandwidth is the table's own (measured in the same run as its steps: this shared
+machine's varies by 2x over a day), or measured now when there is no table or with
+`--bandwidth-now`. The dot peak is measured now.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,11 +99,14 @@ def step_work(model: nn.Module) -> StepWork:
     return StepWork(decode_weight_bytes(model), products, tuple(uncounted))
 
 
-def measured_steps(table: Path, key: str) -> tuple[float, float] | None:
+def read_table(path: Path) -> dict[str, Any]:
+    """bench_table.py's raw runs, or {} without them."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def measured_steps(table: dict[str, Any], key: str) -> tuple[float, float] | None:
     """Seconds a step at batch 1 and at batch 8 from bench_table.py's raw runs (medians)."""
-    if not table.is_file():
-        return None
-    runs = json.loads(table.read_text()).get("models", {}).get(key, {}).get("runs", {})
+    runs = table.get("models", {}).get(key, {}).get("runs", {})
     one, eight = runs.get("decode_1", {}).get("neuron"), runs.get("decode_8", {}).get("neuron")
     if not one or not eight:
         return None
@@ -110,14 +118,19 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--table", type=Path, default=REPO / "bench/results/bench-table.json")
+    parser.add_argument("--bandwidth-now", action="store_true", help="not the table's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    table = read_table(args.table)
     peak, isa = dot_peak(args.threads)
-    bandwidth = stream_bandwidth(args.threads, repeats=10)
+    bandwidth = table.get("bandwidth", {}).get(str(args.threads))
+    where = f"the table's, {table.get('meta', {}).get('date', '?')}"
+    if bandwidth is None or args.bandwidth_now:
+        bandwidth, where = stream_bandwidth(args.threads, repeats=10), "now"
     print(
-        f"{args.threads} threads: dot peak {peak / 1e9:.0f} G int8 products/s ({isa}), "
-        f"streaming read {bandwidth / 1e9:.1f} GB/s\n"
+        f"{args.threads} threads: dot peak {peak / 1e9:.0f} G int8 products/s ({isa}, now), "
+        f"streaming read {bandwidth / 1e9:.1f} GB/s ({where})\n"
     )
     print(
         "| Model | MB read a row | M products a row | floor, batch 1 (ms) | floor, batch 8 (ms) "
@@ -135,7 +148,7 @@ def main() -> None:
             MODELS[key].label, f"{work.bytes / 1e6:.1f}", f"{work.products / 1e6:.0f}",
             f"{floor1 * 1e3:.2f}", f"{floor8 * 1e3:.2f}", f"{ceiling:.2f}×",
         ]  # fmt: skip
-        steps = measured_steps(args.table, key)
+        steps = measured_steps(table, key)
         if steps is None:
             row += ["-", "-", "-"]
         else:
