@@ -12,16 +12,15 @@ float32) and int8 weights in one, every product an integer `vpdpbusd` lane. So b
 be no faster than its products at the instruction's peak rate (bench/dot_peak.c, measured
 here), nor than reading the weights:
 
-    floor(1) = bytes / bandwidth               (its products are ~8% of it on this machine)
-    floor(8) = max(8 · products / peak, bytes / bandwidth)
+    floor(1) = max(bytes / bandwidth, products / peak)
+    floor(8) = max(bytes / bandwidth, 8 · products / peak)
     ceiling  = 8 · floor(1) / floor(8)         (aggregate tok/s at 8 over tok/s at 1)
 
-The floors leave out attention, norms, the sampler and the glue between kernels, which cost
-more at batch 8, so a step at both limits would fall short of the ceiling. A measured ratio
-above it means batch 1 runs further below its limit than batch 8 does below its own. "4x"
-needs a batch-8 step of at most twice batch 1's: at batch 1's limit, when the ceiling is
-under 4, not reachable; the last columns say how close to its limit batch 1 may get and
-how close to the peak batch 8 must get for 4x, given the other's measured step.
+The floors leave out attention, norms, the sampler and the glue between kernels. A measured
+ratio passes the ceiling only as far as batch 8 runs closer to its floor than batch 1 does
+to its own. "4x" needs a batch-8 step of at most twice batch 1's: given the other's measured
+step, the last two columns say how close to its floor batch 1 may come at most, and how
+close to its floor batch 8 must come at least.
 
 The bandwidth is the table's own (measured in the same run as its steps: this shared
 machine's varies by 2x over a day), or measured now when there is no table or with
