@@ -8,9 +8,9 @@ A decode step at batch 1 reads every weight once and does little arithmetic on e
 limit is memory bandwidth (bench/roofline.py). At batch 8 the same bytes feed 8 times the
 arithmetic. neuron's kernel multiplies 4- and 5-bit weights by int8 activations in two passes
 (the activations and their residual, ~15 bits: what keeps greedy output in agreement with
-float32) and int8 weights in one, every product an integer `vpdpbusd` lane. So batch 8 can
-be no faster than its products at the instruction's peak rate (bench/dot_peak.c, measured
-here), nor than reading the weights:
+float32; the output head's coarse pass takes one) and int8 weights in one, every product an
+integer `vpdpbusd` lane. So batch 8 can be no faster than its products at the instruction's
+peak rate (bench/dot_peak.c, measured here), nor than reading the weights:
 
     floor(1) = max(bytes / bandwidth, products / peak)
     floor(8) = max(bytes / bandwidth, 8 · products / peak)
