@@ -2,7 +2,8 @@
    (engine/model/_cpu_kernel.c): 512-bit `vpdpbusd` (AVX-512 VNNI: 64 u8 x s8 products each)
    where the CPU has it, else AVX2's `vpmaddubsw` + `vpmaddwd` + `vpaddd` (32 products a
    round), as the kernel's two paths compute them. Independent accumulators hide the
-   instructions' latency, so the loop runs at their throughput. bench/batch_ceiling.py compiles and runs it.
+   instructions' latency, so the loop runs at their throughput. bench/batch_ceiling.py
+   compiles and runs it.
 
        cc -O2 -fopenmp dot_peak.c -o dot_peak && ./dot_peak THREADS
 
