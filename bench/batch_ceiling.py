@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench import table_format  # noqa: E402
 from bench.roofline import decode_weight_bytes, stream_bandwidth  # noqa: E402
 from bench.table_models import MODELS  # noqa: E402
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear  # noqa: E402
@@ -106,10 +106,11 @@ def read_table(path: Path) -> dict[str, Any]:
 def measured_steps(table: dict[str, Any], key: str) -> tuple[float, float] | None:
     """Seconds a step at batch 1 and at batch 8 from bench_table.py's raw runs (medians)."""
     runs = table.get("models", {}).get(key, {}).get("runs", {})
-    one, eight = runs.get("decode_1", {}).get("neuron"), runs.get("decode_8", {}).get("neuron")
+    one = table_format.median(runs.get("decode_1", {}).get("neuron", []))
+    eight = table_format.median(runs.get("decode_8", {}).get("neuron", []))
     if not one or not eight:
         return None
-    return 1 / statistics.median(one), STREAMS / statistics.median(eight)
+    return 1 / one, STREAMS / eight
 
 
 def main() -> None:
