@@ -468,7 +468,19 @@ TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2)
    t + 1's in its high half, so each broadcast activation and each instruction serves twice
    the rows, and 8 input rows share each unpacked group of weights. */
 
-#define FAR_PAIRS 4 /* how many pairs of tiles ahead the L2 prefetch reads */
+#define FAR_PAIRS 4 /* how many pairs of tiles ahead the L2 prefetch reads, at most... */
+#define FAR_BYTES 65536 /* ...and how many bytes, at most (at least one pair) */
+
+/* How far ahead (bytes) the L2 prefetch reads, for tiles of `span` bytes. Why a cap in bytes:
+   a wide input makes large pairs (Qwen2.5 0.5B's MLP down projection, 4,864 inputs: 39 KB a
+   pair in 5 bits, 78 KB in int8), and 4 of them ahead per thread crowded L2; capped at 64 KB,
+   its batch-8 decode step took 0.6 ms less (~2-3%), every one of 8 rounds alternated in one
+   process (32 KB or 128 KB: no better). Narrower pairs keep FAR_PAIRS. */
+static inline size_t far_ahead(size_t span) {
+    size_t pairs = FAR_BYTES / (2 * span);
+    pairs = pairs < 1 ? 1 : pairs > FAR_PAIRS ? FAR_PAIRS : pairs;
+    return 2 * pairs * span;
+}
 
 TARGET_VNNI static inline __m512i join256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
@@ -509,6 +521,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
     const int groups = j->in / GROUP, five = kind & KIND_FIVE, two = !(kind & KIND_ONE);
     const int coarse = kind & KIND_COARSE;
     const size_t span = (size_t)groups * 128;
+    const size_t ahead = far_ahead(span);
     const uint8_t *w0 = j->qs + (size_t)t * span, *w1 = w0 + span;
     const uint16_t *s0 = (const uint16_t *)j->scale + (size_t)t * groups * 8, *s1 = s0 + groups * 8;
     const uint16_t *m0 = (const uint16_t *)j->minimum + (size_t)t * groups * 8, *m1 = m0 + groups * 8;
@@ -519,9 +532,9 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
         __m512i w[8];
         { /* the next pair's group g (2 x 2 lines): its DRAM read overlaps this pair's maths
              (~25% off a decode step's products at batch 1 and 8; past the end: harmless);
-             and 4 pairs on into L2 (FAR_PAIRS: ~5% off at batch 4) */
+             and up to 4 pairs on into L2 (far_ahead: ~5% off at batch 4) */
             const char *next = (const char *)w0 + 2 * span + (size_t)g * 128;
-            const char *far = (const char *)w0 + 2 * FAR_PAIRS * span + (size_t)g * 128;
+            const char *far = (const char *)w0 + ahead + (size_t)g * 128;
             _mm_prefetch(next, _MM_HINT_T0);
             _mm_prefetch(next + 64, _MM_HINT_T0);
             _mm_prefetch(next + span, _MM_HINT_T0);
@@ -634,16 +647,17 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
                                                                            int b0, const int nb) {
     const int groups = j->in / GROUP;
     const size_t span = (size_t)groups * 256;
+    const size_t ahead = far_ahead(span);
     const int8_t *w0 = (const int8_t *)j->qs + (size_t)t * span, *w1 = w0 + span;
     const int32_t *c0 = j->wsum + (size_t)t * groups * 8, *c1 = c0 + groups * 8;
     __m512 acc[8];
     for (int k = 0; k < nb; k++) acc[k] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m512i w[8];
-        { /* as vnni16_tile: the next pair into L1, FAR_PAIRS on into L2 (the head's 28 MB
+        { /* as vnni16_tile: the next pair into L1, far_ahead on into L2 (the head's 28 MB
              stream from memory at about the rate the maths reads them: batch 8, 1.8 -> 1.5 ms) */
             const char *next = (const char *)w0 + 2 * span + (size_t)g * 256;
-            const char *far = (const char *)w0 + 2 * FAR_PAIRS * span + (size_t)g * 256;
+            const char *far = (const char *)w0 + ahead + (size_t)g * 256;
             for (int i = 0; i < 256; i += 64) {
                 _mm_prefetch(next + i, _MM_HINT_T0);
                 _mm_prefetch(next + span + i, _MM_HINT_T0);
