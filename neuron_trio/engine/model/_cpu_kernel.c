@@ -545,8 +545,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
         __m512i w[8];
         { /* the next pair's group g (2 x 2 lines; near_ahead): its DRAM read overlaps this
              pair's maths (~25% off a decode step's products at batch 1 and 8; past the end:
-             harmless);
-             and up to 4 pairs on into L2 (far_ahead: ~5% off at batch 4) */
+             harmless); and up to 4 pairs on into L2 (far_ahead: ~5% off at batch 4) */
             const char *next = (const char *)w0 + near + (size_t)g * 128;
             const char *far = (const char *)w0 + ahead + (size_t)g * 128;
             _mm_prefetch(next, _MM_HINT_T0);
@@ -668,7 +667,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
     for (int k = 0; k < nb; k++) acc[k] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m512i w[8];
-        { /* as vnni16_tile: the next pair into L1, far_ahead on into L2 (the head's 28 MB
+        { /* as vnni16_tile: near_ahead into L1, far_ahead into L2 (the head's 28 MB
              stream from memory at about the rate the maths reads them: batch 8, 1.8 -> 1.5 ms) */
             const char *next = (const char *)w0 + near + (size_t)g * 256;
             const char *far = (const char *)w0 + ahead + (size_t)g * 256;
