@@ -43,6 +43,7 @@ import http.client
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,11 @@ def first_completion_s(port: int, model: str) -> float:
     return elapsed
 
 
+def neuron_state(s: Settings, model: BenchModel) -> Path:
+    """The state dir that a model's fresh neuron starts share (under the run's logs)."""
+    return s.logs / f"{model.key}-state"
+
+
 def cold_neuron(model: BenchModel, path: Path, s: Settings) -> dict[str, float]:
     entry: dict[str, Any] = {
         "name": "bench",
@@ -210,7 +216,7 @@ def cold_neuron(model: BenchModel, path: Path, s: Settings) -> dict[str, float]:
     env = {"OMP_NUM_THREADS": str(s.threads)}
     # one state dir for the model's fresh starts, as a node keeps it between restarts: the
     # first start packs the weights and caches them ([node] weight_cache), later ones map them
-    state = s.logs / f"{model.key}-state"
+    state = neuron_state(s, model)
     state.mkdir(parents=True, exist_ok=True)
     with running_daemon(
         entry, env=env, model_dirs=[path.parent], timeout_s=600, state_dir=state
@@ -261,6 +267,9 @@ def cold_starts(model: BenchModel, path: Path, s: Settings, out: dict[str, Any])
                 runs[key][side].append(value)
             shown = ", ".join(f"{k} {v:.2f}" for k, v in got.items())
             print(f"  cold {r + 1} {side:>8}: {shown}", flush=True)
+    # the packed weights' cache (0.1-0.6 GB a model) would otherwise stay in the temp dir after
+    # every run; the logs and the starts' records stay
+    shutil.rmtree(neuron_state(s, model) / "cache", ignore_errors=True)
 
 
 # ---- the run -------------------------------------------------------------------------------

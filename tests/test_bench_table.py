@@ -234,3 +234,33 @@ def test_bandwidth_keeps_the_fastest_read_of_every_sample(monkeypatch: pytest.Mo
     assert best == {"1": 20e9, "2": 30e9}
     bt.measure_bandwidth(best, 2)  # neither a slow minute at the start nor one later sets it
     assert best == {"1": 20e9, "2": 50e9}
+
+
+def test_cold_starts_leave_the_logs_but_not_the_weights_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import bench.bench_table as bt
+    from bench.table_models import BenchModel
+
+    model = BenchModel("m", "M", lambda: tmp_path / "m.gguf")
+    s = types.SimpleNamespace(logs=tmp_path, cold_rounds=2, venv=tmp_path / "no-peer")
+    state = bt.neuron_state(s, model)  # type: ignore[arg-type]
+    seen: list[bool] = []
+
+    def fake_start(model: BenchModel, path: Path, s: object) -> dict[str, float]:
+        cache = state / "cache" / "weights"
+        seen.append(cache.exists())  # the second start finds the first one's cache
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "w.nwc").write_bytes(b"packed")
+        (state / "starts").write_text("1\n")
+        return {"ready_s": 1.0}
+
+    monkeypatch.setattr(bt, "cold_neuron", fake_start)
+    out: dict = {"runs": {"ready_s": {"neuron": [], "llamacpp": []}}, "errors": []}
+    bt.cold_starts(model, tmp_path / "m.gguf", s, out)  # type: ignore[arg-type]
+    assert seen == [False, True]
+    assert out["runs"]["ready_s"]["neuron"] == [1.0, 1.0]
+    assert not (state / "cache").exists()
+    assert (state / "starts").exists()
