@@ -54,6 +54,11 @@ from neuron_trio.engine.model.linear import Q4Linear, Q8Linear  # noqa: E402
 from neuron_trio.engine.model.loader import load_transformer  # noqa: E402
 
 STREAMS = 8
+HEADER = (
+    "Model", "MB read a row", "M products a row", "floor, batch 1 (ms)", "floor, batch 8 (ms)",
+    "ceiling: 8 streams / 1", "measured (table)", "batch 1 at most, for 4× (% of its floor)",
+    "batch 8 at least, for 4× (% of its floor)",
+)  # fmt: skip
 ONE_PASS = 8  # Q4Linear's flag for the kernel's FLAG_ONE_PASS (the head's coarse pass)
 
 
@@ -132,12 +137,8 @@ def main() -> None:
         f"{args.threads} threads: dot peak {peak / 1e9:.0f} G int8 products/s ({isa}, now), "
         f"streaming read {bandwidth / 1e9:.1f} GB/s ({where})\n"
     )
-    print(
-        "| Model | MB read a row | M products a row | floor, batch 1 (ms) | floor, batch 8 (ms) "
-        "| ceiling: 8 streams / 1 | measured (table) | batch 1 at most, for 4× (% of its floor) "
-        "| batch 8 at least, for 4× (% of its floor) |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows: list[list[str]] = []
+    notes: list[str] = []
     for key in args.models.split(","):
         work = step_work(load_transformer(MODELS[key].resolve(), dtype="auto"))
         memory = work.bytes / bandwidth
@@ -160,9 +161,14 @@ def main() -> None:
                 f"{100 * min(1.0, floor1 / (eight / 2)):.0f}%",
                 f"{100 * floor8 / (2 * one):.0f}%",
             ]
-        print("| " + " | ".join(row) + " |")
+        rows.append(row)
         if work.uncounted:
-            print(f"  ({key}: not counted, outside the int kernels: {', '.join(work.uncounted)})")
+            notes.append(
+                f"{key}: not counted, outside the int kernels: {', '.join(work.uncounted)}"
+            )
+    print(table_format.markdown_table(HEADER, rows, "lrrrrrrrr"))
+    for note in notes:
+        print(f"  ({note})")
 
 
 if __name__ == "__main__":
