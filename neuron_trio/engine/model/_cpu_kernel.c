@@ -556,6 +556,25 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
             _mm_prefetch(far + 64, _MM_HINT_T1);
             _mm_prefetch(far + span, _MM_HINT_T1);
             _mm_prefetch(far + span + 64, _MM_HINT_T1);
+            /* and that pair's scales, minimums (16 bytes a tile and group each) and fifth bits
+               (32), which the hardware's prefetch alone left the maths waiting on: one line
+               every 4 groups (every 2 for the fifth bits), the decode layers at batch 8 ~1.6%
+               faster on SmolLM2 and Gemma 3, ~3-4% on Qwen2.5 (alternated call by call in one
+               process; a version that tested each address for a line's start was ~3% slower) */
+            const size_t small = (ahead / span) * (size_t)groups * 8 + (size_t)g * 8;
+            if ((g & 3) == 0) {
+                _mm_prefetch((const char *)(s0 + small), _MM_HINT_T1);
+                _mm_prefetch((const char *)(s1 + small), _MM_HINT_T1);
+                if (!coarse && !(j->flags & FLAG_CENTRED)) {
+                    _mm_prefetch((const char *)(m0 + small), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(m1 + small), _MM_HINT_T1);
+                }
+            }
+            if (five && (g & 1) == 0) {
+                const uint32_t *h = j->high + (size_t)t * groups * 8 + small;
+                _mm_prefetch((const char *)h, _MM_HINT_T1);
+                _mm_prefetch((const char *)(h + (size_t)groups * 8), _MM_HINT_T1);
+            }
         }
         for (int k = 0; k < 4; k++) {
             __m512i v = join256(w0 + (size_t)g * 128 + k * 32, w1 + (size_t)g * 128 + k * 32);

@@ -64,6 +64,12 @@ class Slots:
                 self._give_up(f"{name} cannot be cached ({exc})")
         return value
 
+    def moved(self, copies: dict[int, torch.Tensor]) -> None:
+        """Tensors the load moved after they were recorded (arena.gather, by old address):
+        the cache stores their copies, and the old ones can be freed now."""
+        if self.recording is not None:
+            self.recording.replace_tensors(copies)
+
     def _give_up(self, why: str) -> None:
         log.info("weight cache: %s; this model is not cached", why)
         self.phases.note(f"weight cache: {why}")

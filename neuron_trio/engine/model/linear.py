@@ -10,6 +10,7 @@ kernels), and `RefinedHead` (a coarse pass, then each row's best logits exact). 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -165,6 +166,21 @@ class NativeLinear(LinearLayer):
         int8), fifth bits, group sums, outputs, flags (the kernel's PART_FIELDS)."""
         raise NotImplementedError
 
+    # the buffers a product reads, in the order it reads them (arena.gather lays them out so)
+    KERNEL_BUFFERS: tuple[str, ...] = ()
+
+    def move_kernel_buffers(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Give each of KERNEL_BUFFERS the copy `place` returns (the same values elsewhere),
+        then take the new addresses. Only between steps: the kernel reads them by address."""
+        for name in self.KERNEL_BUFFERS:
+            t = self._buffers.get(name)
+            if t is not None:
+                self._buffers[name] = place(t)
+        self._take_pointers()
+
+    def _take_pointers(self) -> None:
+        raise NotImplementedError
+
 
 class Q4Linear(NativeLinear):
     """Weight-only 4-bit groups of 32 through the native kernel (`_cpu_kernel.c`, see
@@ -225,13 +241,22 @@ class Q4Linear(NativeLinear):
         self.register_buffer("high", tiled_high)
         self.register_buffer("dense", dense)
         self._matmul = kernel.matmul
-        # The buffers never move (CPU only, never reassigned): their addresses once, not per call.
+        self._take_pointers()
+
+    KERNEL_BUFFERS = ("nibbles", "high", "scale", "minimum")
+
+    def _take_pointers(self) -> None:
+        # The buffers move only through move_kernel_buffers (CPU only): their addresses once
+        # then, not per call.
+        buffers = self._buffers
+        nibbles, high, scale, minimum = (buffers[n] for n in self.KERNEL_BUFFERS)
+        assert nibbles is not None and scale is not None
         self._pointers = (
             nibbles.data_ptr(),
             scale.data_ptr(),
-            (scale if centred or coarse else minimum).data_ptr(),
+            (scale if minimum is None else minimum).data_ptr(),
         )
-        self._high = 0 if tiled_high is None else tiled_high.data_ptr()
+        self._high = 0 if high is None else high.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -304,7 +329,14 @@ class Q8Linear(NativeLinear):
         self.register_buffer("group_sums", sums)
         self.kernel = kernel  # RefinedHead's refinement runs in it too
         self._matmul = kernel.matmul
-        self._pointers = (tiled.data_ptr(), scale.data_ptr(), sums.data_ptr())  # as in Q4Linear
+        self._take_pointers()
+
+    KERNEL_BUFFERS = ("weight", "group_sums", "scale")
+
+    def _take_pointers(self) -> None:  # as Q4Linear's
+        weight, sums, scale = (self._buffers[n] for n in self.KERNEL_BUFFERS)
+        assert weight is not None and sums is not None and scale is not None
+        self._pointers = (weight.data_ptr(), scale.data_ptr(), sums.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dense = self._buffers["dense"]

@@ -36,7 +36,7 @@ import torch
 from neuron_trio.engine.gguf import families, quant
 from neuron_trio.engine.gguf.file import GGUFFile, unpermute_qk
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
-from neuron_trio.engine.model import cached_load, packing
+from neuron_trio.engine.model import arena, cached_load, packing
 from neuron_trio.engine.model.embedding import QuantizedEmbedding
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import (
@@ -254,6 +254,9 @@ def _load(
     model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
     model.norm = vector("output_norm.weight")
     _load_tables(model, gf, scheme, device, act, kernel, get, cached, phases)
+    if kernel is not None and not cached.hit:  # a hit reads its file's mapping, in this order
+        with phases.phase("arena"):
+            cached.moved(arena.gather(arena.decode_order(model)))
     cached.finish()
     model.init_rope(min(full.context_length, 4096))
     model.eval()

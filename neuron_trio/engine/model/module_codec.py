@@ -63,6 +63,15 @@ class Snapshot:
         """Record one slot (a built layer, or a table)."""
         self.slots[name] = self._encode(value)
 
+    def replace_tensors(self, copies: dict[int, torch.Tensor]) -> None:
+        """Record, instead of each tensor at an address in `copies`, its copy there (the same
+        dtype, shape and values: arena.gather's), so that the old one can be freed. Call once
+        every slot is added (the encoding's indices stay; its lookups by address do not)."""
+        for i, t in enumerate(self.tensors):
+            copy = copies.get(t.data_ptr())
+            if copy is not None and copy.dtype == t.dtype and copy.shape == t.shape:
+                self.tensors[i] = copy
+
     def check_pointers(self) -> None:
         """UncacheableError if an int64 tensor holds the address of a recorded tensor (a table
         of pointers would come back stale). Call once every slot is added."""
