@@ -87,6 +87,8 @@ typedef struct {
     int n, dim, heads, kv, head_dim, ffn, act_bf16, cache_bf16;
     long long pool_tokens;
     const long long *positions, *write_rows, *token_rows; /* [n], [n], [n, length] */
+    const long long *ends; /* [n] each row's end position (the attention reads no key past it,
+                              see row_keys), or NULL: all `length` */
     int length;
     int window_start; /* sliding layers with a window: the first position they attend */
     const void *mask, *window; /* additive, in the activations' dtype [n or 1, L], or NULL */
@@ -205,6 +207,8 @@ static int decode_layers_run(const long long *plan, int layers, const step_t *s)
         const int start = window ? s->window_start : 0;
         a.rows = s->token_rows + start;
         a.rows_stride = s->length;
+        a.ends = s->ends;
+        a.ends_from = start;
         a.mask = (const char *)(window ? s->window : s->mask);
         a.mask_stride = window ? s->window_stride : s->mask_stride;
         a.bf16 = act;
@@ -241,14 +245,15 @@ static int decode_layers_run(const long long *plan, int layers, const step_t *s)
 
 /* decode_layers(plan, layers, x, n, dim, heads, kv, head_dim, ffn, flags, pool_tokens,
    positions, write_rows, token_rows, length, mask, mask_stride, window, window_stride,
-   window_start): flags 1: activations (and the additive masks) in bfloat16, 2: the pool in
+   window_start, ends): flags 1: activations (and the additive masks) in bfloat16, 2: the pool in
    bfloat16. The pool must be in the activations' dtype (attention reads it in place).
    Pointers as ints; mask and window 0 when there is none. The window's columns are positions
-   window_start .. length - 1 (its row stride: window_stride). */
+   window_start .. length - 1 (its row stride: window_stride). ends: int64 [n], each row's end
+   position (at most length; no key past it is read), or 0. */
 static PyObject *q4_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[20];
-    if (take_ints(args, nargs, 20, 20, v, "decode_layers") < 0) return NULL;
+    long long v[21];
+    if (take_ints(args, nargs, 21, 21, v, "decode_layers") < 0) return NULL;
     step_t s;
     s.x = (float *)(intptr_t)v[2];
     s.n = (int)v[3];
@@ -269,6 +274,7 @@ static PyObject *q4_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     s.window = (const void *)(intptr_t)v[17];
     s.window_stride = v[18];
     s.window_start = (int)v[19];
+    s.ends = (const long long *)(intptr_t)v[20];
     const int layers = (int)v[1];
     if (s.n < 1 || layers < 0 || s.kv < 1 || s.heads % s.kv || s.heads / s.kv > 16 ||
         s.head_dim < 16 || s.head_dim > 256 || s.head_dim % 16 || s.dim % GROUP ||

@@ -140,6 +140,7 @@ class DecodePlan:
             c.n_kv_heads, c.head_dim, c.ffn_dim, flags, cache.shape[1],
             at.positions.data_ptr(), at.write_rows.data_ptr(), rows.data_ptr(), at.length,
             mask, mask_stride, window, window_stride, at.window_start,
+            0 if at.row_ends is None else at.row_ends.data_ptr(),
         )  # fmt: skip
         return x
 

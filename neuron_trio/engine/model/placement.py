@@ -24,8 +24,8 @@ class Placement:
     """Where one forward's rows write and read the KV pool; computed once, used by every layer."""
 
     __slots__ = (
-        "b", "causal", "length", "mask", "positions", "read", "real", "t", "token_rows",
-        "window_mask", "window_start", "write", "write_rows",
+        "b", "causal", "length", "mask", "positions", "read", "real", "row_ends", "t",
+        "token_rows", "window_mask", "window_start", "write", "write_rows",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -51,6 +51,9 @@ class Placement:
         self.token_rows: torch.Tensor | None = None
         self.length = 0  # L: positions attended (the longest row's end)
         self.mask: torch.Tensor | None = None  # bool (True = attend) or additive (0 / -inf)
+        # Decode rows of different lengths: each row's end, int64 [B] on the host (the native
+        # decode attention reads no key past it; `mask` still masks them for everyone else).
+        self.row_ends: torch.Tensor | None = None
         self.causal = False
         # Sliding layers: bool [B, 1, T, L - window_start] over positions window_start ..
         # L - 1, True where a key lies within the window of the query (and is attended at

@@ -350,7 +350,8 @@ class Transformer(nn.Module):
             positions = start_pos.to(dev)  # [B]
             if min(ends) != length:
                 cols = torch.arange(length, device=dev)
-                ends_t = torch.tensor(ends, device=dev)
+                at.row_ends = torch.tensor(ends, dtype=torch.int64)
+                ends_t = at.row_ends.to(dev)
                 # additive (0 / -inf in the activation dtype): the same scores as a bool
                 # mask, without SDPA converting one in every layer (~4 us a layer at B = 8)
                 attend = cols[None, :] < ends_t[:, None]

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK
 from neuron_trio.engine.model import native_decode, packing
 from neuron_trio.engine.model import transformer as transformer_module
 from neuron_trio.engine.model.linear import Q8Linear
@@ -113,6 +114,38 @@ def test_a_sliding_window_that_masks_keys_the_same_bits(tmp_path: Path) -> None:
     assert counting.ran == 4 and counting.declined == 0
     for a, b in zip(python, native, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_short_row_beside_a_long_one_the_same_bits(tmp_path: Path, family: str) -> None:
+    # the short row reads only its own keys (row_keys: 8 of the long row's 36), the Python
+    # path all 36 under the mask; gemma3's window of 8 masks the long row's early keys too
+    prompts = [[5, 9, 12], [5 + (7 * i) % 90 for i in range(33)]]
+    python, native, counting = decode_both(tiny(tmp_path, family), prompts, 4, scattered=True)
+    assert counting.ran == 4 and counting.declined == 0
+    for a, b in zip(python, native, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_no_row_reads_keys_past_its_end(tmp_path: Path, isa: str) -> None:
+    # Keys past a row's end are the null block's. Poisoned with NaN there, a row that read
+    # them would get NaN (0 x NaN) even under the mask; the short row (7 tokens, then its
+    # 8th: a whole chunk of 8 keys) reads none of them, the long one has none to read.
+    model = load_transformer(tiny(tmp_path, "qwen2"), dtype="auto")
+    runner = SlotRunner(model, slots=2, context=64, scattered=True)
+    prompts = [[5, 9, 12, 7, 3, 4, 8], [5 + (7 * i) % 90 for i in range(30)]]
+    last = []
+    for slot, prompt in enumerate(prompts):
+        row = runner.forward(torch.tensor([prompt]), torch.tensor([0]), torch.tensor([slot]))
+        last.append([int(row.argmax())])
+    at = torch.tensor([len(p) for p in prompts])
+    clean = runner.forward(torch.tensor(last), at, torch.arange(2))
+    null = NULL_BLOCK * BLOCK_TOKENS
+    runner.kv.storage[:, :, null : null + BLOCK_TOKENS] = float("nan")
+    poisoned = runner.forward(torch.tensor(last), at, torch.arange(2))
+    assert torch.isfinite(clean).all() and torch.equal(poisoned, clean)
+    model._decode_plan = None  # the Python path reads every key, the mask zeroing them
+    assert torch.isnan(runner.forward(torch.tensor(last), at, torch.arange(2))[0]).any()
 
 
 def test_sliding_layers_from_the_window_start_the_bits_of_attending_from_0(
