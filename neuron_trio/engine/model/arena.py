@@ -16,6 +16,7 @@ weights by the addresses the layers took then (`NativeLinear.move_kernel_buffers
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 from collections.abc import Iterable
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from neuron_trio.engine.model.linear import NativeLinear
 
+log = logging.getLogger(__name__)
 _HUGE_PAGE = 2 << 20  # the mapping's data starts on one: the kernel can back it with huge pages
 _ALIGN = 64  # each tensor on a cache line, as torch's allocator aligns them
 
@@ -56,7 +58,11 @@ def gather(projections: Iterable[NativeLinear]) -> dict[int, torch.Tensor]:
     # Room to start on a huge page (never touched, so never resident), for weights that fill
     # one; private and anonymous (a shared mapping is shmem, which THP's madvise mode skips).
     slack = _HUGE_PAGE if total >= _HUGE_PAGE else 0
-    region = mmap.mmap(-1, total + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, total + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, OSError, ValueError) as exc:  # no such mapping here, or no memory
+        log.warning("weights left where packing put them (no mapping of %d bytes: %s)", total, exc)
+        return {}
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or no THP: 4 KiB pages
         region.madvise(mmap.MADV_HUGEPAGE)
     memory = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped while used

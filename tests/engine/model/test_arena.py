@@ -6,6 +6,7 @@ recording the copies."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,3 +122,23 @@ def test_a_snapshot_takes_only_copies_of_the_same_dtype_and_shape() -> None:
     same, other = a.clone(), torch.zeros(6)
     snap.replace_tensors({a.data_ptr(): same, b.data_ptr(): other})
     assert snap.tensors[0] is same and snap.tensors[1] is b
+
+
+def test_without_a_mapping_the_weights_stay_and_the_load_goes_on(
+    model_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference = load_transformer(model_file, dtype="auto")
+
+    real_mmap = arena.mmap.mmap
+
+    def refused(fileno: int, *args: Any, **kwargs: Any) -> Any:
+        if fileno == -1:  # an anonymous mapping: the arena's (the model file still opens)
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(arena.mmap, "mmap", refused)
+    with caplog.at_level("WARNING", logger="neuron_trio.engine.model.arena"):
+        model = load_transformer(model_file, dtype="auto")
+    assert "weights left where packing put them" in caplog.text
+    assert len({t.untyped_storage().data_ptr() for _, t in kernel_buffers(model)}) > 1
+    assert torch.equal(decode_logits(model), decode_logits(reference))
