@@ -47,12 +47,7 @@ def gather(projections: Iterable[NativeLinear]) -> dict[int, torch.Tensor]:
     given; returns each moved tensor's new copy by its old address (a tensor two projections
     share is copied once). The old tensors are freed once nothing else holds them."""
     projections = list(projections)
-    sizes = [
-        t.numel() * t.element_size()
-        for p in projections
-        for name in p.KERNEL_BUFFERS
-        if (t := p._buffers.get(name)) is not None
-    ]
+    sizes = [t.numel() * t.element_size() for p in projections for _, t in p.kernel_tensors()]
     total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
     if total == 0:
         return {}

@@ -169,13 +169,16 @@ class NativeLinear(LinearLayer):
     # the buffers a product reads, in the order it reads them (arena.gather lays them out so)
     KERNEL_BUFFERS: tuple[str, ...] = ()
 
+    def kernel_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The KERNEL_BUFFERS this projection holds (a centred or coarse one has no minimum,
+        a 4-bit one no fifth bits), by name, in that order."""
+        return [(n, t) for n in self.KERNEL_BUFFERS if (t := self._buffers.get(n)) is not None]
+
     def move_kernel_buffers(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Give each of KERNEL_BUFFERS the copy `place` returns (the same values elsewhere),
         then take the new addresses. Only between steps: the kernel reads them by address."""
-        for name in self.KERNEL_BUFFERS:
-            t = self._buffers.get(name)
-            if t is not None:
-                self._buffers[name] = place(t)
+        for name, t in self.kernel_tensors():
+            self._buffers[name] = place(t)
         self._take_pointers()
 
     def _take_pointers(self) -> None:

@@ -35,12 +35,7 @@ def model_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def kernel_buffers(model: Transformer) -> list[tuple[NativeLinear, torch.Tensor]]:
-    return [
-        (p, t)
-        for p in arena.decode_order(model)
-        for name in p.KERNEL_BUFFERS
-        if (t := p._buffers.get(name)) is not None
-    ]
+    return [(p, t) for p in arena.decode_order(model) for _, t in p.kernel_tensors()]
 
 
 def decode_logits(model: Transformer, steps: int = 4) -> torch.Tensor:
