@@ -132,3 +132,28 @@ def test_stacked_layers_join_their_rows(rows: int) -> None:
     want = x.float() @ torch.cat((w5, w8)).T
     assert got.shape == (rows, 48)
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_largest_codes_times_the_largest_activations_stay_exact(
+    isa: str, bits: int, one_pass: bool, batch: int
+) -> None:
+    """Every weight at its largest code (15, or 31 with the fifth bit) times inputs at ±127 in
+    every position: the sums the kernel keeps in narrow integers before widening them
+    (groupk_avx2) reach their largest magnitude here, and must not wrap or saturate."""
+    out_f, in_f = 16, 96
+    q = torch.full((out_f, in_f), (1 << bits) - 1, dtype=torch.uint8)
+    nibbles, high = packing.pack_q5(q)
+    scale = torch.ones(out_f, in_f // 32, dtype=torch.float16)
+    minimum = torch.zeros_like(scale)
+    layer = Q4Linear(
+        KERNEL, nibbles, scale, minimum, high=high if bits == 5 else None, one_pass=one_pass
+    )
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])[:batch, None]
+    x = signs * torch.full((batch, in_f), 127.0)
+    x[-1, 32:64] *= -1  # one group of the opposite sign
+    want = x.double() @ q.double().T
+    torch.testing.assert_close(layer(x).double(), want, rtol=0, atol=1e-3)
