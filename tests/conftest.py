@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from neuron_trio.engine.gguf import header_memo
 from tests import neuron_process
 
 
@@ -32,3 +33,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _no_header_store() -> Iterator[None]:
+    """A test that points the parsed-header store (engine/gguf/header_memo.STORE) at its tmp
+    dir, e.g. through the node's estimator, leaves it pointing nowhere for the next test."""
+    yield
+    header_memo.STORE.use(None)

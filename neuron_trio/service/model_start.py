@@ -23,6 +23,7 @@ import trio
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
+from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
 from neuron_trio.errors import ApiError, ConfigError, ModelFileError, ModelLoadError
 from neuron_trio.executor.api import ModelExecutor
@@ -66,6 +67,7 @@ def default_factory(
     from neuron_trio.executor.executor import build_executor
 
     node = config.node
+    use_header_store(config)
     cache = WeightCache(
         config.weight_cache_path,
         node.weight_cache_max_mb << 20,
@@ -80,9 +82,21 @@ def default_factory(
     )
 
 
-def default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
+def use_header_store(config: NeuronConfig) -> None:
+    """Keep parsed GGUF headers between starts (engine.gguf.header_memo.STORE) in the
+    packed-weight cache's directory (`headers/`), where `[node] weight_cache` keeps those."""
+    directory = config.weight_cache_path / "headers" if config.node.weight_cache else None
+    header_memo.STORE.use(directory)
+
+
+def default_estimator(
+    spec: ModelConfig, path: Path, on_gpu: bool, *, config: NeuronConfig | None = None
+) -> ModelEstimate:
     """The header's size estimate, after the chat template has rendered a probe conversation
-    in time (both read only the header: a file refused here costs no weights)."""
+    in time (both read only the header: a file refused here costs no weights). With `config`,
+    the header store is the node's (`use_header_store`) before the header is first read."""
+    if config is not None:
+        use_header_store(config)
     estimate = estimate_model_bytes(spec, path, on_gpu=on_gpu)
     probe_gguf_chat_template(path, str(path))
     return estimate

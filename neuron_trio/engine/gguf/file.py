@@ -141,13 +141,19 @@ class GGUFFile:
             self.metadata, self.tensors = dict(parsed.metadata), dict(parsed.tensors)
             self.data_start, self.config = parsed.data_start, parsed.config
             return
+        # ...or at an earlier start: its stored header (the vocabulary's checks passed for these
+        # very bytes then; the cheap ones below run again)
+        stored = header_memo.STORE.load(identity, self._mmap)
         try:
-            self._parse()
+            if stored is None or not self._restore(*stored):
+                self._parse()
+                stored = None
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
-            embedding = self.tensors.get("token_embd.weight")
-            gguf_checks.check_vocabulary(
-                self.path, self.metadata, embedding.shape[0] if embedding else None
-            )
+            if stored is None:
+                embedding = self.tensors.get("token_embd.weight")
+                gguf_checks.check_vocabulary(
+                    self.path, self.metadata, embedding.shape[0] if embedding else None
+                )
             try:
                 self.config = self._make_config()
             except (ArithmeticError, ValueError, TypeError) as e:
@@ -167,6 +173,29 @@ class GGUFFile:
                 dict(self.metadata), dict(self.tensors), self.data_start, self.config
             ),
         )
+        if stored is None:
+            rows = [
+                [t.name, t.qtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors.values()
+            ]
+            header_memo.STORE.save(identity, self._mmap, self.metadata, rows, self.data_start)
+
+    def _restore(self, metadata: dict[str, Any], rows: list[list[Any]], data_start: int) -> bool:
+        """Take a stored header (header_memo.STORE); False if its tensor rows are not what
+        `_parse` writes (then the file is parsed instead)."""
+        tensors: dict[str, TensorInfo] = {}
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 5:
+                return False
+            name, qtype, shape, offset, nbytes = row
+            if not (isinstance(name, str) and isinstance(shape, list)):
+                return False
+            if not all(isinstance(v, int) for v in (qtype, offset, nbytes, *shape)):
+                return False
+            if offset + nbytes > len(self._mmap):
+                return False
+            tensors[name] = TensorInfo(name, qtype, tuple(shape), offset, nbytes)
+        self.metadata, self.tensors, self.data_start = metadata, tensors, data_start
+        return True
 
     # ---- header ------------------------------------------------------------------------
 

@@ -65,3 +65,105 @@ def test_the_memo_expires_and_clears(tmp_path: Path, monkeypatch: pytest.MonkeyP
     header_memo.MEMO.clear()
     GGUFFile(path).close()
     assert len(parses) == 3
+
+
+def count_vocabulary_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from neuron_trio.engine.gguf import checks
+
+    checked: list[str] = []
+    real = checks.check_vocabulary
+
+    def counting(path: Path, *args: object, **kwargs: object) -> None:
+        checked.append(str(path))
+        real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checks, "check_vocabulary", counting)
+    return checked
+
+
+def stored_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{header_memo.STORE_SUFFIX}"))
+
+
+def test_a_restart_reads_the_stored_header_instead_of_parsing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store is what a restart finds: a process's memo is empty then (cleared here)."""
+    header_memo.MEMO.clear()
+    header_memo.STORE.use(tmp_path / "headers")
+    parses, checked = count_parses(monkeypatch), count_vocabulary_checks(monkeypatch)
+    path = write_tiny_llama(tmp_path / "m.gguf", extra_metadata={"general.note": "first"})
+    with GGUFFile(path) as first:
+        embedding = first.weight("token_embd.weight")
+    assert len(stored_files(tmp_path / "headers")) == 1
+    header_memo.MEMO.clear()
+    with GGUFFile(path) as again:
+        assert again.metadata == first.metadata and again.config == first.config
+        assert again.tensors == first.tensors and again.data_start == first.data_start
+        assert again.weight("token_embd.weight").equal(embedding)
+    assert len(parses) == 1 and len(checked) == 1
+    # other header bytes at the same size and mtime: parsed and checked again, and stored anew
+    stat = path.stat()
+    write_tiny_llama(path, extra_metadata={"general.note": "other"})
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    header_memo.MEMO.clear()
+    with GGUFFile(path) as changed:
+        assert changed.metadata["general.note"] == "other"
+    assert len(parses) == 2 and len(checked) == 2
+    header_memo.MEMO.clear()
+    GGUFFile(path).close()
+    assert len(parses) == 2
+
+
+@pytest.mark.parametrize(
+    "damage", ["not json", "a list", "no keys", "truncated", "tensors", "digest", "format"]
+)
+def test_a_damaged_store_entry_means_a_parse_never_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    import json
+
+    header_memo.MEMO.clear()
+    header_memo.STORE.use(tmp_path / "headers")
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    with GGUFFile(path) as first:
+        pass
+    (entry,) = stored_files(tmp_path / "headers")
+    text = entry.read_text()
+    data = json.loads(text)
+    if damage == "tensors":  # rows that are not what _parse writes
+        data["tensors"] = [["token_embd.weight", "Q8_0", [1], 0, 0]]
+    elif damage == "digest":
+        data["digest"] = "00" * 16
+    elif damage == "format":
+        data["format"] = header_memo.STORE_FORMAT + 1
+    damaged = {"not json": "{{", "a list": "[]", "no keys": '{"format": 1}'}
+    damaged["truncated"] = text[: len(text) // 2]
+    entry.write_text(damaged.get(damage, json.dumps(data)))
+    header_memo.MEMO.clear()
+    parses = count_parses(monkeypatch)
+    with GGUFFile(path) as again:
+        assert again.metadata == first.metadata and again.tensors == first.tensors
+    assert len(parses) == 1
+
+
+def test_the_store_keeps_the_most_recently_used_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(header_memo, "STORE_ENTRIES", 2)
+    store = tmp_path / "headers"
+    header_memo.STORE.use(store)
+    written: list[set[Path]] = []
+    for i in range(3):
+        header_memo.MEMO.clear()
+        before = set(stored_files(store))
+        GGUFFile(write_tiny_llama(tmp_path / f"m{i}.gguf")).close()
+        (new,) = set(stored_files(store)) - before
+        os.utime(new, ns=(i * 10**9, i * 10**9))  # in the order written, whatever the clock
+        written.append({new})
+    assert set(stored_files(store)) == written[1] | written[2]
+    # without a directory nothing is written
+    header_memo.STORE.use(None)
+    header_memo.MEMO.clear()
+    GGUFFile(write_tiny_llama(tmp_path / "m9.gguf")).close()
+    assert set(stored_files(store)) == written[1] | written[2]
