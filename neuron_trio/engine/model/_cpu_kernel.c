@@ -4,8 +4,8 @@
    and was the largest share of a decode step (about 60% on 2 cores). This kernel does what
    llama.cpp does on the same CPU (Q4_1 weights times Q8 activations): each row of x is
    quantised to int8 per group of 32 (one scale each), and each group's dot product is one
-   integer instruction (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw` + `vpmaddwd`), scaled
-   in float. The group's minimum term uses the exact float sum of x over the group.
+   integer instruction (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw`, its int16 sums widened
+   by `vpmaddwd` once a group: groupk_avx2), scaled in float. The group's minimum term uses the exact float sum of x over the group.
 
    Weights: w = scale · q + minimum with q in 0..15, per row and group of 32 (packing.pack_q4),
    scale and minimum in float16 (as Q4_1 keeps them: a Q4_1 weight comes back exactly), laid
