@@ -6,6 +6,9 @@ probe, the build), and each `GGUFFile` parsed and checked the whole header again
 machine, over 1 s on a busy one. A reuse is sound only for the same bytes: an entry holds
 the file's identity (path, device, inode, size, mtime) and a digest of its header, and is
 used only when both match again; it expires after `MEMO_S` seconds, and holds one file.
+
+`STORE` keeps parsed headers on disk between the daemon's starts, under the same rule: a
+restart reads its models' headers back instead of parsing and checking them again.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ class HeaderStore:
             data_start = entry["data_start"]
             if (
                 entry["format"] != STORE_FORMAT
-                or entry["identity"] != json.loads(json.dumps(list(identity)))
+                or entry["identity"] != list(identity)
                 or not isinstance(data_start, int)
                 or not 0 < data_start <= len(data)
                 or header_digest(data, data_start).hex() != entry["digest"]

@@ -5,7 +5,8 @@
    llama.cpp does on the same CPU (Q4_1 weights times Q8 activations): each row of x is
    quantised to int8 per group of 32 (one scale each), and each group's dot product is one
    integer instruction (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw`, its int16 sums widened
-   by `vpmaddwd` once a group: groupk_avx2), scaled in float. The group's minimum term uses the exact float sum of x over the group.
+   by `vpmaddwd` once a group: groupk_avx2), scaled in float. The group's minimum term uses
+   the exact float sum of x over the group.
 
    Weights: w = scale · q + minimum with q in 0..15, per row and group of 32 (packing.pack_q4),
    scale and minimum in float16 (as Q4_1 keeps them: a Q4_1 weight comes back exactly), laid
