@@ -13,8 +13,12 @@ with; control and user-defined tokens are added by `Tokenizer` itself.
 
 from __future__ import annotations
 
+import bisect
+import codecs
 import hashlib
 import inspect
+import itertools
+import re
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -105,6 +109,24 @@ class MergesStore(Protocol):
 
 _BYTE_TO_CHAR = dict(enumerate(gpt2_byte_alphabet()))
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+# The byte alphabet as a codec: text spelled in it encodes to its bytes in one C loop.
+_ALPHABET_CODEC = codecs.charmap_build("".join(_BYTE_TO_CHAR[b] for b in range(256)))
+_OUTSIDE_ALPHABET = re.compile("[^" + "".join(re.escape(c) for c in sorted(_CHAR_TO_BYTE)) + "]")
+
+
+def _alphabet_bytes(tokens: Sequence[str]) -> list[bytes | None]:
+    """Each token's bytes where it is spelled in the byte alphabet (almost all), else None.
+    All tokens are encoded at once: Qwen2.5's 151,936 took ~0.25 s token by token in Python,
+    ~0.05 s this way, of a restart's ~0.65 s tokenizer build."""
+    joined = "".join(tokens)
+    data = codecs.charmap_encode(joined, "replace", _ALPHABET_CODEC)[0]  # a byte a character
+    ends = list(itertools.accumulate(map(len, tokens)))
+    outside = {bisect.bisect_right(ends, m.start()) for m in _OUTSIDE_ALPHABET.finditer(joined)}
+    starts = [0, *ends[:-1]]
+    return [
+        None if i in outside else data[start:end]
+        for i, (start, end) in enumerate(zip(starts, ends, strict=True))
+    ]
 
 
 def pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -129,16 +151,17 @@ def build_byte_level(
     merges_raw = metadata.get("tokenizer.ggml.merges")
     if not merges_raw:
         raise UnsupportedModelError("byte-level BPE tokenizer without tokenizer.ggml.merges")
-    alphabet = set(_CHAR_TO_BYTE)
+    spelled = _alphabet_bytes(tokens)
     vocab: dict[str, int] = {}
     token_bytes: list[bytes] = []
     for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        raw_spelled = spelled[i]
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
             # stored as raw text, matched whole and printed as it is (as llama.cpp does)
             raw = text.encode("utf-8")
             key = text
-        elif set(text) <= alphabet:
-            raw = bytes(_CHAR_TO_BYTE[c] for c in text)
+        elif raw_spelled is not None:
+            raw = raw_spelled
             key = text
         else:
             # a normal token stored as raw text: spell it in the byte alphabet like the rest

@@ -161,6 +161,26 @@ def test_missing_pre_means_default() -> None:
     assert tok.decode(tok.encode("a,,b 12345", add_special_tokens=False)) == "a,,b 12345"
 
 
+def test_byte_level_tokens_get_the_bytes_their_characters_spell() -> None:
+    """All tokens are encoded at once (gguf_vocab._alphabet_bytes); each must get what its own
+    characters spell, and a token with any character outside the byte alphabet None (its
+    neighbours unaffected), whatever the lengths, empty tokens included."""
+    alphabet = [gguf_vocab._BYTE_TO_CHAR[b] for b in range(256)]
+    rng = np.random.default_rng(5)
+    # outside the alphabet: a token's first character (after a clean token, and after an
+    # empty one), a middle one, and a last one
+    tokens = ["", "a", "\x00x", "ok", "", "\u65e5", "b", "a b", "\u0120hello", "\u0100", "\u00e9"]
+    tokens += ["".join(rng.choice(alphabet, size=int(n))) for n in rng.integers(0, 9, 500)]
+    tokens += ["x\u0101" + "\u2581", "ok", ""]
+    want = [
+        bytes(gguf_vocab._CHAR_TO_BYTE[c] for c in t) if set(t) <= set(alphabet) else None
+        for t in tokens
+    ]
+    got = gguf_vocab._alphabet_bytes(tokens)
+    assert got == want
+    assert [i for i, b in enumerate(got) if b is None] == [2, 5, 7, len(tokens) - 3]
+
+
 # ---- sentencepiece (tokenizer.ggml.model = "llama") ---------------------------------------
 
 
