@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.text.template_sandbox import TemplateLimitError
 from neuron_trio.engine.types import Constraint, SamplingParams
@@ -28,9 +29,11 @@ from neuron_trio.errors import ModelFileError, RequestError
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
 # A plain chat: the shape of the usual first request (one row, a short prefill).
 _CHAT = [{"role": "user", "content": "Say hello."}]
-# A prompt past the rows where prefill leaves the int kernels for the dense GEMM (model.py's
-# NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: 16) with any tokenizer: a word a token.
-_LONG_TEXT = " ".join(["hello"] * 64)
+# A prompt at the rows where prefill leaves the int kernels for the dense GEMM (linear.py's
+# NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: 16) with any tokenizer: a word a token at
+# least. No longer than that: without dense copies (no AMX) those rows run the int kernels,
+# and Qwen2.5 0.5B's 64 took ~0.5 s of a restart on an AMD EPYC 7003.
+_LONG_TEXT = " ".join(["hello"] * NATIVE_DENSE_MIN_ROWS)
 _SYSTEM_CHAT = [
     {"role": "system", "content": "You answer in JSON."},
     {"role": "user", "content": "Give me an object."},

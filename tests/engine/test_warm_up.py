@@ -158,3 +158,19 @@ def test_a_context_shorter_than_the_warm_up_prompts_still_warms_up(tiny_q4: Path
     engine = Engine.from_gguf(tiny_q4, dtype="auto", device="cpu", max_batch=2, context=16)
     report = warm_up(engine)
     assert report.tokens >= 8 and engine.free_slots == 2
+
+
+def test_the_long_request_reaches_the_dense_rows_with_a_tokenizer_of_whole_words() -> None:
+    """The warm-up's long prompt is as short as it may be: with a tokenizer that spells each
+    word as one token (the built-in model's: "hello" and " hello" are tokens), it still makes
+    a prefill of NATIVE_DENSE_MIN_ROWS rows."""
+    from neuron_trio.engine import warm_up as warm_up_module
+    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.file import GGUFFile
+    from neuron_trio.engine.text.tokenizer import Tokenizer
+
+    with GGUFFile(builtin_model_path()) as gf:
+        tokenizer = Tokenizer.from_metadata(gf.metadata)
+    text = warm_up_module._LONG_TEXT
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.split()) == NATIVE_DENSE_MIN_ROWS
