@@ -1601,20 +1601,13 @@ static PyObject *q4_use(PyObject *self, PyObject *arg) {
         ISA = "avx512vnni";
         Py_RETURN_TRUE;
     }
-    if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") &&
+    const int narrow = strcmp(name, "avx2-int8") == 0; /* AVX2 without groupk's int16 sums */
+    if ((narrow || strcmp(name, "avx2") == 0) && __builtin_cpu_supports("avx2") &&
         __builtin_cpu_supports("fma")) {
-        RUN = avx2_run;
+        RUN = narrow ? avx2i8_run : avx2_run;
         RUN8 = avx2_run8;
         ATTEND = attend_one;
-        ISA = "avx2";
-        Py_RETURN_TRUE;
-    }
-    if (strcmp(name, "avx2-int8") == 0 && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma")) {
-        RUN = avx2i8_run;
-        RUN8 = avx2_run8;
-        ATTEND = attend_one;
-        ISA = "avx2-int8";
+        ISA = narrow ? "avx2-int8" : "avx2";
         Py_RETURN_TRUE;
     }
     Py_RETURN_FALSE;
