@@ -133,9 +133,10 @@ class HeaderStore:
             metadata, tensors = entry["metadata"], entry["tensors"]
             if not isinstance(metadata, dict) or not isinstance(tensors, list):
                 return None
-            os.utime(path)  # recently used: kept by `save`'s pruning
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+            os.utime(path)  # recently used: kept by `save`'s pruning
         return metadata, tensors, data_start
 
     def save(

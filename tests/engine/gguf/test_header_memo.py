@@ -167,3 +167,27 @@ def test_the_store_keeps_the_most_recently_used_headers(
     header_memo.MEMO.clear()
     GGUFFile(write_tiny_llama(tmp_path / "m9.gguf")).close()
     assert set(stored_files(store)) == written[1] | written[2]
+
+
+def test_a_store_that_cannot_be_written_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache directory that became read-only: its entries still spare the parse (marking an
+    entry recently used fails quietly), and a new header is parsed without an error."""
+    header_memo.MEMO.clear()
+    header_memo.STORE.use(tmp_path / "headers")
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    GGUFFile(path).close()
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(os, "utime", refused)
+    monkeypatch.setattr(os, "replace", refused)
+    parses = count_parses(monkeypatch)
+    header_memo.MEMO.clear()
+    GGUFFile(path).close()
+    assert parses == []
+    header_memo.MEMO.clear()
+    GGUFFile(write_tiny_llama(tmp_path / "other.gguf")).close()
+    assert len(parses) == 1 and len(stored_files(tmp_path / "headers")) == 1
