@@ -67,7 +67,6 @@ def default_factory(
     from neuron_trio.executor.executor import build_executor
 
     node = config.node
-    use_header_store(config)
     cache = WeightCache(
         config.weight_cache_path,
         node.weight_cache_max_mb << 20,
@@ -84,19 +83,15 @@ def default_factory(
 
 def use_header_store(config: NeuronConfig) -> None:
     """Keep parsed GGUF headers between starts (engine.gguf.header_memo.STORE) in the
-    packed-weight cache's directory (`headers/`), where `[node] weight_cache` keeps those."""
+    packed-weight cache's directory (`headers/`), where `[node] weight_cache` keeps those.
+    The daemon calls it once, before its node reads any header."""
     directory = config.weight_cache_path / "headers" if config.node.weight_cache else None
     header_memo.STORE.use(directory)
 
 
-def default_estimator(
-    spec: ModelConfig, path: Path, on_gpu: bool, *, config: NeuronConfig | None = None
-) -> ModelEstimate:
+def default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:
     """The header's size estimate, after the chat template has rendered a probe conversation
-    in time (both read only the header: a file refused here costs no weights). With `config`,
-    the header store is the node's (`use_header_store`) before the header is first read."""
-    if config is not None:
-        use_header_store(config)
+    in time (both read only the header: a file refused here costs no weights)."""
     estimate = estimate_model_bytes(spec, path, on_gpu=on_gpu)
     probe_gguf_chat_template(path, str(path))
     return estimate

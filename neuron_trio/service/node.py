@@ -130,7 +130,7 @@ class Node:
         self._gpus = gpus
         self._notifier = notifier
         self._factory = executor_factory or partial(default_factory, config=config)
-        self._estimator = estimator or partial(default_estimator, config=config)
+        self._estimator = estimator or default_estimator
         self._host_memory = host_memory or host_memory_available
         self._watchdog_factory = watchdog_factory or self._make_watchdog
         self._registry = CollectorRegistry()

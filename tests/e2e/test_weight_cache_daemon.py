@@ -57,6 +57,8 @@ def test_the_second_start_maps_what_the_first_packed(tmp_path: Path) -> None:
     first, log1 = start_chat_stop(tmp_path, 1, state, model, cache=True)
     entries = list((state / "cache" / "weights").glob("*.nwc"))
     assert len(entries) == 1  # written before the first daemon exited
+    headers = list((state / "cache" / "weights" / "headers").glob("*.gguf-header.json"))
+    assert len(headers) == 1  # the parsed GGUF header, read back by the next start
     second, log2 = start_chat_stop(tmp_path, 2, state, model, cache=True)
     phases1 = [line for line in log1.splitlines() if "start-up phases" in line]
     phases2 = [line for line in log2.splitlines() if "start-up phases" in line]

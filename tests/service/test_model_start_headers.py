@@ -1,6 +1,6 @@
 """service/model_start.py: the node keeps parsed GGUF headers between starts in its
 packed-weight cache's directory (engine/gguf/header_memo.STORE), and nowhere when
-`[node] weight_cache` is off."""
+`[node] weight_cache` is off. (tests/e2e/test_weight_cache_daemon.py: the real daemon.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from neuron_trio.config import config_from_mapping
 from neuron_trio.engine.gguf import header_memo
-from neuron_trio.service.model_start import default_estimator
+from neuron_trio.service.model_start import default_estimator, use_header_store
 from tests.engine.tiny_gguf import write_tiny_llama
 
 
@@ -34,7 +34,8 @@ def test_the_estimate_stores_the_header_where_the_weight_cache_is(
         environ={},
     )
     header_memo.MEMO.clear()
-    estimate = default_estimator(config.default_models[0], path, False, config=config)
+    use_header_store(config)  # as the daemon does before its node starts
+    estimate = default_estimator(config.default_models[0], path, False)
     assert estimate.total_bytes > 0
     stored = list((config.weight_cache_path / "headers").glob(f"*{header_memo.STORE_SUFFIX}"))
     assert len(stored) == (1 if weight_cache else 0)

@@ -144,12 +144,12 @@ class GGUFFile:
         # ...or at an earlier start: its stored header (the vocabulary's checks passed for these
         # very bytes then; the cheap ones below run again)
         stored = header_memo.STORE.load(identity, self._mmap)
+        restored = stored is not None and self._restore(*stored)
         try:
-            if stored is None or not self._restore(*stored):
+            if not restored:
                 self._parse()
-                stored = None
             gguf_checks.check_shape_metadata(self.path, self.metadata, len(self.tensors))
-            if stored is None:
+            if not restored:
                 embedding = self.tensors.get("token_embd.weight")
                 gguf_checks.check_vocabulary(
                     self.path, self.metadata, embedding.shape[0] if embedding else None
@@ -173,7 +173,7 @@ class GGUFFile:
                 dict(self.metadata), dict(self.tensors), self.data_start, self.config
             ),
         )
-        if stored is None:
+        if not restored:
             rows = [
                 [t.name, t.qtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors.values()
             ]

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from neuron_trio.engine.gguf.checks import MAX_HEADER_BYTES
+
 MEMO_S = 120.0
 
 
@@ -82,6 +84,10 @@ MEMO = HeaderMemo()
 STORE_FORMAT = 1
 STORE_SUFFIX = ".gguf-header.json"
 STORE_ENTRIES = 8  # headers kept (the most recently used); a few MB each
+# An entry's bytes at most: twice the largest header a GGUF file may have (JSON adds quotes
+# and separators). A larger file is not read, a larger entry not written: that start parses,
+# as any other.
+STORE_MAX_BYTES = 2 * MAX_HEADER_BYTES
 
 
 class HeaderStore:
@@ -120,6 +126,8 @@ class HeaderStore:
             return None
         try:
             with open(path, encoding="utf-8") as f:
+                if os.fstat(f.fileno()).st_size > STORE_MAX_BYTES:
+                    return None
                 entry = json.load(f)
             data_start = entry["data_start"]
             if (
@@ -160,9 +168,12 @@ class HeaderStore:
         }
         temporary = f"{path}.{os.getpid()}.tmp"
         try:
+            encoded = json.dumps(entry, ensure_ascii=False).encode("utf-8")
+            if len(encoded) > STORE_MAX_BYTES:
+                return
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temporary, "w", encoding="utf-8") as f:
-                json.dump(entry, f)
+            with open(temporary, "wb") as f:
+                f.write(encoded)
             os.replace(temporary, path)
             self._prune(os.path.dirname(path))
         except (OSError, ValueError, TypeError):

@@ -191,3 +191,21 @@ def test_a_store_that_cannot_be_written_is_still_read(
     header_memo.MEMO.clear()
     GGUFFile(write_tiny_llama(tmp_path / "other.gguf")).close()
     assert len(parses) == 1 and len(stored_files(tmp_path / "headers")) == 1
+
+
+def test_an_entry_past_the_size_bound_is_neither_written_nor_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header_memo.MEMO.clear()
+    header_memo.STORE.use(tmp_path / "headers")
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    GGUFFile(path).close()
+    (entry,) = stored_files(tmp_path / "headers")
+    parses = count_parses(monkeypatch)
+    monkeypatch.setattr(header_memo, "STORE_MAX_BYTES", entry.stat().st_size - 1)
+    header_memo.MEMO.clear()
+    GGUFFile(path).close()  # too large to read: parsed
+    assert len(parses) == 1
+    header_memo.MEMO.clear()
+    GGUFFile(write_tiny_llama(tmp_path / "other.gguf")).close()  # too large to write
+    assert len(parses) == 2 and stored_files(tmp_path / "headers") == [entry]
