@@ -2,17 +2,27 @@
 first real request pays no one-time cost the tenth does not.
 
 What a first request would otherwise pay: the chat template's first render and the
-tokenizer's first encode; the first forward of each kind (a long prefill chunk takes the dense
-GEMM path and its oneDNN kernels, a shorter one and the decode rows the int kernels; padded
-rows of different lengths; n choices forking K/V rows); the sampler's greedy
+tokenizer's first encode; the first forward of each kind (where the layers keep dense copies,
+a long prefill chunk takes the dense GEMM path and its oneDNN kernels, a shorter one and the
+decode rows the int kernels; padded rows of different lengths; n choices forking K/V rows);
+the chat template's common start (a default system prompt) computed, then kept by the prefix
+cache; the sampler's greedy
 fast path and its full path (penalties, top-k/top-p, a seeded draw, logprobs); structured
 output's grammar compiler (built on first use, with the tool-call format detection) and a
 JSON mask filled and applied; the detokeniser. `warm_up` runs each once, through the engine's
-public calls only (render_chat, encode_prompt, add, step), so it follows the engine as it
-changes: whatever a step does for a request, it does here first.
+public calls only (render_chat, encode_prompt, add, step; and the runner's
+dense_prefill_rows), so it follows the engine as it changes: whatever a step does for a
+request, it does here first.
 
 Every sequence ends by `max_tokens` (2) and gives its slot back; the engine is left with no
 work. The steps and tokens are counted in `Engine.statistics()` like any other.
+
+Prefill rows are most of the warm-up's time (a 0.5B model computes ~120 rows a second on 2
+cores), so a request runs no more of them than its purpose needs. Every prompt is rendered
+and encoded whole; the plain chats run whole (their template's start is what a first chat
+finds cached), the others only their last WARM_UP_PROMPT_TOKENS tokens (the kernels take any
+number of rows alike), and the long one as many as take the dense copies, or not at all
+where no layer keeps one (Qwen2.5 0.5B on an AMD EPYC 7003: 120 rows, down from 168).
 """
 
 from __future__ import annotations
@@ -27,12 +37,13 @@ from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import ModelFileError, RequestError
 
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
+# Prompt tokens a request runs (its last ones), unless it says otherwise: several rows.
+WARM_UP_PROMPT_TOKENS = 8
 # A plain chat: the shape of the usual first request (one row, a short prefill).
 _CHAT = [{"role": "user", "content": "Say hello."}]
-# A prompt at the rows where prefill leaves the int kernels for the dense GEMM (linear.py's
-# NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: 16) with any tokenizer: a word a token at
-# least. No longer than that: without dense copies (no AMX) those rows run the int kernels,
-# and Qwen2.5 0.5B's 64 took ~0.5 s of a restart on an AMD EPYC 7003.
+# A prompt of at least the rows where prefill leaves the int kernels for the dense copies
+# (linear.py's NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: DENSE_MIN_ROWS, 16) with any
+# tokenizer: a word a token at least. Its last `runner.dense_prefill_rows` tokens run.
 _LONG_TEXT = " ".join(["hello"] * NATIVE_DENSE_MIN_ROWS)
 _SYSTEM_CHAT = [
     {"role": "system", "content": "You answer in JSON."},
@@ -59,11 +70,13 @@ class _Request:
     messages: list[dict[str, str]] | None  # None: a completion of `text`
     params: SamplingParams
     text: str = ""
+    rows: int | None = WARM_UP_PROMPT_TOKENS  # the prompt's last tokens that run (None: all)
 
 
-def _requests(max_batch: int) -> list[list[_Request]]:
+def _requests(max_batch: int, dense_rows: int | None) -> list[list[_Request]]:
     """The warm-up's requests in waves; a wave's requests run together (one padded prefill,
-    batched decode steps) when the slots allow, else one after the other."""
+    batched decode steps) when the slots allow, else one after the other. `dense_rows`: the
+    runner's dense_prefill_rows (None: no long request)."""
     greedy = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0)
     sampled = SamplingParams(
         max_tokens=WARM_UP_TOKENS,
@@ -83,16 +96,18 @@ def _requests(max_batch: int) -> list[list[_Request]]:
         max_tokens=WARM_UP_TOKENS, temperature=0.0, constraint=_JSON_OBJECT
     )
     json_chat = _Request("json_object", _SYSTEM_CHAT, constrained)
-    sampled_chat = _Request("sampled", _CHAT, sampled)
-    greedy_chat = _Request("greedy chat", _CHAT, greedy)
+    sampled_chat = _Request("sampled", _CHAT, sampled, rows=None)
+    greedy_chat = _Request("greedy chat", _CHAT, greedy, rows=None)
     short = _Request("short completion", None, greedy, text="Hi")
-    long = _Request("long completion", None, greedy, text=_LONG_TEXT)
+    long = _Request("long completion", None, greedy, text=_LONG_TEXT, rows=dense_rows)
     # A batch takes the sampler's greedy argmax fast path only when every row is greedy and
     # unmasked, a masked path when any row has a grammar, the per-row path otherwise: so the
     # constrained and the sampled requests run alone (single-row prefill and decode), and the
     # greedy ones together (prefill rows of different lengths, padded; a batched decode), the
-    # long one alone (one row on the dense path).
-    return [[json_chat], [sampled_chat], [long], [greedy_chat, short]]
+    # long one alone (one row on the dense path). The sampled chat computes the template's
+    # start, which the greedy chat then finds cached.
+    longs = [] if dense_rows is None else [[long]]
+    return [[json_chat], [sampled_chat], *longs, [greedy_chat, short]]
 
 
 def warm_up(engine: Engine) -> WarmUpReport:
@@ -112,7 +127,7 @@ def warm_up(engine: Engine) -> WarmUpReport:
 def _warm_up(engine: Engine) -> WarmUpReport:
     report = WarmUpReport()
     steps_before = engine.statistics().steps
-    for wave in _requests(engine.max_batch):
+    for wave in _requests(engine.max_batch, engine.runner.dense_prefill_rows):
         for request in wave:
             if engine.free_slots < request.params.n:
                 _drain(engine, report)  # max_batch is small: one request at a time
@@ -125,9 +140,10 @@ def _warm_up(engine: Engine) -> WarmUpReport:
 
 
 def _prompt(engine: Engine, request: _Request) -> tuple[list[int], bool]:
-    """The request's token ids and chat flag. A model without a (working) chat template takes
-    the chats' text as a completion; a prompt longer than the context leaves room for the
-    tokens (its start is dropped: any tokens warm up as well as others)."""
+    """The request's token ids (the last `request.rows` of its prompt) and chat flag. A model
+    without a (working) chat template takes the chats' text as a completion; a prompt longer
+    than the context leaves room for the tokens (its start is dropped: any tokens warm up as
+    well as others)."""
     text, chat = request.text, False
     if request.messages is not None:
         try:
@@ -138,6 +154,8 @@ def _prompt(engine: Engine, request: _Request) -> tuple[list[int], bool]:
             raise ModelFileError(f"the chat template failed the warm-up: {exc.message}") from None
     ids = engine.encode_prompt(text, chat=chat)
     room = max(1, engine.context - WARM_UP_TOKENS)
+    if request.rows is not None:
+        room = min(room, request.rows)
     return ids[-room:], chat
 
 

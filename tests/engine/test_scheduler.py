@@ -196,6 +196,7 @@ class FakeRunner:
         self.blocks = blocks
         self.context = context
         self.device = torch.device("cpu")
+        self.dense_prefill_rows = None
         self.rule = rule
         self.store: dict[int, list[int | None]] = {}  # block -> the token at each position
         self.calls: list[tuple[int, int]] = []  # (B, T) of every forward

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS
 from neuron_trio.engine.types import Constraint, SamplingParams
-from neuron_trio.engine.warm_up import warm_up
+from neuron_trio.engine.warm_up import WARM_UP_PROMPT_TOKENS, warm_up
 from tests.engine.tiny_gguf import write_tiny_llama
 
 Kind = tuple[str, ...]
@@ -20,9 +21,17 @@ Kind = tuple[str, ...]
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Q4_1 under "auto": the native kernel for short rows, a dense copy for prefill chunks of
-    # NATIVE_DENSE_MIN_ROWS rows or more, as the built-in model.
+    # Q4_1 under "auto": the native kernel, as the built-in model; with dense copies (see
+    # `copies`) prefill chunks of NATIVE_DENSE_MIN_ROWS rows or more take those instead.
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "q4.gguf", qtype="Q4_1", seed=5)
+
+
+@pytest.fixture(params=[True, False], ids=["dense copies", "no dense copies"])
+def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the native layers keep dense copies (as on a CPU with AMX) in the engines a
+    test then loads: both ways on any machine (packing.native_dense_copies)."""
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "1" if request.param else "0")
+    return bool(request.param)
 
 
 def _engine(path: Path, max_batch: int = 8) -> Engine:
@@ -39,13 +48,17 @@ class WorkSpy:
         runner, sampler = engine.runner, engine.sampler
         forward, sample = runner.forward, sampler.sample
 
+        dense_rows = runner.dense_prefill_rows
+        self.rows: list[int] = []  # of every forward
+
         def spy_forward(ids: torch.Tensor, pos: Any, slots: Any, **kw: Any) -> Any:
             b, t = ids.shape
+            self.rows.append(b * t)
             self.kinds.add(
                 (
                     "forward",
                     "decode" if t == 1 else "prefill",
-                    "dense" if b * t >= NATIVE_DENSE_MIN_ROWS else "int",
+                    "dense" if dense_rows is not None and b * t >= dense_rows else "int",
                     "padded" if kw.get("lengths") is not None else "even",
                     "batch" if b > 1 else "single",
                 )
@@ -98,7 +111,7 @@ LONG = " ".join([SHORT] * 12)  # past NATIVE_DENSE_MIN_ROWS tokens: the dense pr
 @pytest.mark.parametrize("content", [SHORT, LONG])
 @pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
 def test_a_first_request_after_warm_up_runs_nothing_new(
-    tiny_q4: Path, what: str, params: SamplingParams, content: str
+    tiny_q4: Path, copies: bool, what: str, params: SamplingParams, content: str
 ) -> None:
     engine = _engine(tiny_q4)
     spy = WorkSpy(engine)
@@ -111,10 +124,16 @@ def test_a_first_request_after_warm_up_runs_nothing_new(
 @pytest.mark.parametrize(("content", "path"), [(SHORT, "int"), (LONG, "dense")])
 @pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
 def test_without_warm_up_the_first_request_does_run_new_work(
-    tiny_q4: Path, what: str, params: SamplingParams, content: str, path: str
+    tiny_q4: Path,
+    what: str,
+    params: SamplingParams,
+    content: str,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The spy sees what the previous test checks is absent (so that test can fail), on
-    both prefill paths."""
+    both prefill paths (with dense copies: there are two)."""
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "1")
     engine = _engine(tiny_q4)
     spy = WorkSpy(engine)
     new, built = spy.new_work(lambda: _chat(engine, content, params))
@@ -123,17 +142,14 @@ def test_without_warm_up_the_first_request_does_run_new_work(
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 8])
-def test_warm_up_leaves_the_engine_idle_with_every_slot_free(tiny_q4: Path, max_batch: int) -> None:
+def test_warm_up_leaves_the_engine_idle_with_every_slot_free(
+    tiny_q4: Path, copies: bool, max_batch: int
+) -> None:
     engine = _engine(tiny_q4, max_batch=max_batch)
     report = warm_up(engine)
     assert not engine.has_work and engine.free_slots == max_batch
-    assert report.requests == [
-        "json_object",
-        "sampled",
-        "long completion",
-        "greedy chat",
-        "short completion",
-    ]
+    longs = ["long completion"] if copies else []
+    assert report.requests == ["json_object", "sampled", *longs, "greedy chat", "short completion"]
     assert report.steps >= 6 and report.tokens >= 8  # every request got its 2 tokens
     # and the engine serves as before
     _chat(engine, "hello", GREEDY)
@@ -147,11 +163,13 @@ def test_warm_up_refuses_a_busy_engine(tiny_q4: Path) -> None:
         warm_up(engine)
 
 
-def test_a_model_without_a_chat_template_warms_up_on_completions(tmp_path: Path) -> None:
+def test_a_model_without_a_chat_template_warms_up_on_completions(
+    tmp_path: Path, copies: bool
+) -> None:
     base = write_tiny_llama(tmp_path / "base.gguf", qtype="Q4_1", chat_template=None)
     engine = _engine(base)
     report = warm_up(engine)
-    assert len(report.requests) == 5 and not engine.has_work
+    assert len(report.requests) == (5 if copies else 4) and not engine.has_work
 
 
 def test_a_context_shorter_than_the_warm_up_prompts_still_warms_up(tiny_q4: Path) -> None:
@@ -174,3 +192,38 @@ def test_the_long_request_reaches_the_dense_rows_with_a_tokenizer_of_whole_words
     text = warm_up_module._LONG_TEXT
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) == len(text.split()) == NATIVE_DENSE_MIN_ROWS
+
+
+def test_each_request_runs_no_more_prompt_rows_than_its_purpose_needs(
+    tiny_q4: Path, copies: bool
+) -> None:
+    """The json chat (first) runs only the last WARM_UP_PROMPT_TOKENS of its 54 tokens, the
+    long request exactly the rows that take the dense copies, and none runs without them."""
+    engine = _engine(tiny_q4)
+    spy = WorkSpy(engine)
+    warm_up(engine)
+    assert spy.rows[0] == WARM_UP_PROMPT_TOKENS
+    long_rows = [rows for rows in spy.rows if rows >= NATIVE_DENSE_MIN_ROWS]
+    assert long_rows == ([NATIVE_DENSE_MIN_ROWS] if copies else [])
+
+
+# ChatML with a default system prompt, as Qwen2.5's: every chat starts with the same blocks.
+SYSTEM_PROMPT_TEMPLATE = (
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{{ '<|im_start|>assistant\\n' }}"
+)
+
+
+def test_a_first_chat_finds_the_start_of_the_template_cached(tmp_path: Path) -> None:
+    """The plain chats run whole: a first real chat's prefill skips the template's common
+    start (a block of it at least), as the tenth chat's does."""
+    path = write_tiny_llama(
+        tmp_path / "system.gguf", qtype="Q4_1", chat_template=SYSTEM_PROMPT_TEMPLATE
+    )
+    engine = _engine(path)
+    warm_up(engine)
+    before = engine.pool.statistics().hit_tokens
+    _chat(engine, "What is the capital of Peru?", GREEDY)
+    assert engine.pool.statistics().hit_tokens - before >= BLOCK_TOKENS

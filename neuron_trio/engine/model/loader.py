@@ -48,6 +48,7 @@ from neuron_trio.engine.model.linear import (
     Q8Linear,
     RefinedHead,
     StackedLinear,
+    dense_prefill_rows,
 )
 from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.transformer import Block, Transformer, run_to_end
@@ -430,6 +431,7 @@ class SingleRunner:
         self.blocks = blocks
         self.context = context
         self.device = model.device
+        self.dense_prefill_rows = dense_prefill_rows(model)
         self.kv = KVCache.allocate(model.config, blocks, kv_dtype or model.act_dtype, self.device)
         model.init_rope(context)
 

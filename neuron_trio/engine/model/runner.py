@@ -20,6 +20,9 @@ class Runner(Protocol):
     blocks: int  # KV pool blocks, the reserved ones (block_pool.RESERVED_BLOCKS) included
     context: int  # positions a row may reach
     device: torch.device  # where logits come back
+    # the fewest rows at which a forward takes a projection's dense copy (None: no copies):
+    # linear.dense_prefill_rows, for the warm-up
+    dense_prefill_rows: int | None
 
     def forward(
         self,

@@ -21,6 +21,7 @@ import torch
 
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model.kv_cache import KVCache
+from neuron_trio.engine.model.linear import dense_prefill_rows
 from neuron_trio.engine.model.transformer import Transformer
 from neuron_trio.errors import CommAbortedError
 from neuron_trio.executor.comm import Communicator
@@ -55,6 +56,8 @@ class TPRunner:
         )
         self.devices = [m.device for m in models]
         self.device = self.devices[0]
+        rows = [r for m in models if (r := dense_prefill_rows(m)) is not None]
+        self.dense_prefill_rows = min(rows, default=None)
         self.kv = [
             # Each rank's pool holds its own KV heads, in the same blocks (one block table for
             # every rank); K and V are stored in what the model computes them in.

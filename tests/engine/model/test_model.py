@@ -15,6 +15,8 @@ from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model import loader, packing
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import (
+    DENSE_MIN_ROWS,
+    NATIVE_DENSE_MIN_ROWS,
     Int4Linear,
     Int8Linear,
     Linear,
@@ -22,6 +24,7 @@ from neuron_trio.engine.model.linear import (
     Q4Linear,
     Q8Linear,
     RefinedHead,
+    dense_prefill_rows,
 )
 from neuron_trio.engine.model.loader import ShardFn, SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
@@ -500,3 +503,21 @@ def test_every_projection_has_one_interface_norm_and_gate_in_torch_by_default(ge
     if act is None:
         act = torch.nn.functional.silu(gate_up[:, :6])
     torch.testing.assert_close(layer.gated(gate_up, gelu), (act * gate_up[:, 6:]) @ w.T)
+
+
+def test_dense_prefill_rows_are_the_fewest_at_which_a_kept_dense_copy_takes_over() -> None:
+    weight, scales = torch.ones(16, 32, dtype=torch.int8), torch.ones(16)
+    without = Int8Linear(weight, scales)
+    with_copy = Int8Linear(weight, scales, dense=torch.ones(16, 32, dtype=torch.bfloat16))
+    assert dense_prefill_rows(torch.nn.Sequential(without, Linear(torch.ones(4, 4)))) is None
+    assert dense_prefill_rows(torch.nn.Sequential(without, with_copy)) == DENSE_MIN_ROWS
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_runner_says_whether_its_native_layers_keep_dense_copies(
+    files: dict[str, Path], copies: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "1" if copies else "0")
+    model = load_transformer(files["Q4_1"], dtype="auto")
+    runner = SingleRunner(model, blocks=8, context=64)
+    assert runner.dense_prefill_rows == (NATIVE_DENSE_MIN_ROWS if copies else None)

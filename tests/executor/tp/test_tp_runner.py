@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 
 import pytest
 import torch
@@ -46,6 +46,9 @@ class ToyShard:
 
     def init_rope(self, positions: int) -> None:
         pass  # no RoPE in the toy
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        return iter(())  # no projection modules: no dense copies (dense_prefill_rows)
 
     def forward_steps(
         self, input_ids, start_pos, slots, kv, *, lengths=None, all_logits=False
