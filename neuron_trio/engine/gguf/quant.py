@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 
@@ -103,6 +104,9 @@ def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """`[n, 4]` bytes (a little-endian uint32) → `[n, 32]`: bit j is element j's 5th bit."""
+    if qh.device.type == "cpu":  # numpy's unpackbits: ~4x torch's shifts (a first start's 0.4 s)
+        bits = np.unpackbits(qh.numpy(), axis=-1, bitorder="little")
+        return torch.from_numpy(bits).reshape(-1, 32) << 4
     shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
     return ((qh.reshape(-1, 4, 1) >> shifts) & 1).reshape(-1, 32) << 4
 

@@ -189,6 +189,10 @@ def _load(
 
     def codes(name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         info = gf.tensors[name]
+        if tuple(info.shape) != shape:
+            raise ModelLoadError(
+                f"{gf.path}: tensor {name} has shape {tuple(info.shape)}, expected {shape}"
+            )
         parts = quant.five_bit_codes(gf.raw(name), quant.QType(info.qtype), shape)
         if gf.config.arch in families.PERMUTED_QK and name.endswith(
             (".attn_q.weight", ".attn_k.weight")
@@ -198,14 +202,19 @@ def _load(
         return parts
 
     def one_format(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
-        w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
         kinds = {kind(n) for n in names}
-        with phases.phase("pack"):
-            if kinds != {"five"}:
+        if kinds != {"five"}:
+            w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
+            with phases.phase("pack"):
                 return make_linear(w, scheme, device, four_bit=kinds == {"four"})
+
+        def weight() -> torch.Tensor:  # only where the layer needs it (a dense copy): rare
+            return torch.cat([gf.weight(n) for n in names], dim=0)  # shapes checked by codes
+
+        with phases.phase("pack"):
             per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
             q, scale, minimum = (torch.cat(col, dim=0) for col in zip(*per_tensor, strict=True))
-            return make_linear(w, scheme, device, four_bit=False, five_bit=(q, scale, minimum))
+            return make_linear(weight, scheme, device, four_bit=False, five_bit=(q, scale, minimum))
 
     def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         """One projection over the rows of `names`; one layer per run of a packing kind."""
@@ -366,7 +375,7 @@ def _rows(gf: GGUFFile) -> QuantizedEmbedding:
 
 
 def make_linear(
-    weight: torch.Tensor,
+    weight: torch.Tensor | Callable[[], torch.Tensor],
     scheme: str,
     device: torch.device,
     *,
@@ -378,11 +387,21 @@ def make_linear(
     `five_bit`: the weight's own 5-bit codes (quant.five_bit_codes: q, scale, minimum), which
     the native kernel keeps exactly. Under "cpu-int" the layer also keeps a bfloat16 copy for
     prefill chunks: torch's int kernels always, the native kernel's where
-    packing.native_dense_copies() says so.
+    packing.native_dense_copies() says so. `weight` may be a function that makes it: it is
+    called only where the float32 weight is used (with `five_bit` in the native kernel and
+    no dense copy: never, which spares a 0.5B model's first start ~1.5 s of dequantising).
     """
+    made: torch.Tensor | None = None
+
+    def full() -> torch.Tensor:
+        nonlocal made
+        if made is None:
+            made = weight if isinstance(weight, torch.Tensor) else weight()
+        return made
+
     if scheme != "cpu-int":
-        return Linear(weight.to(device=device, dtype=_DENSE[scheme]))
-    out_f, in_f = weight.shape
+        return Linear(full().to(device=device, dtype=_DENSE[scheme]))
+    out_f, in_f = five_bit[0].shape if five_bit is not None else full().shape
     kernel = packing.native_kernel() if device.type == "cpu" else None
     fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
 
@@ -390,7 +409,7 @@ def make_linear(
         """The layer's bfloat16 copy for prefill chunks, made only where it is kept."""
         if native and not packing.native_dense_copies():
             return None
-        return weight.to(device=device, dtype=torch.bfloat16)
+        return full().to(device=device, dtype=torch.bfloat16)
 
     if five_bit is not None and kernel is not None and fits:
         q, scale, minimum = five_bit
@@ -398,15 +417,16 @@ def make_linear(
         centred = torch.equal(minimum.float(), scale.float() * -16.0)  # Q5_0: not stored
         stored = None if centred else minimum
         return Q4Linear(kernel, nibbles, scale, stored, dense(True), high=high)
+    w = full()
     # (its float16 scales: weights beyond float16's range take torch's kernel)
-    if four_bit and kernel is not None and fits and float(weight.abs().max()) < 6e4:
-        return Q4Linear(kernel, *packing.pack_q4(weight), dense(True))
+    if four_bit and kernel is not None and fits and float(w.abs().max()) < 6e4:
+        return Q4Linear(kernel, *packing.pack_q4(w), dense(True))
     if four_bit and in_f % packing.INT4_GROUP == 0 and out_f % 16 == 0:
-        packed, scales_zeros = packing.pack_int4(weight)
+        packed, scales_zeros = packing.pack_int4(w)
         return Int4Linear(packed, scales_zeros, out_f, in_f, packing.INT4_GROUP, dense(False))
     if kernel is not None and fits:  # int8, one scale per row, in the native kernel
-        return Q8Linear(kernel, *packing.pack_q8(weight), dense(True), keep_dtype=True)
-    q8, scales = packing.pack_int8(weight)
+        return Q8Linear(kernel, *packing.pack_q8(w), dense(True), keep_dtype=True)
+    q8, scales = packing.pack_int8(w)
     return Int8Linear(q8, scales, dense(False))
 
 

@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar, cast
 
+import numpy as np
 import torch
 
 # ---- weight-only packing for torch's CPU kernels ----------------------------------------
 
 INT4_GROUP = 32
+# A large weight is packed this many rows at a time: the float32 temporaries of a slice stay
+# in the caches (Qwen2.5 0.5B's 151,936 x 896 head, pack_q4_symmetric on 2 cores: 2.9 s
+# whole, 0.8-1.0 s by 1,024 rows; 256 and 4,096 rows were slower).
+_CHUNK_ROWS = 1024
+_Packed = TypeVar("_Packed", bound=tuple[torch.Tensor, ...])
+
+
+def _by_row_chunks(pack: Callable[..., _Packed], weight: torch.Tensor, *args: int) -> _Packed:
+    """`pack(weight, *args)` as the join of `pack` over slices of _CHUNK_ROWS rows: the same
+    values where each output row depends on its own input row only (per-row and per-group
+    scales)."""
+    rows = weight.shape[0]
+    parts = [pack(weight[r : r + _CHUNK_ROWS], *args) for r in range(0, rows, _CHUNK_ROWS)]
+    return cast(_Packed, tuple(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
 def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +59,8 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 `[out, in]` → (int8 `[out, in]`, bfloat16 scales `[out]`), symmetric per row."""
+    if weight.shape[0] > _CHUNK_ROWS:
+        return _by_row_chunks(pack_int8, weight)
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -57,6 +76,8 @@ def pack_q4(
     back exactly). In each group's 16 bytes, the low nibbles hold elements 0..15 and the high
     nibbles 16..31 (ggml's order).
     """
+    if weight.shape[0] > _CHUNK_ROWS:
+        return _by_row_chunks(pack_q4, weight, group)
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group, group)
     lo = w.amin(dim=-1, keepdim=True).half().float()
@@ -83,6 +104,8 @@ def pack_q4_symmetric(
     `[out, in/group]`): w ≈ scale · (q - 8), q in 0..15, as Q4_0 (the group's value of largest
     magnitude is -8 steps). The native kernel's coarse kind (Q4Linear's `coarse`): no minimum
     to read or add."""
+    if weight.shape[0] > _CHUNK_ROWS:
+        return _by_row_chunks(pack_q4_symmetric, weight, group)
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group, group)
     extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # signed
@@ -126,14 +149,16 @@ def tile_high(high: torch.Tensor) -> torch.Tensor:
     out_f, in_f = high.shape
     tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
     bits = high.reshape(tiles, Q4_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
-    bits = bits.reshape(tiles, groups, 8, 4, 8).to(torch.uint8)  # [.., step, byte, bit]
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (bits * weights).sum(-1, dtype=torch.uint8).contiguous()  # [tiles, groups, 8, 4]
+    bits = bits.reshape(tiles, groups, 8, 32).to(torch.uint8)  # [.., step, bit of the 32]
+    # numpy's packbits: ~1.7x torch's weighted sum (a 0.5B model's first start: ~0.3 s)
+    return torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little"))
 
 
 def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 `[out, in]` → (int8 `[out, in]`, float32 scales `[out]`), symmetric per row
     (pack_int8's grid, with its scales kept in float32) for the native kernel."""
+    if weight.shape[0] > _CHUNK_ROWS:
+        return _by_row_chunks(pack_q8, weight)
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale

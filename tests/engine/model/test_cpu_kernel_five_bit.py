@@ -5,6 +5,7 @@ product against float32 on both instruction sets and every batch split."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -12,9 +13,12 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf import quant
+from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear, StackedLinear
+from neuron_trio.engine.model.loader import load_transformer
 from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture
+from tests.engine.tiny_gguf import write_tiny_llama
 
 KERNEL = packing.native_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native kernel is not built here")
@@ -157,3 +161,37 @@ def test_the_largest_codes_times_the_largest_activations_stay_exact(
     x[-1, 32:64] *= -1  # one group of the opposite sign
     want = x.double() @ q.double().T
     torch.testing.assert_close(layer(x).double(), want, rtol=0, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("copies", [False, True])
+def test_five_bit_layers_load_without_their_float_weights_unless_a_dense_copy_needs_them(
+    tmp_path: Path, copies: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q5_0 projection's layer is made from the file's codes: its float32 weight is never
+    dequantised (a 0.5B model's first start spent ~1.5 s on that), except for the bfloat16
+    dense copy where the layers keep one, which is then the file's weight."""
+    path = write_tiny_llama(tmp_path / "q5.gguf", qtype="Q5_0", seed=4)
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "1" if copies else "0")
+    read: list[str] = []
+    weight = GGUFFile.weight
+
+    def spy(self: GGUFFile, name: str) -> torch.Tensor:
+        read.append(name)
+        return weight(self, name)
+
+    monkeypatch.setattr(GGUFFile, "weight", spy)
+    with GGUFFile(path) as gf:
+        five_bit = [
+            n for n, info in gf.tensors.items() if info.qtype == quant.QType.Q5_0 and "blk." in n
+        ]
+        model = load_transformer(gf, dtype="auto")
+        q_proj = model.layers[0].wqkv
+        assert isinstance(q_proj, Q4Linear) and q_proj._buffers["high"] is not None
+        assert five_bit
+        if not copies:
+            assert not set(five_bit) & set(read), "a five-bit weight was dequantised"
+        else:
+            names = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]
+            want = torch.cat([weight(gf, n) for n in names]).to(torch.bfloat16)
+            assert torch.equal(q_proj._buffers["dense"], want)
