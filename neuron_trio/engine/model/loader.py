@@ -310,10 +310,23 @@ def _load_tables(
         return
 
     def head_module() -> torch.nn.Module:
-        head = get(head_name, (c.vocab_size, c.dim))
         if scheme != "cpu-int":
-            return make_linear(head, scheme, device, four_bit=False)
+            return make_linear(
+                get(head_name, (c.vocab_size, c.dim)), scheme, device, four_bit=False
+            )
         # a coarse int pass + exact top candidates (tied: from the embedding table itself)
+        int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
+        native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
+        native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
+        # A Q8_0 head for the native coarse pass is packed from the file's rows a slice at a
+        # time: its float32 form (545 MB for Qwen2.5 0.5B's) is never whole in memory.
+        by_slices = q8_table and AUTO_INT4_HEAD and native_ok
+        head = None if by_slices else get(head_name, (c.vocab_size, c.dim))
+        if by_slices and tuple(gf.tensors[head_name].shape) != (c.vocab_size, c.dim):
+            raise ModelLoadError(
+                f"{gf.path}: tensor {head_name} has shape {tuple(gf.tensors[head_name].shape)}, "
+                f"expected {(c.vocab_size, c.dim)}"
+            )
         table: torch.Tensor
         if q8_table and c.tied_output:
             assert isinstance(model.embedding, QuantizedEmbedding)
@@ -321,25 +334,36 @@ def _load_tables(
         elif q8_table:
             table = gf.raw(head_name).reshape(c.vocab_size, -1).clone()
         else:
+            assert head is not None
             table = model.tok_embeddings if c.tied_output else head.to(device)
-        int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
-        native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
-        native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
         coarse: torch.nn.Module
         with phases.phase("pack"):
             if AUTO_INT4_HEAD and native_ok:
-                nibbles, scale = packing.pack_q4_symmetric(head)
+                if head is None:  # each slice dequantised as it is packed (timed as packing)
+                    nibbles, scale = packing.pack_rows(
+                        packing.pack_q4_symmetric, head_rows, c.vocab_size
+                    )
+                else:
+                    nibbles, scale = packing.pack_q4_symmetric(head)
                 coarse = Q4Linear(
                     kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True
                 )
             elif AUTO_INT4_HEAD and int4_ok:
+                assert head is not None
                 packed, scales_zeros = packing.pack_int4(head)
                 coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)
             elif native_ok:
+                assert head is not None
                 coarse = Q8Linear(kernel, *packing.pack_q8(head))
             else:
+                assert head is not None
                 coarse = Int8Linear(*packing.pack_int8(head))
         return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim if q8_table else 0)
+
+    def head_rows(start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of the Q8_0 head, float32."""
+        blocks = gf.raw(head_name).reshape(c.vocab_size, -1)[start:stop]
+        return quant.dequantize(blocks, quant.QType.Q8_0, (stop - start, c.dim))
 
     model.output = cached.slot("output", head_module)
 

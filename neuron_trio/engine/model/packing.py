@@ -33,8 +33,21 @@ def _by_row_chunks(pack: Callable[..., _Packed], weight: torch.Tensor, *args: in
     """`pack(weight, *args)` as the join of `pack` over slices of _CHUNK_ROWS rows: the same
     values where each output row depends on its own input row only (per-row and per-group
     scales)."""
-    rows = weight.shape[0]
-    parts = [pack(weight[r : r + _CHUNK_ROWS], *args) for r in range(0, rows, _CHUNK_ROWS)]
+    return pack_rows(pack, lambda start, stop: weight[start:stop], weight.shape[0], *args)
+
+
+def pack_rows(
+    pack: Callable[..., _Packed],
+    rows_of: Callable[[int, int], torch.Tensor],
+    n_rows: int,
+    *args: int,
+) -> _Packed:
+    """A per-row packing (`pack_q4_symmetric`, `pack_q8`, ...) of a weight of `n_rows` rows
+    that `rows_of(start, stop)` gives a slice at a time (float32, e.g. dequantised from a
+    file's blocks), the slices' results joined: the whole float32 weight is never in memory."""
+    parts = [
+        pack(rows_of(r, min(r + _CHUNK_ROWS, n_rows)), *args) for r in range(0, n_rows, _CHUNK_ROWS)
+    ]
     return cast(_Packed, tuple(torch.cat(column) for column in zip(*parts, strict=True)))
 
 

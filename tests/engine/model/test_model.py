@@ -521,3 +521,31 @@ def test_a_runner_says_whether_its_native_layers_keep_dense_copies(
     model = load_transformer(files["Q4_1"], dtype="auto")
     runner = SingleRunner(model, blocks=8, context=64)
     assert runner.dense_prefill_rows == (NATIVE_DENSE_MIN_ROWS if copies else None)
+
+
+@pytest.mark.skipif(packing.native_kernel() is None, reason="the native kernel is not built here")
+def test_a_q8_0_head_is_packed_from_the_files_rows_a_slice_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coarse pass of a Q8_0 head is packed slice by slice from the file's blocks, never
+    dequantised whole, and comes out as packing the whole float32 head would make it."""
+    path = write_tiny_llama(tmp_path / "q8.gguf", qtype="Q8_0", seed=2)  # 288 rows, tied
+    monkeypatch.setattr(packing, "_CHUNK_ROWS", 64)  # 4 slices and a part
+    read: list[str] = []
+    weight = GGUFFile.weight
+
+    def spy(self: GGUFFile, name: str) -> torch.Tensor:
+        read.append(name)
+        return weight(self, name)
+
+    monkeypatch.setattr(GGUFFile, "weight", spy)
+    with GGUFFile(path) as gf:
+        head = load_transformer(gf, dtype="auto").output
+        assert "token_embd.weight" not in read
+        whole = packing.pack_q4_symmetric(weight(gf, "token_embd.weight"))
+    kernel = packing.native_kernel()
+    want = Q4Linear(kernel, *whole, None, out_dtype=torch.float32, coarse=True)
+    assert isinstance(head, RefinedHead) and isinstance(head.coarse, Q4Linear)
+    got = dict(head.coarse.kernel_tensors())
+    for name, tensor in want.kernel_tensors():
+        assert torch.equal(got[name], tensor), name
