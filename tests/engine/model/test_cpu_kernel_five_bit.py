@@ -18,6 +18,7 @@ from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear, StackedLinear
 from neuron_trio.engine.model.loader import load_transformer
 from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture
+from tests.engine.model.weight_reads import record_weight_reads
 from tests.engine.tiny_gguf import write_tiny_llama
 
 KERNEL = packing.native_kernel()
@@ -173,14 +174,7 @@ def test_five_bit_layers_load_without_their_float_weights_unless_a_dense_copy_ne
     dense copy where the layers keep one, which is then the file's weight."""
     path = write_tiny_llama(tmp_path / "q5.gguf", qtype="Q5_0", seed=4)
     monkeypatch.setenv("NEURON_DENSE_COPIES", "1" if copies else "0")
-    read: list[str] = []
-    weight = GGUFFile.weight
-
-    def spy(self: GGUFFile, name: str) -> torch.Tensor:
-        read.append(name)
-        return weight(self, name)
-
-    monkeypatch.setattr(GGUFFile, "weight", spy)
+    read = record_weight_reads(monkeypatch)
     with GGUFFile(path) as gf:
         five_bit = [
             n for n, info in gf.tensors.items() if info.qtype == quant.QType.Q5_0 and "blk." in n
@@ -193,5 +187,5 @@ def test_five_bit_layers_load_without_their_float_weights_unless_a_dense_copy_ne
             assert not set(five_bit) & set(read), "a five-bit weight was dequantised"
         else:
             names = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]
-            want = torch.cat([weight(gf, n) for n in names]).to(torch.bfloat16)
+            want = torch.cat([gf.weight(n) for n in names]).to(torch.bfloat16)
             assert torch.equal(q_proj._buffers["dense"], want)

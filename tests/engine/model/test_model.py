@@ -29,6 +29,7 @@ from neuron_trio.engine.model.linear import (
 from neuron_trio.engine.model.loader import ShardFn, SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
+from tests.engine.model.weight_reads import record_weight_reads
 from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama
 
@@ -531,18 +532,11 @@ def test_a_q8_0_head_is_packed_from_the_files_rows_a_slice_at_a_time(
     dequantised whole, and comes out as packing the whole float32 head would make it."""
     path = write_tiny_llama(tmp_path / "q8.gguf", qtype="Q8_0", seed=2)  # 288 rows, tied
     monkeypatch.setattr(packing, "_CHUNK_ROWS", 64)  # 4 slices and a part
-    read: list[str] = []
-    weight = GGUFFile.weight
-
-    def spy(self: GGUFFile, name: str) -> torch.Tensor:
-        read.append(name)
-        return weight(self, name)
-
-    monkeypatch.setattr(GGUFFile, "weight", spy)
+    read = record_weight_reads(monkeypatch)
     with GGUFFile(path) as gf:
         head = load_transformer(gf, dtype="auto").output
         assert "token_embd.weight" not in read
-        whole = packing.pack_q4_symmetric(weight(gf, "token_embd.weight"))
+        whole = packing.pack_q4_symmetric(gf.weight("token_embd.weight"))
     kernel = packing.native_kernel()
     want = Q4Linear(kernel, *whole, None, out_dtype=torch.float32, coarse=True)
     assert isinstance(head, RefinedHead) and isinstance(head.coarse, Q4Linear)

@@ -27,6 +27,7 @@ from neuron_trio.engine.model.module_codec import (
 )
 from neuron_trio.engine.model.sizing import estimate_weight_bytes
 from neuron_trio.engine.model.weight_cache import WeightCache, snapshot_key
+from tests.engine.model.weight_reads import record_weight_reads
 from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_gguf import write_tiny_llama
 
@@ -68,14 +69,7 @@ def test_a_hit_restores_the_model_a_miss_built(
     built, phases = load(model_file, cache)
     assert "weight cache miss: stored" in phases.summary()
     assert len(list((tmp_path / "cache").glob("*.nwc"))) == 1
-    dequantised: list[str] = []
-    real_weight = GGUFFile.weight
-
-    def counting(self: GGUFFile, name: str) -> torch.Tensor:
-        dequantised.append(name)
-        return real_weight(self, name)
-
-    monkeypatch.setattr(GGUFFile, "weight", counting)
+    dequantised = record_weight_reads(monkeypatch)
     restored, phases = load(model_file, cache)
     assert "weight cache hit" in phases.summary()
     # only norms and biases come from the file on a hit: no projection, no table
