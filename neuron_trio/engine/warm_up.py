@@ -5,19 +5,18 @@ What a first request would otherwise pay: the chat template's first render and t
 tokenizer's first encode; the first forward of each kind (where the layers keep dense copies,
 a long prefill chunk takes the dense GEMM path and its oneDNN kernels, a shorter one and the
 decode rows the int kernels; padded rows of different lengths; n choices forking K/V rows);
-the chat template's common start (a default system prompt) computed, then kept by the prefix
-cache; the sampler's greedy
-fast path and its full path (penalties, top-k/top-p, a seeded draw, logprobs); structured
-output's grammar compiler (built on first use, with the tool-call format detection) and a
-JSON mask filled and applied; the detokeniser. `warm_up` runs each once, through the engine's
-public calls only (render_chat, encode_prompt, add, step; and the runner's
-dense_prefill_rows), so it follows the engine as it changes: whatever a step does for a
-request, it does here first.
+the chat template's common start (a default system prompt), computed and then kept by the
+prefix cache; the sampler's greedy fast path and its full path (penalties, top-k/top-p, a
+seeded draw, logprobs); structured output's grammar compiler (built on first use, with the
+tool-call format detection) and a JSON mask filled and applied; the detokeniser. `warm_up`
+runs each once, through the engine's public calls only (render_chat, encode_prompt, add,
+step; and the runner's dense_prefill_rows), so it follows the engine as it changes: whatever
+a step does for a request, it does here first.
 
 Every sequence ends by `max_tokens` (2) and gives its slot back; the engine is left with no
 work. The steps and tokens are counted in `Engine.statistics()` like any other.
 
-Prefill rows are most of the warm-up's time (a 0.5B model computes ~120 rows a second on 2
+Prefill rows are most of the warm-up's time (a 0.5B model computes ~80-120 rows a second on 2
 cores), so a request runs no more of them than its purpose needs. Every prompt is rendered
 and encoded whole; the plain chats run whole (their template's start is what a first chat
 finds cached), the others only their last WARM_UP_PROMPT_TOKENS tokens (the kernels take any
