@@ -188,11 +188,7 @@ def _load(
         return "four" if qtype in FOUR_BIT else "other"
 
     def codes(name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        info = gf.tensors[name]
-        if tuple(info.shape) != shape:
-            raise ModelLoadError(
-                f"{gf.path}: tensor {name} has shape {tuple(info.shape)}, expected {shape}"
-            )
+        info = gf.tensors[name]  # its shape checked when the file was opened (check_llama_shapes)
         parts = quant.five_bit_codes(gf.raw(name), quant.QType(info.qtype), shape)
         if gf.config.arch in families.PERMUTED_QK and name.endswith(
             (".attn_q.weight", ".attn_k.weight")
@@ -209,7 +205,7 @@ def _load(
                 return make_linear(w, scheme, device, four_bit=kinds == {"four"})
 
         def weight() -> torch.Tensor:  # only where the layer needs it (a dense copy): rare
-            return torch.cat([gf.weight(n) for n in names], dim=0)  # shapes checked by codes
+            return torch.cat([gf.weight(n) for n in names], dim=0)
 
         with phases.phase("pack"):
             per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
@@ -318,52 +314,48 @@ def _load_tables(
         int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
         native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
         native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
-        # A Q8_0 head for the native coarse pass is packed from the file's rows a slice at a
-        # time: its float32 form (545 MB for Qwen2.5 0.5B's) is never whole in memory.
-        by_slices = q8_table and AUTO_INT4_HEAD and native_ok
-        head = None if by_slices else get(head_name, (c.vocab_size, c.dim))
-        if by_slices and tuple(gf.tensors[head_name].shape) != (c.vocab_size, c.dim):
-            raise ModelLoadError(
-                f"{gf.path}: tensor {head_name} has shape {tuple(gf.tensors[head_name].shape)}, "
-                f"expected {(c.vocab_size, c.dim)}"
+        if q8_table and AUTO_INT4_HEAD and native_ok:
+            # The coarse pass packed from the exact table's Q8_0 rows a slice at a time (its
+            # shape checked when the file was opened: check_llama_shapes): the float32 head,
+            # 545 MB for Qwen2.5 0.5B's, is never whole in memory.
+            table = q8_rows()
+            with phases.phase("pack"):
+                nibbles, scale = packing.pack_rows(
+                    c.vocab_size,
+                    lambda a, b: packing.pack_q4_symmetric(
+                        quant.dequantize(table[a:b], quant.QType.Q8_0, (b - a, c.dim))
+                    ),
+                )
+            coarse_pass = Q4Linear(
+                kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True
             )
-        table: torch.Tensor
-        if q8_table and c.tied_output:
-            assert isinstance(model.embedding, QuantizedEmbedding)
-            table = model.embedding.rows  # the same blocks: no second copy
-        elif q8_table:
-            table = gf.raw(head_name).reshape(c.vocab_size, -1).clone()
-        else:
-            assert head is not None
-            table = model.tok_embeddings if c.tied_output else head.to(device)
+            return RefinedHead(coarse_pass, table, HEAD_REFINE, q8_dim=c.dim)
+        head = get(head_name, (c.vocab_size, c.dim))
+        table = (
+            q8_rows() if q8_table else model.tok_embeddings if c.tied_output else head.to(device)
+        )
         coarse: torch.nn.Module
         with phases.phase("pack"):
             if AUTO_INT4_HEAD and native_ok:
-                if head is None:  # each slice dequantised as it is packed (timed as packing)
-                    nibbles, scale = packing.pack_rows(
-                        packing.pack_q4_symmetric, head_rows, c.vocab_size
-                    )
-                else:
-                    nibbles, scale = packing.pack_q4_symmetric(head)
+                nibbles, scale = packing.pack_q4_symmetric(head)
                 coarse = Q4Linear(
                     kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True
                 )
             elif AUTO_INT4_HEAD and int4_ok:
-                assert head is not None
                 packed, scales_zeros = packing.pack_int4(head)
                 coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)
             elif native_ok:
-                assert head is not None
                 coarse = Q8Linear(kernel, *packing.pack_q8(head))
             else:
-                assert head is not None
                 coarse = Int8Linear(*packing.pack_int8(head))
         return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim if q8_table else 0)
 
-    def head_rows(start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop of the Q8_0 head, float32."""
-        blocks = gf.raw(head_name).reshape(c.vocab_size, -1)[start:stop]
-        return quant.dequantize(blocks, quant.QType.Q8_0, (stop - start, c.dim))
+    def q8_rows() -> torch.Tensor:
+        """The exact table as the file's Q8_0 blocks (RefinedHead's q8_dim)."""
+        if c.tied_output:
+            assert isinstance(model.embedding, QuantizedEmbedding)
+            return model.embedding.rows  # the same blocks: no second copy
+        return gf.raw(head_name).reshape(c.vocab_size, -1).clone()
 
     model.output = cached.slot("output", head_module)
 

@@ -14,7 +14,7 @@ import functools
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import TypeVar, cast
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 import torch
@@ -27,28 +27,31 @@ INT4_GROUP = 32
 # whole, 0.8-1.0 s by 1,024 rows; 256 and 4,096 rows were slower).
 _CHUNK_ROWS = 1024
 _Packed = TypeVar("_Packed", bound=tuple[torch.Tensor, ...])
+_P = ParamSpec("_P")
 
 
-def _by_row_chunks(pack: Callable[..., _Packed], weight: torch.Tensor, *args: int) -> _Packed:
-    """`pack(weight, *args)` as the join of `pack` over slices of _CHUNK_ROWS rows: the same
-    values where each output row depends on its own input row only (per-row and per-group
-    scales)."""
-    return pack_rows(pack, lambda start, stop: weight[start:stop], weight.shape[0], *args)
-
-
-def pack_rows(
-    pack: Callable[..., _Packed],
-    rows_of: Callable[[int, int], torch.Tensor],
-    n_rows: int,
-    *args: int,
-) -> _Packed:
-    """A per-row packing (`pack_q4_symmetric`, `pack_q8`, ...) of a weight of `n_rows` rows
-    that `rows_of(start, stop)` gives a slice at a time (float32, e.g. dequantised from a
-    file's blocks), the slices' results joined: the whole float32 weight is never in memory."""
-    parts = [
-        pack(rows_of(r, min(r + _CHUNK_ROWS, n_rows)), *args) for r in range(0, n_rows, _CHUNK_ROWS)
-    ]
+def pack_rows(n_rows: int, pack_slice: Callable[[int, int], _Packed]) -> _Packed:
+    """The join of `pack_slice(start, stop)` over a weight's `n_rows` rows, _CHUNK_ROWS at a
+    time: a per-row packing of slices it makes itself (e.g. dequantised from a file's blocks),
+    so the whole float32 weight is never in memory."""
+    parts = [pack_slice(r, min(r + _CHUNK_ROWS, n_rows)) for r in range(0, n_rows, _CHUNK_ROWS)]
     return cast(_Packed, tuple(torch.cat(column) for column in zip(*parts, strict=True)))
+
+
+def _by_row_slices(
+    pack: Callable[Concatenate[torch.Tensor, _P], _Packed],
+) -> Callable[Concatenate[torch.Tensor, _P], _Packed]:
+    """`pack` over slices of _CHUNK_ROWS rows of a larger weight, joined: the same values, as
+    each output row of `pack` depends on its own input row only (per-row or per-group
+    scales)."""
+
+    @functools.wraps(pack)
+    def by_slices(weight: torch.Tensor, /, *args: _P.args, **kwargs: _P.kwargs) -> _Packed:
+        if weight.shape[0] <= _CHUNK_ROWS:
+            return pack(weight, *args, **kwargs)
+        return pack_rows(weight.shape[0], lambda a, b: pack(weight[a:b], *args, **kwargs))
+
+    return by_slices
 
 
 def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,16 +73,16 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
     return packed, scales_zeros
 
 
+@_by_row_slices
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 `[out, in]` → (int8 `[out, in]`, bfloat16 scales `[out]`), symmetric per row."""
-    if weight.shape[0] > _CHUNK_ROWS:
-        return _by_row_chunks(pack_int8, weight)
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale.to(torch.bfloat16)
 
 
+@_by_row_slices
 def pack_q4(
     weight: torch.Tensor, group: int = INT4_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,8 +92,6 @@ def pack_q4(
     back exactly). In each group's 16 bytes, the low nibbles hold elements 0..15 and the high
     nibbles 16..31 (ggml's order).
     """
-    if weight.shape[0] > _CHUNK_ROWS:
-        return _by_row_chunks(pack_q4, weight, group)
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group, group)
     lo = w.amin(dim=-1, keepdim=True).half().float()
@@ -110,6 +111,7 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
     return (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, groups * half).contiguous()
 
 
+@_by_row_slices
 def pack_q4_symmetric(
     weight: torch.Tensor, group: int = INT4_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +119,6 @@ def pack_q4_symmetric(
     `[out, in/group]`): w ≈ scale · (q - 8), q in 0..15, as Q4_0 (the group's value of largest
     magnitude is -8 steps). The native kernel's coarse kind (Q4Linear's `coarse`): no minimum
     to read or add."""
-    if weight.shape[0] > _CHUNK_ROWS:
-        return _by_row_chunks(pack_q4_symmetric, weight, group)
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group, group)
     extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # signed
@@ -167,11 +167,10 @@ def tile_high(high: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little"))
 
 
+@_by_row_slices
 def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 `[out, in]` → (int8 `[out, in]`, float32 scales `[out]`), symmetric per row
     (pack_int8's grid, with its scales kept in float32) for the native kernel."""
-    if weight.shape[0] > _CHUNK_ROWS:
-        return _by_row_chunks(pack_q8, weight)
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
