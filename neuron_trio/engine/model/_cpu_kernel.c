@@ -344,33 +344,48 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
     return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
-#define TILE_KERNEL(NAME, TARGET, DOT)                                                         \
-    TARGET static inline __attribute__((always_inline)) void NAME##_tile(                      \
-        const job_t *j, int t, int b0, const int nb, const int kind) {                         \
+/* The most groups of 32 inputs whose unpacked 5-bit weights a thread keeps for a tile's row
+   blocks (NAME##_rows): 256 x 8 vectors, 64 KiB of its stack; wider inputs unpack per block. */
+#define UNPACKED_GROUPS 256
+
+#define TILE_KERNEL(NAME, TARGET, DOT, BUFFERED)                                               \
+    /* tile t's group g of weights, one vector a step (0..15, or 0..31 with `five`) */         \
+    TARGET static inline __attribute__((always_inline)) void NAME##_unpack(                    \
+        const job_t *j, int t, int g, const int five, __m256i *w) {                            \
+        const int groups = j->in / GROUP;                                                      \
+        const uint8_t *wt = j->qs + (size_t)t * groups * 128;                                  \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                            \
+        /* the next tile's group g: its read from memory overlaps this tile's maths */         \
+        const char *next = (const char *)wt + (size_t)(groups + g) * 128;                      \
+        _mm_prefetch(next, _MM_HINT_T0);                                                       \
+        _mm_prefetch(next + 64, _MM_HINT_T0);                                                  \
+        for (int k = 0; k < 4; k++) {                                                          \
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wt + (size_t)g * 128 + k * 32));  \
+            w[k] = _mm256_and_si256(v, low);                                                   \
+            w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                         \
+        }                                                                                      \
+        if (five) {                                                                            \
+            const uint32_t *h = j->high + ((size_t)t * groups + g) * 8;                        \
+            for (int k = 0; k < 8; k++) w[k] = fifth_##NAME(w[k], h[k]);                       \
+        }                                                                                      \
+    }                                                                                          \
+    /* `unpacked`: the tile's weights already unpacked (NAME##_rows), or NULL */               \
+    TARGET static inline __attribute__((always_inline)) void NAME##_tile_from(                 \
+        const job_t *j, int t, int b0, const int nb, const int kind,                           \
+        const __m256i *unpacked) {                                                             \
         const int groups = j->in / GROUP, five = kind & KIND_FIVE, two = !(kind & KIND_ONE);   \
         const int coarse = kind & KIND_COARSE;                                                 \
-        const uint8_t *wt = j->qs + (size_t)t * groups * 128;                                  \
         const uint16_t *st = (const uint16_t *)j->scale + (size_t)t * groups * 8;              \
         const uint16_t *mt = (const uint16_t *)j->minimum + (size_t)t * groups * 8;            \
-        const __m256i low = _mm256_set1_epi8(0x0F);                                            \
         __m256 acc[4];                                                                         \
         for (int k = 0; k < nb; k++) acc[k] = _mm256_setzero_ps();                             \
         for (int g = 0; g < groups; g++) {                                                     \
             __m256i w[8];                                                                      \
-            /* the next tile's group g: its read from memory overlaps this tile's maths */     \
-            const char *next = (const char *)wt + (size_t)(groups + g) * 128;                  \
-            _mm_prefetch(next, _MM_HINT_T0);                                                   \
-            _mm_prefetch(next + 64, _MM_HINT_T0);                                              \
-            for (int k = 0; k < 4; k++) {                                                      \
-                __m256i v = _mm256_loadu_si256((const __m256i *)(wt + (size_t)g * 128 + k * 32)); \
-                w[k] = _mm256_and_si256(v, low);                                               \
-                w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                     \
-            }                                                                                  \
-            if (five) {                                                                        \
-                const uint32_t *h = j->high + ((size_t)t * groups + g) * 8;                    \
-                for (int k = 0; k < 8; k++) w[k] = fifth_##NAME(w[k], h[k]);                   \
-            }                                                                                  \
-            /* two passes: the scales in steps of 1 / LOW_STEPS (exact: a power of two) */      \
+            if (unpacked != NULL)                                                              \
+                for (int k = 0; k < 8; k++) w[k] = _mm256_load_si256(unpacked + (size_t)g * 8 + k); \
+            else                                                                               \
+                NAME##_unpack(j, t, g, five, w);                                               \
+            /* two passes: the scales in steps of 1 / LOW_STEPS (exact: a power of two) */     \
             const __m256 sc = _mm256_mul_ps(                                                   \
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))),       \
                 _mm256_set1_ps(two ? 1.0f / LOW_STEPS : 1.0f));                                \
@@ -378,10 +393,10 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
                 : j->flags & FLAG_CENTRED                                                      \
                 ? _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))), \
                                 _mm256_set1_ps(-16.0f))                                        \
-                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8)));      \
+                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (size_t)g * 8)));     \
             for (int k = 0; k < nb; k++) {                                                     \
                 const size_t xg = (size_t)(b0 + k) * groups + g;                               \
-                __m256i sum = groupk_##NAME(w, (const int32_t *)(j->qx + xg * GROUP), five);    \
+                __m256i sum = groupk_##NAME(w, (const int32_t *)(j->qx + xg * GROUP), five);   \
                 if (coarse) { /* q - 8: the weights' offset out through qx's group sum */      \
                     sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * j->xsum[xg]));           \
                     acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sc, acc[k]);             \
@@ -402,36 +417,57 @@ TARGET_AVX2 static inline __m256i fifth_avx2(__m256i w, uint32_t bits) {
             store8(j, b0 + k, t * 8, v);                                                       \
         }                                                                                      \
     }                                                                                          \
-    TARGET static inline __attribute__((always_inline)) void NAME##_rows(const job_t *j,      \
-                                                                          int t, const int kind) { \
+    TARGET static inline __attribute__((always_inline)) void NAME##_tile(                      \
+        const job_t *j, int t, int b0, const int nb, const int kind) {                         \
+        NAME##_tile_from(j, t, b0, nb, kind, NULL);                                            \
+    }                                                                                          \
+    TARGET static inline __attribute__((always_inline)) void NAME##_blocks(                    \
+        const job_t *j, int t, const int kind, const __m256i *unpacked) {                      \
         int b = 0;                                                                             \
-        for (; b + 4 <= j->batch; b += 4) NAME##_tile(j, t, b, 4, kind);                       \
-        for (; b + 2 <= j->batch; b += 2) NAME##_tile(j, t, b, 2, kind);                       \
-        for (; b < j->batch; b++) NAME##_tile(j, t, b, 1, kind);                               \
+        for (; b + 4 <= j->batch; b += 4) NAME##_tile_from(j, t, b, 4, kind, unpacked);        \
+        for (; b + 2 <= j->batch; b += 2) NAME##_tile_from(j, t, b, 2, kind, unpacked);        \
+        for (; b < j->batch; b++) NAME##_tile_from(j, t, b, 1, kind, unpacked);                \
+    }                                                                                          \
+    /* Rows in blocks of 4 (then 2, then 1), each block a pass over the tile's weights. With   \
+       BUFFERED, 5-bit weights that more than one block reads are unpacked once into `room`    \
+       (the tile's groups x 8 vectors: at most UNPACKED_GROUPS groups) and read back from      \
+       there: the fifth bits cost ~6 vector ops a step and tile to spread, ~3x the nibbles'.   \
+       The same weights, so the same bits. */                                                  \
+    TARGET static inline __attribute__((always_inline)) void NAME##_rows(                      \
+        const job_t *j, int t, const int kind, __m256i *room) {                                \
+        const int groups = j->in / GROUP;                                                      \
+        if (BUFFERED && (kind & KIND_FIVE) && j->batch > 4 && groups <= UNPACKED_GROUPS) {     \
+            for (int g = 0; g < groups; g++) NAME##_unpack(j, t, g, 1, room + (size_t)g * 8);  \
+            NAME##_blocks(j, t, kind, room);                                                   \
+        } else {                                                                               \
+            NAME##_blocks(j, t, kind, NULL);                                                   \
+        }                                                                                      \
     }                                                                                          \
     TARGET static void NAME##_run(const job_t *j) {                                            \
         const int tiles = j->out / 8;                                                          \
+        /* this thread's room for a tile's unpacked weights (NAME##_rows) */                   \
+        __m256i room[BUFFERED ? UNPACKED_GROUPS * 8 : 1] __attribute__((aligned(32)));         \
         /* a copy of the loop per variant, so that none tests for the fifth bit or the pass */ \
         switch (job_kind(j)) {                                                                 \
         case 0:                                                                                \
             _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
-                NAME##_rows(j, t, 0);                                                          \
+                NAME##_rows(j, t, 0, room);                                                    \
             break;                                                                             \
         case KIND_FIVE:                                                                        \
             _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
-                NAME##_rows(j, t, KIND_FIVE);                                                  \
+                NAME##_rows(j, t, KIND_FIVE, room);                                            \
             break;                                                                             \
         case KIND_ONE:                                                                         \
             _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
-                NAME##_rows(j, t, KIND_ONE);                                                   \
+                NAME##_rows(j, t, KIND_ONE, room);                                             \
             break;                                                                             \
         case KIND_COARSE | KIND_ONE:                                                           \
             _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
-                NAME##_rows(j, t, KIND_COARSE | KIND_ONE);                                     \
+                NAME##_rows(j, t, KIND_COARSE | KIND_ONE, room);                               \
             break;                                                                             \
         default:                                                                               \
             _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
-                NAME##_rows(j, t, KIND_FIVE | KIND_ONE);                                       \
+                NAME##_rows(j, t, KIND_FIVE | KIND_ONE, room);                                 \
         }                                                                                      \
     }
 
@@ -486,9 +522,11 @@ TARGET_AVX2 static inline __m256i groupk_avx2(const __m256i *w, const int32_t *x
    (group8), as before groupk_avx2; the bits must be the same. */
 #define fifth_avx2i8 fifth_avx2
 #define groupk_avx2i8(w, x4, five) group8_avx2(w, x4)
-TILE_KERNEL(vnni, TARGET_VNNI, dot_vnni)
-TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2)
-TILE_KERNEL(avx2i8, TARGET_AVX2, dot_avx2)
+/* BUFFERED: the AVX2 path only (the 512-bit tiles share 8 rows' unpacking already); avx2-int8
+   stays unbuffered, so that the tests hold the buffered path to its bits too */
+TILE_KERNEL(vnni, TARGET_VNNI, dot_vnni, 0)
+TILE_KERNEL(avx2, TARGET_AVX2, dot_avx2, 1)
+TILE_KERNEL(avx2i8, TARGET_AVX2, dot_avx2, 0)
 
 /* ---- AVX-512 VNNI: two tiles (16 rows) per 512-bit vector, up to 8 input rows at once ----
 

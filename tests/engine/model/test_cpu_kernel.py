@@ -87,20 +87,35 @@ def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batc
     assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
 
 
+def _five_bit_layer(out_f: int, in_f: int, g: torch.Generator, one_pass: bool = False) -> Q4Linear:
+    """A Q4Linear of random 5-bit codes (Q5_0's centred minimum)."""
+    assert KERNEL is not None
+    nibbles, high = packing.pack_q5(torch.randint(0, 32, (out_f, in_f), generator=g))
+    scale = (torch.rand(out_f, in_f // 32, generator=g) / 16).half()
+    minimum = (-16 * scale.float()).half()
+    return Q4Linear(KERNEL, nibbles, scale, minimum, high=high, one_pass=one_pass)
+
+
 @needs_kernel
-@pytest.mark.parametrize("weights", ["4-bit", "4-bit one pass", "4-bit coarse", "int8"])
-@pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576)])
+@pytest.mark.parametrize(
+    "weights", ["4-bit", "4-bit one pass", "4-bit coarse", "5-bit", "5-bit one pass", "int8"]
+)
+@pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576), (16, 8224)])
 def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
     weights: str, out_f: int, in_f: int
 ) -> None:
     """A row's output does not depend on the rows beside it (the 8-, 4-, 2- and 1-row paths,
-    and an odd last tile, do the same arithmetic in the same order) nor on the instruction
-    set: batching never changes a sequence's tokens."""
+    and an odd last tile, do the same arithmetic in the same order; 5-bit weights that
+    several blocks of rows read are unpacked once, up to UNPACKED_GROUPS groups of inputs:
+    8,224 inputs are past it) nor on the instruction set: batching never changes a
+    sequence's tokens."""
     assert KERNEL is not None
     g = torch.Generator().manual_seed(out_f)
     w = torch.randn(out_f, in_f, generator=g)
     layer: torch.nn.Module
-    if weights == "4-bit coarse":
+    if weights.startswith("5-bit"):
+        layer = _five_bit_layer(out_f, in_f, g, one_pass=weights.endswith("one pass"))
+    elif weights == "4-bit coarse":
         layer = Q4Linear(KERNEL, *packing.pack_q4_symmetric(w), None, coarse=True)
     elif weights.startswith("4-bit"):
         layer = Q4Linear(KERNEL, *packing.pack_q4(w), one_pass=weights.endswith("one pass"))
@@ -135,10 +150,7 @@ def test_every_output_once_and_the_same_bits_on_any_number_of_threads(
     if weights == "int8":
         layer = Q8Linear(KERNEL, *packing.pack_q8(w))
     elif weights == "5-bit":
-        nibbles, high = packing.pack_q5(torch.randint(0, 32, (out_f, in_f), generator=g))
-        scale = (torch.rand(out_f, in_f // 32, generator=g) / 16).half()
-        minimum = (-16 * scale.float()).half()
-        layer = Q4Linear(KERNEL, nibbles, scale, minimum, high=high)
+        layer = _five_bit_layer(out_f, in_f, g)
     else:
         layer = Q4Linear(KERNEL, *packing.pack_q4(w))
     x, other = torch.randn(2, batch, in_f, generator=g)
