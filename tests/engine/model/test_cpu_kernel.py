@@ -190,6 +190,24 @@ def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, ba
 
 
 @needs_kernel
+def test_dropping_the_residual_pass_gives_the_one_pass_layers_bits(isa: str) -> None:
+    """drop_residual_pass (bench/bench_decode.py's --one-pass) turns a two-pass layer into
+    `one_pass`'s, bit for bit, and changes its output (4- and 5-bit weights)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 256, generator=g)
+    four = packing.pack_q4(torch.randn(64, 256, generator=g))
+    for build in (
+        lambda one_pass: Q4Linear(KERNEL, *four, one_pass=one_pass),
+        lambda one_pass: _five_bit_layer(64, 256, torch.Generator().manual_seed(3), one_pass),
+    ):
+        layer, want = build(False), build(True)(x)
+        before = layer(x)
+        layer.drop_residual_pass()
+        assert torch.equal(layer(x), want)
+        assert not torch.equal(before, want)
+
+
+@needs_kernel
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_the_coarse_kind_scales_each_row_once(isa: str, batch: int) -> None:
     """`coarse` (the head's pass): on rows int8 keeps exactly with one scale per row (integers,
