@@ -202,7 +202,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch's and llama.cpp's (0: torch's)")
     ap.add_argument("--agreement-tokens", type=int, default=48)
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers (speed only)")
+    ap.add_argument(
+        "--no-hf", action="store_true", help="skip transformers (prompts: neuron's tokenizer)"
+    )
     ap.add_argument(
         "--one-pass", action="store_true", help="no residual pass in 4-bit layers (see above)"
     )
