@@ -272,9 +272,10 @@ class Q4Linear(NativeLinear):
     KERNEL_BUFFERS = ("nibbles", "high", "scale", "minimum")
 
     def drop_residual_pass(self) -> None:
-        """From now on one int8 pass of the input, as `one_pass` (bench/bench_decode.py's
-        `--one-pass`: what the residual pass costs in speed and buys in agreement). Before the
-        first step only: a decode plan already built keeps the flags it read."""
+        """From now on one int8 pass of the input in the kernel, as `one_pass` (a dense copy's
+        prefill rows are unchanged); for bench/bench_decode.py's `--one-pass`: what the
+        residual pass costs in speed and buys in agreement. Before the first step only: a
+        decode plan already built keeps the flags it read."""
         self._flags |= 8
 
     def _take_pointers(self) -> None:

@@ -88,7 +88,7 @@ def test_close_to_float32_on_real_activations(isa: str, dtype: torch.dtype, batc
 
 
 def _five_bit_layer(out_f: int, in_f: int, g: torch.Generator, one_pass: bool = False) -> Q4Linear:
-    """A Q4Linear of random 5-bit codes (Q5_0's centred minimum)."""
+    """A Q4Linear of random 5-bit codes, its minimum -16 · scale (Q5_0's) stored."""
     assert KERNEL is not None
     nibbles, high = packing.pack_q5(torch.randint(0, 32, (out_f, in_f), generator=g))
     scale = (torch.rand(out_f, in_f // 32, generator=g) / 16).half()
