@@ -201,6 +201,14 @@ BAD = [
         {"model": "fake-model", "input": "x", "text": {"format": {"type": "json_schema"}}},
         "text.format.name",
     ),
+    (
+        {
+            "model": "fake-model",
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "answer"}},
+        },
+        "text.format.schema",
+    ),
 ]
 
 

@@ -235,6 +235,12 @@ def _response_format(text: ResponsesText | None) -> dict[str, Any] | None:
             param="text.format.name",
             code="missing_field",
         )
+    if fmt.schema is None:  # OpenAI requires it (chat's json_schema may omit it: any JSON)
+        raise RequestError(
+            "text.format.schema: required with type json_schema",
+            param="text.format.schema",
+            code="missing_field",
+        )
     schema = {"name": fmt.name, "schema": fmt.schema, "strict": fmt.strict}
     return {"type": "json_schema", "json_schema": schema}
 
