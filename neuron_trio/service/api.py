@@ -91,6 +91,8 @@ class GenerationJob:
     # Prompt prefixes are shared (from the prefix cache) only between jobs with the same salt:
     # the client's cache_salt and, with prefix_cache_isolation = "api_key", its key's digest.
     cache_salt: bytes | None = None
+    # The tenant's name (http/tenancy.py), None without keys: fair service and its limits.
+    tenant: str | None = None
 
 
 def with_default_max_tokens(
