@@ -69,6 +69,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # api_key_file set: /metrics needs the admin key (admin_key_file) or, without one, an API
     # key. Without any key file /metrics is open.
     metrics_key_file: str | None = None
+    # Origins whose web pages may call the API from a browser (CORS, http/cors.py): each
+    # "http(s)://HOST[:PORT]" exactly as the browser sends it, or "*"; at most 64. Empty (the
+    # default): no CORS headers, and an OPTIONS needs the key like any other request.
+    cors_allow_origins: list[str] = msgspec.field(default_factory=list)
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -285,6 +289,27 @@ def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> dict[str, s
     return applied
 
 
+MAX_CORS_ORIGINS = 64
+_ORIGIN_RE = re.compile(
+    r"^https?://(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))(?::(?P<port>\d{1,5}))?$"
+)
+
+
+def cors_origin_problem(origins: list[str]) -> str | None:
+    """Why `server.cors_allow_origins` is unusable, or None."""
+    if len(origins) > MAX_CORS_ORIGINS:
+        return f"{len(origins)} origins; at most {MAX_CORS_ORIGINS}"
+    for i, value in enumerate(origins):
+        match = _ORIGIN_RE.match(value)
+        port = match.group("port") if match else None
+        if value != "*" and (not match or (port is not None and not 0 < int(port) < 65536)):
+            return (
+                f"[{i}] {value[:80]!r} is not an origin: http(s)://HOST[:PORT] with no path "
+                'or trailing "/" (as a browser sends it), or "*"'
+            )
+    return None
+
+
 def _validate(config: NeuronConfig, origin: str) -> None:
     def fail(key: str, detail: str) -> None:
         raise ConfigError(f"{origin}: key {key}: {detail}")
@@ -298,6 +323,9 @@ def _validate(config: NeuronConfig, origin: str) -> None:
             fail(f"server.listen[{i}]", str(exc))
     if (config.server.tls_cert is None) != (config.server.tls_key is None):
         fail("server.tls_cert", "tls_cert and tls_key must be set together")
+    cors_problem = cors_origin_problem(config.server.cors_allow_origins)
+    if cors_problem is not None:
+        fail("server.cors_allow_origins", cors_problem)
     if config.server.prefix_cache_isolation == "api_key" and config.server.api_key_file is None:
         fail("server.prefix_cache_isolation", '"api_key" needs server.api_key_file')
     for key in ("tls_cert", "tls_key", "api_key_file", "admin_key_file", "metrics_key_file"):

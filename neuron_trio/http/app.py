@@ -38,6 +38,7 @@ from neuron_trio.errors import (
 )
 from neuron_trio.http.access_log import access_info
 from neuron_trio.http.batch_generation import BatchSSEResponse, complete_batch
+from neuron_trio.http.cors import with_cors
 from neuron_trio.http.generation import ClientGone, SSEResponse, complete
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
@@ -379,7 +380,7 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
             Exception: _on_unexpected,
         },
     )
-    return NeuronMiddleware(
+    guarded = NeuronMiddleware(
         OrcaLoadReports(app, node.load),
         metrics=http_metrics(node.metrics_registry),
         route_of=_route_resolver(routes),
@@ -389,3 +390,5 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         max_body_bytes=config.server.max_body_bytes,
         read_timeout_s=config.server.read_timeout_s,
     )
+    # Outermost: a CORS preflight is answered before auth (a browser sends no key with it).
+    return with_cors(guarded, config.server.cors_allow_origins)
