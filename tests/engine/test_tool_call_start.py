@@ -210,6 +210,15 @@ def test_the_watcher_returns_the_tail_from_the_token_the_marker_begins_in() -> N
     text = CallStartWatcher(ToolCallFormat("llama3"), Vocab())
     assert text.push(1) is None and text.done  # an answer in words: never a call
 
+    bare = CallStartWatcher(ToolCallFormat("hermes"), Vocab())  # Qwen2.5-Coder's bare call
+    start = bare.push(6)
+    assert start is not None and start.bare and start.tokens == (6,) and start.prefix == ()
+    lark = rest_of_call_lark(ToolCallFormat("hermes"), [WEATHER], True, start)
+    assert lark.startswith("start:  call (/[ \\t\\r\\n]{0,4}/ call){0,3}\ncall: %json")
+    words = CallStartWatcher(ToolCallFormat("hermes"), Vocab())  # words first: the tag still
+    assert [words.push(t) for t in (1, 6, 2, 3, 4)] == [None] * 5
+    assert words.push(5) is not None
+
 
 @pytest.mark.parametrize(
     ("family", "template"),
@@ -227,3 +236,17 @@ def test_required_calls_in_each_syntax_parse_back(
     assert events[-1].finish_reason == "tool_calls"
     assert calls and all(c.name == "get_weather" for c in calls)
     assert "".join(e.text for e in events) == ""
+
+
+def test_a_hermes_call_without_tags_is_held_to_the_schema(family_dir: Path) -> None:
+    """Qwen2.5-Coder answers `auto` with a bare JSON call: from its `{` on, the grammar holds
+    it to the tools (here the model wants a tool that does not exist), and it comes back as a
+    call, never as content."""
+    engine = _engine(write_tiny_family(family_dir / "qwen2-bare.gguf", "qwen2"))
+    _script(engine, '\n{"name": "rm_rf", "arguments": {"path": "/"}}\n{"name": "x"}')
+    events = _generate(engine, AUTO)
+    calls = [c for e in events for c in e.tool_calls or ()]
+    assert events[-1].finish_reason == "tool_calls"
+    assert calls and all(c.name == "get_weather" for c in calls)
+    assert all(set(json.loads(c.arguments)) == {"city"} for c in calls)
+    assert [e.text for e in events if e.text] == []

@@ -1,10 +1,13 @@
 """How a model writes a tool call, and the Lark grammar that holds its calls to the tools.
 
-Three formats: Hermes-style `<tool_call>{json}</tool_call>` (Qwen, and neuron's fallback for
-templates without tools), Llama 3.x's bare JSON object with "name" and "parameters", and
-Mistral's `[TOOL_CALLS]` followed by a JSON list of calls. `detect_tool_format` reads which
-one from the model's chat template; `ToolCallFormat.lark` writes the grammar that
-`grammar.GrammarCompiler` compiles, after each tool's schema is bounded and prepared.
+Four formats: Hermes-style `<tool_call>{json}</tool_call>` (Qwen, and neuron's fallback for
+templates without tools; the same JSON without the tags when it is the whole answer, as
+Qwen2.5-Coder writes it), Llama 3.x's bare JSON object with "name" and "parameters",
+Mistral's `[TOOL_CALLS]` followed by a JSON list of calls, and newer Mistral templates'
+`[TOOL_CALLS]name[ARGS]{json}` ("mistral_args"). `detect_tool_format` reads which one from
+the model's chat template (or takes the model's `tool_call_format` setting);
+`ToolCallFormat.lark` writes the grammar that `grammar.GrammarCompiler` compiles, after each
+tool's schema is bounded and prepared.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ _CALL_JSON_OPTIONS: Any = {"whitespace_flexible": True, "whitespace_pattern": "[
 # mid-JSON; at the bound the grammar allows only the end of the turn.
 MAX_PARALLEL_TOOL_CALLS = 4
 
+# The styles a model's `tool_call_format` setting may name ("auto": read from the template).
+STYLES = ("hermes", "llama3", "mistral", "mistral_args")
+
 
 class _Vocabulary(Protocol):
     special_ids: frozenset[int]
@@ -35,18 +41,37 @@ class _Vocabulary(Protocol):
 class ToolCallFormat:
     """How a model writes a tool call: Hermes-style `<tool_call>{json}</tool_call>` (Qwen,
     and neuron's fallback for templates without tools), Llama 3.x's bare JSON object with
-    "name" and "parameters", or Mistral's `[TOOL_CALLS]` followed by a JSON list of calls."""
+    "name" and "parameters", Mistral's `[TOOL_CALLS]` followed by a JSON list of calls, or
+    `[TOOL_CALLS]name[ARGS]{json}` (newer Mistral templates: "mistral_args")."""
 
-    def __init__(self, style: str, open_token_id: int | None = None) -> None:
-        self.style = style  # "hermes" | "llama3" | "mistral"
+    def __init__(
+        self, style: str, open_token_id: int | None = None, args_token_id: int | None = None
+    ) -> None:
+        assert style in STYLES, style
+        self.style = style
         # the opening marker (`<tool_call>`, `[TOOL_CALLS]`) when it is one special token
         self.open_token_id = open_token_id
+        # mistral_args: `[ARGS]` when it is one special token
+        self.args_token_id = args_token_id
         self.arguments_key = "parameters" if style == "llama3" else "arguments"
 
     @property
     def marker(self) -> str:
         """The text that opens a call ("" for llama3, whose call is the answer's JSON)."""
-        return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(self.style, "")
+        if self.style == "hermes":
+            return "<tool_call>"
+        return "[TOOL_CALLS]" if self.style.startswith("mistral") else ""
+
+    @property
+    def bare_json(self) -> bool:
+        """Whether an answer that opens with `{` is a call without a marker."""
+        return self.style in ("hermes", "llama3")
+
+    def opening(self) -> str:
+        """The Lark element of the opening marker."""
+        if self.open_token_id is not None:
+            return f"<[{self.open_token_id}]>"
+        return json.dumps(self.marker)
 
     def call_schema(self, tool: ToolFunction, parameters: Any = None) -> dict[str, Any]:
         """The JSON Schema of one call to `tool`; `parameters`: its arguments' schema,
@@ -78,7 +103,11 @@ class ToolCallFormat:
             if tool.strict or closed:
                 close_objects(parameters, listed_only=not tool.strict)
             at = f"/properties/{self.arguments_key}"
-            rebase_refs(parameters, at if len(tools) == 1 else f"/anyOf/{index}{at}", param=param)
+            if self.style == "mistral_args":
+                at = ""  # the arguments are a document of their own (`named_calls`)
+            elif len(tools) > 1:
+                at = f"/anyOf/{index}{at}"
+            rebase_refs(parameters, at, param=param)
             prepared.append(parameters)
         return prepared
 
@@ -96,6 +125,23 @@ class ToolCallFormat:
         schema = {**schema, "x-guidance": _CALL_JSON_OPTIONS}
         return "%json " + json.dumps(schema, separators=(",", ":"))
 
+    def named_calls(
+        self, tools: Sequence[ToolFunction], parameters: Sequence[Any] | None = None
+    ) -> str:
+        """mistral_args: Lark rules `named` (one tool's name, `[ARGS]`, its arguments' JSON)
+        and one `args_<i>` a tool."""
+        if parameters is None:
+            parameters = self.prepare_parameters(tools)
+        args = f"<[{self.args_token_id}]>" if self.args_token_id is not None else '"[ARGS]"'
+        names = " | ".join(f"{json.dumps(t.name)} {args} args_{i}" for i, t in enumerate(tools))
+        rules = [f"named: {names}"]
+        for i, schema in enumerate(parameters):
+            schema = (
+                {**schema, "x-guidance": _CALL_JSON_OPTIONS} if isinstance(schema, dict) else schema
+            )
+            rules.append(f"args_{i}: %json " + json.dumps(schema, separators=(",", ":")))
+        return "\n".join(rules) + "\n"
+
     def lark(
         self,
         tools: Sequence[ToolFunction],
@@ -104,13 +150,12 @@ class ToolCallFormat:
     ) -> str:
         """A Lark grammar for one call (or several, with `parallel`) to one of `tools`;
         `parameters`: their prepared schemas (`prepare_parameters`)."""
-        body = self.call_json(tools, parameters)
         more = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"
-        opening = (
-            f"<[{self.open_token_id}]>"
-            if self.open_token_id is not None
-            else json.dumps(self.marker)
-        )
+        opening = self.opening()
+        if self.style == "mistral_args":
+            start = f"call{{1,{MAX_PARALLEL_TOOL_CALLS}}}" if parallel else "call"
+            return f"start: {start}\ncall: {opening} named\n" + self.named_calls(tools, parameters)
+        body = self.call_json(tools, parameters)
         if self.style == "mistral":
             calls = f'call ("," call){more}' if parallel else "call"
             return f'start: {opening} "[" {calls} "]"\ncall: {body}\n'
@@ -133,16 +178,30 @@ def decode_schema(text: str, param: str) -> Any:
         ) from None
 
 
-def detect_tool_format(tokenizer: _Vocabulary, template_source: str | None) -> ToolCallFormat:
-    """The tool-call format of a model: Mistral's `[TOOL_CALLS]` or Llama 3.x's JSON when its
-    template says so, else Hermes-style (with `<tool_call>` as one token when the vocabulary
-    has it)."""
-    source = template_source or ""
-    if "[TOOL_CALLS]" in source:
-        return ToolCallFormat("mistral", _special_id(tokenizer, "[TOOL_CALLS]"))
-    if "<|python_tag|>" in source or ("ipython" in source and "<|eot_id|>" in source):
+def detect_tool_format(
+    tokenizer: _Vocabulary, template_source: str | None, style: str = "auto"
+) -> ToolCallFormat:
+    """The tool-call format of a model: `style` when it names one (the model's
+    `tool_call_format` setting), else what its template writes: Mistral's `[TOOL_CALLS]`
+    (`name[ARGS]{…}` when the template has `[ARGS]`) or Llama 3.x's JSON, else Hermes-style.
+    Markers are used as one token when the vocabulary has them as special tokens."""
+    if style == "auto":
+        style = _style_of(template_source or "")
+    if style.startswith("mistral"):
+        return ToolCallFormat(
+            style, _special_id(tokenizer, "[TOOL_CALLS]"), _special_id(tokenizer, "[ARGS]")
+        )
+    if style == "llama3":
         return ToolCallFormat("llama3")
     return ToolCallFormat("hermes", _special_id(tokenizer, "<tool_call>"))
+
+
+def _style_of(source: str) -> str:
+    if "[TOOL_CALLS]" in source:
+        return "mistral_args" if "[ARGS]" in source else "mistral"
+    if "<|python_tag|>" in source or ("ipython" in source and "<|eot_id|>" in source):
+        return "llama3"
+    return "hermes"
 
 
 def _special_id(tokenizer: _Vocabulary, text: str) -> int | None:

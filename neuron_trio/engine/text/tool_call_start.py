@@ -4,7 +4,8 @@ rest of that call to the tools' schemas.
 With `tool_choice: "auto"` the model answers freely: text, or a call in its own syntax. A
 free-running small model that begins a call often gets the rest wrong (a function name that
 does not exist, arguments that are not JSON). So the moment the opening marker is out
-(`<tool_call>`, `[TOOL_CALLS]`, or for Llama 3.x a `{` that begins the answer), the sequence
+(`<tool_call>`, `[TOOL_CALLS]`, or a `{` that begins the answer: Llama 3.x's calls, and
+Hermes calls written without their tags, as Qwen2.5-Coder writes them), the sequence
 gets a grammar for the rest of the call, the same as `tool_choice: "required"` would have
 given it from the first token: the call that follows is as valid as a required one.
 
@@ -49,10 +50,13 @@ _WS = r"/[ \t\r\n]{0,4}/"
 class CallStart:
     """The output's tail that holds a call's opening: `tokens` (whole tokens, the last one the
     token just sampled) and `prefix`, the Lark elements that spell the tail up to the end of
-    the marker (text as literals, special tokens as `<[id]>`)."""
+    the marker (text as literals, special tokens as `<[id]>`). `bare`: the call is a JSON
+    object that opens the answer, without a marker (its `{` is the grammar's, not the
+    prefix's)."""
 
     tokens: tuple[int, ...]
     prefix: tuple[str, ...]
+    bare: bool = False
 
 
 class _Vocabulary(Protocol):
@@ -74,6 +78,8 @@ class CallStartWatcher:
         self._special = vocab.special_ids
         self._marker = fmt.marker.encode()
         self._window: list[int] = []
+        # no text yet: a "{" now opens a call without a marker (formats that write one)
+        self._opening = fmt.bare_json
         self.done = False  # a call began (or, for llama3, the answer is text): nothing to watch
 
     def _text(self, token_id: int) -> bytes:
@@ -89,17 +95,22 @@ class CallStartWatcher:
         self._window.append(token_id)
         pieces = [self._text(t) for t in self._window]
         text = b"".join(pieces)
-        if self._fmt.style == "llama3":
-            # A call is the whole answer: it begins with "{" (after whitespace and specials).
+        if self._opening:
+            # A call without a marker is the whole answer: it begins with "{" (after
+            # whitespace and specials).
             stripped = text.lstrip()
             if not stripped:
                 if len(self._window) > WINDOW_TOKENS:
-                    self.done = True
+                    self._opening = False
+                    self.done = self._fmt.style == "llama3"
                 return None
-            self.done = True
-            if not stripped.startswith(b"{"):
-                return None
-            return self._start(pieces, 0, len(text) - len(stripped))
+            self._opening = False
+            if stripped.startswith(b"{"):
+                self.done = True
+                return self._start(pieces, 0, len(text) - len(stripped), bare=True)
+        if self._fmt.style == "llama3":
+            self.done = True  # an answer in words: llama3 has no marker to wait for
+            return None
         at = text.find(self._marker)
         if at < 0:
             del self._window[: max(0, len(self._window) - WINDOW_TOKENS)]
@@ -112,7 +123,9 @@ class CallStartWatcher:
             first += 1
         return self._start(pieces[first:], first, at - offset + len(self._marker))
 
-    def _start(self, pieces: list[bytes], first: int, prefix_len: int) -> CallStart | None:
+    def _start(
+        self, pieces: list[bytes], first: int, prefix_len: int, *, bare: bool = False
+    ) -> CallStart | None:
         """The tail from window token `first`; the grammar's prefix is its first `prefix_len`
         bytes of text (and every special token among them)."""
         tokens = tuple(self._window[first:])
@@ -135,7 +148,7 @@ class CallStartWatcher:
             prefix.append(_literal(text))
         if any(p == "" for p in prefix):
             return None  # not whole UTF-8 characters: no literal can spell it
-        return CallStart(tokens, tuple(prefix))
+        return CallStart(tokens, tuple(prefix), bare)
 
 
 def _literal(text: bytes) -> str:
@@ -151,18 +164,21 @@ def rest_of_call_lark(
 ) -> str:
     """A Lark grammar: the tail's prefix, then the rest of the call (and with `parallel`, up to
     MAX_PARALLEL_TOOL_CALLS calls in all), then only the end of the turn."""
-    body = fmt.call_json(tools)
     more = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"
     prefix = " ".join(start.prefix)
-    if fmt.style == "mistral":
+    if fmt.style == "mistral_args":
+        named = f"{_WS} named"
+        rest = f"{named} ({_WS} {fmt.opening()} {named}){more}" if parallel else named
+        return f"start: {prefix} {rest}\n" + fmt.named_calls(tools)
+    body = fmt.call_json(tools)
+    if start.bare:  # JSON objects without markers (a Hermes model's, or Llama 3.x's)
+        sep = '";" ' if fmt.style == "llama3" else ""
+        rest = f"call ({sep}{_WS} call){more}" if parallel else "call"
+    elif fmt.style == "mistral":
         calls = f'call ("," {_WS} call){more}' if parallel else "call"
         rest = f'{_WS} "[" {calls} "]"'
-    elif fmt.style == "llama3":
-        rest = f'call (";" {_WS} call){more}' if parallel else "call"
     else:
-        opening = (
-            f"<[{fmt.open_token_id}]>" if fmt.open_token_id is not None else json.dumps(fmt.marker)
-        )
+        opening = fmt.opening()
         after = f'{_WS} call_json {_WS} "</tool_call>"'
         rest = f"{after} ({_WS} {opening} {after}){more}" if parallel else after
         return f"start: {prefix} {rest}\ncall_json: {body}\n"

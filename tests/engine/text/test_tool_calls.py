@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from neuron_trio.engine.text.tool_call_format import ToolCallFormat
-from neuron_trio.engine.text.tool_calls import ToolCallParser, render_tools_as_text
+from neuron_trio.engine.text.tool_call_parser import ToolCallParser
+from neuron_trio.engine.text.tool_calls import render_tools_as_text
 from neuron_trio.engine.types import ToolFunction
 
 WEATHER = ToolFunction("get_weather", "Weather in a city", '{"type":"object"}')
@@ -60,7 +61,7 @@ def test_a_closing_marker_inside_an_argument_string_does_not_end_the_call() -> N
         if len(pieces) > 2:
             pieces = ["<tool_call>", *pieces, "</tool_call> done", ""]
         text, calls = _feed(parser, pieces)
-        assert text == " done"
+        assert text == "done"  # the space after a call is dropped with it
         assert calls == ["get_weather" + json.dumps({"city": json.loads('"' + city + '"')})]
     # many markers in many strings, the call streamed in pieces: one call, every key kept
     arguments = {f"k{i}": "</tool_call>" for i in range(300)}
@@ -99,7 +100,7 @@ def test_mistral_tool_calls_list_is_parsed_and_held_back() -> None:
     ]
     pieces += [', {"name": "get_time", "arguments": {}}', "]", ""]
     shown = [parser.push(p, final=i == len(pieces) - 1)[0] for i, p in enumerate(pieces)]
-    assert "".join(shown) == "Sure. " and all("[" not in s for s in shown)
+    assert "".join(shown) == "Sure." and all("[" not in s for s in shown)
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
         ("get_weather", {"city": "Oslo"}),
         ("get_time", {}),
@@ -154,4 +155,66 @@ def test_without_parallel_calls_only_the_first_counts() -> None:
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME], parallel=False)
     one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     text, calls = _feed(parser, [one, "\n" + one, ""])
-    assert calls == ["get_time{}"] and text == "\n"
+    assert calls == ["get_time{}"] and text == ""
+
+
+def _pieces(text: str, size: int = 3) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)] + [""]
+
+
+def test_hermes_calls_without_tags_that_open_the_answer_are_calls() -> None:
+    """Qwen2.5-Coder writes its calls as bare JSON; "arguments" may be a string of JSON."""
+    answer = (
+        '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}\n'
+    )
+    for pieces in (_pieces(answer), [answer, ""], _pieces(answer, 1)):
+        parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME])
+        assert _feed(parser, pieces) == (
+            "",
+            ['get_weather{"city": "Paris"}', 'get_time{"tz": "CET"}'],
+        )
+
+
+def test_json_that_is_no_call_or_follows_words_stays_content() -> None:
+    for answer in ('{"answer": 42}', 'Use {"name": "get_weather"} like this', '{"a": '):
+        parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+        assert _feed(parser, _pieces(answer)) == (answer, [])
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])  # cut by max_tokens: dropped
+    assert parser.push('{"name": "get_weather", "argu', final=True, cut=True) == ("", [])
+
+
+def test_several_streamed_calls_send_no_whitespace_between_them() -> None:
+    one = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME])
+    shown = [parser.push(p, final=False)[0] for p in _pieces(f"{one}\n\n\n{one}\n{one}\n", 4)]
+    shown.append(parser.push("", final=True)[0])
+    assert [s for s in shown if s] == [] and len(parser.calls) == 3
+    parser = ToolCallParser(ToolCallFormat("hermes"), [TIME])  # words before a call stay
+    assert _feed(parser, _pieces(f"Let me check.\n\n{one}\n", 2)) == (
+        "Let me check.",
+        ["get_time{}"],
+    )
+    parser = ToolCallParser(ToolCallFormat("hermes"), [TIME])  # no call: the text is whole
+    assert _feed(parser, _pieces("a\n\nb \n", 2)) == ("a\n\nb \n", [])
+
+
+def test_llama3_several_calls_separated_by_semicolons() -> None:
+    parser = ToolCallParser(ToolCallFormat("llama3"), [WEATHER, TIME])
+    answer = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    assert _feed(parser, _pieces(answer, 5)) == ("", ['get_weather{"city": "Oslo"}', "get_time{}"])
+
+
+def test_mistral_named_calls_with_args_markers() -> None:
+    answer = (
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+        "[TOOL_CALLS]get_time[CALL_ID]abc123[ARGS]{}"
+    )
+    for pieces in (_pieces(answer, 4), [answer, ""]):
+        parser = ToolCallParser(ToolCallFormat("mistral_args"), [WEATHER, TIME])
+        assert _feed(parser, pieces) == ("Sure.", ['get_weather{"city": "Oslo"}', "get_time{}"])
+    parser = ToolCallParser(ToolCallFormat("mistral_args"), [WEATHER])  # unknown: dropped
+    assert _feed(parser, ["ok [TOOL_CALLS]rm_rf[ARGS]{}", ""]) == ("ok ", [])
+    parser = ToolCallParser(ToolCallFormat("mistral_args"), [WEATHER])  # the list form too
+    list_form = '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}]'
+    assert _feed(parser, [list_form, ""]) == ("", ["get_weather{}"])
