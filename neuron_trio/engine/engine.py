@@ -38,7 +38,6 @@ from neuron_trio.engine.block_pool import (
     blocks_for,
     salt_root,
 )
-from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.finish import token_event
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.kv_events import KVEventLog
@@ -224,13 +223,11 @@ class Engine:
         *,
         chat: bool,
         cache_salt: bytes | None = None,
-        tenant: str | None = None,
     ) -> int:
         """Start a request's sequence (its `params.n` choices: n of max_batch); its id, which
         every event of the request carries. NoFreeSlotError when max_batch sequences run
         (queue, retry); `can_admit` says whether to add now. With `cache_salt`, its prompt
-        shares cached prefix blocks only with requests of the same salt. `tenant` is whose
-        request it is, for the scheduler's fair share (`share_fairly`).
+        shares cached prefix blocks only with requests of the same salt.
         """
         root = salt_root(cache_salt)
         self.validate(prompt_ids, params)
@@ -247,7 +244,6 @@ class Engine:
                 choice_params = replace(params, seed=params.seed + index)
             seq = self._new_sequence(list(prompt_ids), choice_params, chat)
             seq.cache_root = root
-            seq.tenant = tenant
             seq.group_id = group[0].seq_id if group else seq.seq_id
             seq.index = index
             self.scheduler.admit(seq)
@@ -311,11 +307,6 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
-
-    def share_fairly(self, fair: FairShare | None) -> None:
-        """Order prefills and choose preemptions by the tenants' counters in `fair` (kept by
-        the model actor, read during steps); None: oldest first, the youngest preempted."""
-        self.scheduler.fair = fair
 
     def record_kv_events(self, log: KVEventLog | None) -> None:
         """Record the prefix cache's changes into `log` from now on (None: no longer).
