@@ -10,6 +10,7 @@ import os
 import re
 import tomllib
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,11 +21,15 @@ from neuron_trio.errors import ConfigError
 DEFAULT_CONFIG_PATH = Path("/etc/neuron/neuron.toml")
 BUILTIN_MODEL_NAME = "smollm2-135m"
 BUILTIN_MODEL_SOURCE = "builtin:smollm2-135m"
+# The tenant of an admin key that is in no tenant's keys_file (and acts for no other).
+OPERATOR_TENANT = "operator"
 
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 ModelName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+# A tenant's name, as metrics labels and logs show it; "key-…" is kept for api_key_file's keys.
+TenantName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 _ZMQ_ENDPOINT_RE = re.compile(r"^(tcp://[^\s/]+:(?P<port>\d{1,5}|\*)|ipc://\S+|inproc://\S+)$")
 _LISTEN_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
@@ -60,11 +65,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     read_timeout_s: PositiveFloat = 30.0
     # Messages in one chat request; more: 400.
     max_messages: PositiveInt = 2048
-    # Which requests may reuse each other's cached prompt prefixes (KV blocks): "none", any
-    # two with the same `cache_salt` (or none); "api_key", only requests made with the same
-    # API key (and the same cache_salt), so tenants never learn each other's prompts from
-    # timing. Needs api_key_file.
-    prefix_cache_isolation: Literal["none", "api_key"] = "none"
+    # Which requests may reuse each other's cached prompt prefixes (KV blocks): "tenant" (the
+    # default), only requests of the same tenant ([[tenants]], or one per key of
+    # api_key_file) or of tenants in the same `prefix_cache_group`, and the same
+    # `cache_salt`, so tenants never learn each other's prompts from timing (without keys
+    # there is one tenant: nothing to keep apart); "api_key", the same as "tenant" (its
+    # older name; needs keys); "none", an explicit opt-out: any two requests with the same
+    # `cache_salt` (or none) share, whatever their tenants.
+    prefix_cache_isolation: Literal["tenant", "api_key", "none"] = "tenant"
     # When set, GET /metrics needs a key from this file (Authorization: Bearer). Unset with
     # api_key_file set: /metrics needs the admin key (admin_key_file) or, without one, an API
     # key. Without any key file /metrics is open.
@@ -116,7 +124,7 @@ class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enabled: bool = False
     # The PUB socket. As vLLM decides it: an address with "*" or "::", or ipc:// / inproc://,
     # is bound; any other is connected to (a central indexer that binds).
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     # A ROUTER socket (always bound) that replays missed batches from a sequence number;
     # empty: no replay.
     replay_endpoint: str = ""
@@ -125,6 +133,33 @@ class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     topic: str = "kv@{host}@{model}"
     # Batches kept for replay (also at most 64 MiB of them).
     replay_batches: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+    # The events carry prompt tokens and have no authentication: an endpoint that is not
+    # loopback (tcp://*, tcp://0.0.0.0, a remote indexer, …) is refused (exit 78) unless this
+    # says, explicitly, that an unauthenticated feed off this machine is wanted. A tenant's
+    # isolated (salted) blocks are never published; with prefix_cache_isolation = "none"
+    # (the operator's opt-in) every cached block is.
+    allow_unauthenticated: bool = False
+
+
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A `[[tenants]]` entry: a team sharing the node, known by its keys, shown by its name.
+
+    Keys live in `keys_file` (one per line), never in this document: /v1/node, logs and
+    metrics name tenants only. A tenant without keys_file is reached only through an admin
+    key's `X-Neuron-Tenant` header (a router that authenticates its clients itself)."""
+
+    name: TenantName
+    keys_file: str | None = None
+    # The tenant's share of the node's tokens against the others' (fair service).
+    weight: PositiveFloat = 1.0
+    # Its sequences running at once, its requests waiting, its tokens (prompt and
+    # completion) in any minute; past one: 429 with Retry-After. None: no limit of its own.
+    max_sequences: PositiveInt | None = None
+    max_queued: NonNegativeInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+    # Tenants naming the same group share cached prompt prefixes (e.g. one system prompt for
+    # all); None: the tenant's prefix cache is its own.
+    prefix_cache_group: TenantName | None = None
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -153,6 +188,7 @@ class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     tp: TpConfig = msgspec.field(default_factory=TpConfig)
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
+    tenants: list[TenantConfig] = msgspec.field(default_factory=list)
     default_models: list[ModelConfig] = msgspec.field(
         default_factory=lambda: [ModelConfig(name=BUILTIN_MODEL_NAME, source=BUILTIN_MODEL_SOURCE)]
     )
@@ -199,11 +235,18 @@ def is_loopback_host(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
+def has_api_keys(config: NeuronConfig) -> bool:
+    """Whether any key is configured for /v1: api_key_file, or a tenant's keys_file."""
+    return config.server.api_key_file is not None or any(
+        t.keys_file is not None for t in config.tenants
+    )
+
+
 def exposed_listeners(config: NeuronConfig) -> list[str]:
     """The `server.listen` addresses that are refused: not loopback, with no API key, and
     no explicit `allow_unauthenticated`."""
     server = config.server
-    if server.api_key_file is not None or server.allow_unauthenticated:
+    if has_api_keys(config) or server.allow_unauthenticated:
         return []
     exposed = []
     for address in server.listen:
@@ -326,8 +369,12 @@ def _validate(config: NeuronConfig, origin: str) -> None:
     cors_problem = cors_origin_problem(config.server.cors_allow_origins)
     if cors_problem is not None:
         fail("server.cors_allow_origins", cors_problem)
-    if config.server.prefix_cache_isolation == "api_key" and config.server.api_key_file is None:
-        fail("server.prefix_cache_isolation", '"api_key" needs server.api_key_file')
+    if config.server.prefix_cache_isolation == "api_key" and not has_api_keys(config):
+        fail(
+            "server.prefix_cache_isolation",
+            '"api_key" needs server.api_key_file or a tenant with keys_file',
+        )
+    _validate_tenants(config, fail)
     for key in ("tls_cert", "tls_key", "api_key_file", "admin_key_file", "metrics_key_file"):
         value = getattr(config.server, key)
         if value is not None and not Path(value).is_file():
@@ -352,6 +399,13 @@ def _validate(config: NeuronConfig, origin: str) -> None:
                     f"kv_events.{key}",
                     f"{value!r} is not tcp://HOST:PORT, ipc://PATH or inproc://NAME",
                 )
+            if value and not config.kv_events.allow_unauthenticated and not _zmq_is_local(value):
+                fail(
+                    f"kv_events.{key}",
+                    f"{value!r} is not a loopback address: anyone who can reach it reads "
+                    "the prompts' tokens, unauthenticated. Use tcp://127.0.0.1:PORT or "
+                    "ipc://, or kv_events.allow_unauthenticated = true if that is really wanted",
+                )
         try:
             config.kv_events.topic.format(host="h", model="m")
         except (KeyError, IndexError, ValueError) as exc:
@@ -374,6 +428,31 @@ def _validate(config: NeuronConfig, origin: str) -> None:
                 )
             if len(set(model.devices)) != len(model.devices):
                 fail(f"default_models[{i}].devices", "lists a device twice")
+
+
+def _zmq_is_local(endpoint: str) -> bool:
+    """An ipc:// or inproc:// endpoint, or tcp:// on a loopback address ("*" is every
+    interface)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return is_loopback_host(host)
+
+
+def _validate_tenants(config: NeuronConfig, fail: Callable[[str, str], None]) -> None:
+    seen: set[str] = set()
+    for i, tenant in enumerate(config.tenants):
+        if tenant.name in seen:
+            fail(f"tenants[{i}].name", f"duplicate tenant name {tenant.name!r}")
+        if tenant.name.startswith("key-") or tenant.name == OPERATOR_TENANT:
+            fail(
+                f"tenants[{i}].name",
+                f'{tenant.name!r}: "key-…" and "{OPERATOR_TENANT}" name keys of '
+                "api_key_file and admin_key_file",
+            )
+        seen.add(tenant.name)
+        if tenant.keys_file is not None and not Path(tenant.keys_file).is_file():
+            fail(f"tenants[{i}].keys_file", f"{tenant.keys_file} is not a readable file")
 
 
 def _fill_defaults(config: NeuronConfig, origin: str) -> NeuronConfig:

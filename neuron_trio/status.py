@@ -69,7 +69,7 @@ def default_url(config: NeuronConfig) -> str:
 
 def api_key(config: NeuronConfig) -> str | None:
     """The first key in `server.api_key_file` (None when unset). Raises ConfigError."""
-    from neuron_trio.http.app import read_api_keys  # the daemon's own reading of the file
+    from neuron_trio.http.tenancy import read_api_keys  # the daemon's own reading of the file
 
     keys = read_api_keys(config.server.api_key_file)
     return keys[0].decode() if keys else None

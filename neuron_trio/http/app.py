@@ -52,7 +52,14 @@ from neuron_trio.http.openai.completion_batch import CompletionBatch, parse_comp
 from neuron_trio.http.openai.models_api import model_object
 from neuron_trio.http.orca import OrcaLoadReports
 from neuron_trio.http.responses_endpoint import ResponsesEndpoint
-from neuron_trio.http.tenancy import is_operator, job_cache_salt, redact_node_info, tenant_of
+from neuron_trio.http.tenancy import (
+    TenantDirectory,
+    is_operator,
+    job_cache_salt,
+    read_api_keys,
+    redact_node_info,
+    tenant_name_of,
+)
 from neuron_trio.service.api import GenerationJob, NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]
@@ -184,18 +191,25 @@ async def _off_loop_if_large(parse: Callable[[bytes], P], body: bytes) -> P:
 
 class _Routes:
     def __init__(
-        self, node: NodeService, *, max_messages: int, isolate_tenants: bool = False
+        self,
+        node: NodeService,
+        *,
+        max_messages: int,
+        tenants: TenantDirectory,
+        isolate_tenants: bool = True,
     ) -> None:
         self.node = node
         self.max_messages = max_messages
+        self.tenants = tenants
         self.isolate_tenants = isolate_tenants
         self._metrics_limiter: trio.CapacityLimiter | None = None
         self.responses = ResponsesEndpoint(node, admit=self.admit)
 
     def admit(self, request: Request, job: GenerationJob) -> GenerationJob:
         """`job` checked and salted as every generating route needs: at most
-        `server.max_messages` messages, and its prefix-cache salt (the client's `cache_salt`
-        and, with `prefix_cache_isolation = "api_key"`, the caller's tenant: http/tenancy.py).
+        `server.max_messages` messages, its tenant's name and its prefix-cache salt (the
+        client's `cache_salt` and, unless `prefix_cache_isolation = "none"`, the tenant's or
+        its group's name: http/tenancy.py).
         Chat, completions and the Responses API pass their jobs through here."""
         count = len(job.messages or ())
         if count > self.max_messages:
@@ -205,9 +219,12 @@ class _Routes:
                 param="messages",
                 code="too_many_messages",
             )
-        tenant = tenant_of(request.scope) if self.isolate_tenants else None
+        name = tenant_name_of(request.scope)
+        tenant = self.tenants.cache_identity(name) if self.isolate_tenants else None
         salt = job_cache_salt(tenant, job.cache_salt)
-        return job if salt == job.cache_salt else replace(job, cache_salt=salt)
+        if salt == job.cache_salt and name == job.tenant:
+            return job
+        return replace(job, cache_salt=salt, tenant=name)
 
     def _refuse_while_draining(self) -> None:
         if self.node.draining:
@@ -318,24 +335,6 @@ class _Routes:
         return JSONResponse(doc)
 
 
-def read_api_keys(path: str | None, key: str = "server.api_key_file") -> tuple[bytes, ...]:
-    """The keys in `path` (`api_key_file` or `admin_key_file`): one per non-empty line
-    (several allow a rotation).
-
-    Raises ConfigError naming `key` if the file cannot be read or holds no key.
-    """
-    if path is None:
-        return ()
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{key}: cannot read {path}: {exc}") from None
-    keys = tuple(line.strip().encode() for line in text.splitlines() if line.strip())
-    if not keys:
-        raise ConfigError(f"{key}: {path} holds no key")
-    return keys
-
-
 def _route_resolver(routes: list[Route]) -> Any:
     def route_of(scope: Scope) -> str:
         partial = None
@@ -352,10 +351,12 @@ def _route_resolver(routes: list[Route]) -> Any:
 
 def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
     """The ASGI app serving `node`. Raises ConfigError if `api_key_file` is unusable."""
+    tenants = TenantDirectory.from_config(config)
     r = _Routes(
         node,
         max_messages=config.server.max_messages,
-        isolate_tenants=config.server.prefix_cache_isolation == "api_key",
+        tenants=tenants,
+        isolate_tenants=config.server.prefix_cache_isolation != "none",
     )
     routes = [
         Route("/health", r.health, methods=["GET"]),
@@ -384,7 +385,8 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         OrcaLoadReports(app, node.load),
         metrics=http_metrics(node.metrics_registry),
         route_of=_route_resolver(routes),
-        api_keys=read_api_keys(config.server.api_key_file),
+        api_keys=tenants.api_keys,
+        tenants=tenants,
         admin_keys=read_api_keys(config.server.admin_key_file, "server.admin_key_file"),
         metrics_keys=read_api_keys(config.server.metrics_key_file, "server.metrics_key_file"),
         max_body_bytes=config.server.max_body_bytes,

@@ -11,7 +11,8 @@ Order, outside in (one class, so each request pays for one wrapper, not five):
 4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`; with admin
    keys, loading and unloading models needs one of those (another valid key: 403); with API
    keys or metrics keys, `/metrics` needs an operator's key (`_metrics_keys`); the request's
-   tenant (its key's digest) and whether it is an operator go into the scope (tenancy.py);
+   tenant (its name, and its key's digest) and whether it is an operator go into the scope;
+   an admin key may name the tenant it acts for in X-Neuron-Tenant (tenancy.py);
 5. body limit: a `Content-Length` over the limit is a 413 at once; otherwise `receive()`
    counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it;
    each wait for the next piece of body is bounded by `read_timeout_s` (408).
@@ -28,6 +29,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -35,11 +37,20 @@ import trio
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from neuron_trio.config import OPERATOR_TENANT
 from neuron_trio.errors import RequestError
 from neuron_trio.http.access_log import ACCESS_SCOPE_KEY, AccessInfo, log_access
 from neuron_trio.http.metrics import HttpMetrics
 from neuron_trio.http.openai import error_body
-from neuron_trio.http.tenancy import OPERATOR_SCOPE_KEY, TENANT_SCOPE_KEY, key_digest
+from neuron_trio.http.tenancy import (
+    OPERATOR_SCOPE_KEY,
+    TENANT_HEADER,
+    TENANT_NAME_SCOPE_KEY,
+    TENANT_SCOPE_KEY,
+    TenantDirectory,
+    key_digest,
+    key_tenant_name,
+)
 
 __all__ = ["BodyTooLargeError", "NeuronMiddleware", "json_error_messages"]
 
@@ -101,6 +112,48 @@ def _is_client_disconnect(exc: BaseException) -> bool:
     return isinstance(exc, ClientDisconnect)
 
 
+@dataclass(frozen=True)
+class Denied:
+    """Why the middleware answers a request itself, before the app sees it."""
+
+    status: int
+    message: str
+    error_type: str
+    code: str
+    headers: dict[str, str] | None = None
+
+
+UNAUTHENTICATED = Denied(
+    401,
+    "missing or invalid API key (Authorization: Bearer <key>)",
+    "authentication_error",
+    "invalid_api_key",
+    {"WWW-Authenticate": "Bearer"},
+)
+NOT_ADMIN = Denied(
+    403,
+    "loading and unloading models needs the admin key",
+    "permission_error",
+    "admin_key_required",
+)
+NOT_A_ROUTER = Denied(
+    403,
+    f"{TENANT_HEADER}: only an admin key may act for a tenant",
+    "permission_error",
+    "tenant_header_forbidden",
+)
+
+
+def _unknown_tenant(raw: bytes) -> Denied:
+    shown = raw[:64].decode("ascii", "replace")  # bounded: it goes into the body and the log
+    return Denied(
+        400,
+        f"{TENANT_HEADER}: no tenant named {shown!r} is configured",
+        "invalid_request_error",
+        "unknown_tenant",
+    )
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -118,13 +171,17 @@ class NeuronMiddleware:
         api_keys: tuple[bytes, ...] = (),
         admin_keys: tuple[bytes, ...] = (),
         metrics_keys: tuple[bytes, ...] = (),
+        tenants: TenantDirectory | None = None,
         max_body_bytes: int,
         read_timeout_s: float = 30.0,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.route_of = route_of
-        self.api_keys = api_keys
+        if tenants is None:  # one tenant per key, as `api_key_file` alone gives
+            tenants = TenantDirectory(keys=tuple((k, key_tenant_name(k)) for k in api_keys))
+        self.tenants = tenants
+        self.api_keys = api_keys or tenants.api_keys
         self.admin_keys = admin_keys
         self.metrics_keys = metrics_keys
         self.max_body_bytes = max_body_bytes
@@ -151,8 +208,9 @@ class NeuronMiddleware:
         scheme, _, token = header.partition(b" ")
         return token.strip() if scheme.lower() == b"bearer" else b""
 
-    def _auth_status(self, scope: Scope) -> int | None:
-        """None if the request may go on; else 401 (no valid key) or 403 (not an admin key).
+    def _auth_status(self, scope: Scope) -> Denied | None:
+        """None if the request may go on; else why not: 401 (no valid key), 403 (not an admin
+        key, or a tenant header from a key that may not send it), 400 (an unknown tenant).
         Marks the scope with the caller's tenant and whether it is an operator."""
         path: str = scope["path"]
         if path == "/metrics":
@@ -160,7 +218,7 @@ class NeuronMiddleware:
             if not keys:
                 return None
             token = self._bearer(scope)
-            return None if token and self._matches(token, keys) else 401
+            return None if token and self._matches(token, keys) else UNAUTHENTICATED
         if path != "/v1" and not path.startswith("/v1/"):
             return None
         admin_route = self.admin_keys and (
@@ -168,7 +226,8 @@ class NeuronMiddleware:
             or (scope["method"] == "DELETE" and path.startswith(ADMIN_ROUTES[0] + "/"))
         )
         if not self.api_keys and not admin_route:
-            return None  # no keys: everyone is an operator (the scope says nothing)
+            # No keys: everyone is an operator (the scope says nothing), and may name a tenant.
+            return self._name_tenant(scope, None, may_act_for_others=True)
         token = self._bearer(scope)
         is_admin = bool(token) and self._matches(token, self.admin_keys)
         is_user = bool(token) and (is_admin or self._matches(token, self.api_keys))
@@ -178,8 +237,28 @@ class NeuronMiddleware:
         if admin_route:
             if is_admin:
                 return None
-            return 403 if is_user else 401
-        return None if is_user else 401
+            return NOT_ADMIN if is_user else UNAUTHENTICATED
+        if not is_user:
+            return UNAUTHENTICATED
+        own = self.tenants.lookup(token) or (OPERATOR_TENANT if is_admin else None)
+        return self._name_tenant(scope, own, may_act_for_others=is_admin)
+
+    def _name_tenant(
+        self, scope: Scope, own: str | None, *, may_act_for_others: bool
+    ) -> Denied | None:
+        """Put the request's tenant in the scope: the one named in X-Neuron-Tenant if the
+        caller may act for others (an admin key, or anyone without keys), else its own."""
+        named = _header(scope, TENANT_HEADER.lower().encode())
+        if named is not None:
+            if not may_act_for_others:
+                return NOT_A_ROUTER
+            name = named.decode("ascii", "replace").strip()
+            if name not in self.tenants.names:
+                return _unknown_tenant(named)
+            own = name
+        if own is not None:
+            scope[TENANT_NAME_SCOPE_KEY] = own
+        return None
 
     def _content_length(self, scope: Scope) -> int | None:
         raw = _header(scope, b"content-length")
@@ -260,27 +339,9 @@ class NeuronMiddleware:
         scope[ACCESS_SCOPE_KEY] = access
         try:
             denied = self._auth_status(scope)
-            if denied == 401:
-                await self._reply(
-                    send_wrapper,
-                    401,
-                    error_body(
-                        "missing or invalid API key (Authorization: Bearer <key>)",
-                        error_type="authentication_error",
-                        code="invalid_api_key",
-                    ),
-                    {"WWW-Authenticate": "Bearer"},
-                )
-            elif denied == 403:
-                await self._reply(
-                    send_wrapper,
-                    403,
-                    error_body(
-                        "loading and unloading models needs the admin key",
-                        error_type="permission_error",
-                        code="admin_key_required",
-                    ),
-                )
+            if denied is not None:
+                body = error_body(denied.message, error_type=denied.error_type, code=denied.code)
+                await self._reply(send_wrapper, denied.status, body, denied.headers)
             elif (self._content_length(scope) or 0) > limit:
                 await self._reply(
                     send_wrapper,

@@ -89,7 +89,8 @@ class GenerationJob:
     messages: tuple[ChatMessage, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
     # Prompt prefixes are shared (from the prefix cache) only between jobs with the same salt:
-    # the client's cache_salt and, with prefix_cache_isolation = "api_key", its key's digest.
+    # the client's cache_salt and, unless prefix_cache_isolation = "none", its tenant's (or
+    # its tenant's prefix_cache_group's) name.
     cache_salt: bytes | None = None
     # The tenant's name (http/tenancy.py), None without keys: fair service and its limits.
     tenant: str | None = None

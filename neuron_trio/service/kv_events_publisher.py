@@ -30,7 +30,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from neuron_trio.config import KvEventsConfig
+from neuron_trio.config import KvEventsConfig, is_loopback_host
 from neuron_trio.engine.kv_events import DEFAULT_CAPACITY, KVEventLog
 from neuron_trio.errors import ConfigError
 from neuron_trio.service.kv_events_wire import KVEventBatch, wire_events
@@ -72,12 +72,17 @@ class KVEventsPublisherStatistics:
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard or local transport is bound, anything else connected to."""
+    """vLLM's rule: a wildcard or local transport is bound, anything else connected to; and
+    a loopback IP address is bound too, so that the default (tcp://127.0.0.1:5557) publishes
+    on this machine only (issue 47: `tcp://*` reached every interface, unauthenticated). A
+    local indexer that binds is reached as tcp://localhost:PORT."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     return (
         "*" in endpoint
         or "::" in endpoint
         or endpoint.startswith("ipc://")
         or endpoint.startswith("inproc://")
+        or (endpoint.startswith("tcp://") and host != "localhost" and is_loopback_host(host))
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from neuron_trio.http.tenancy import HIDDEN, job_cache_salt, key_digest
+from neuron_trio.http.tenancy import HIDDEN, job_cache_salt, key_tenant_name
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, make_config, run, serving
 
@@ -84,16 +84,19 @@ def test_api_key_isolation_gives_each_tenant_its_own_salt(tmp_path: Path) -> Non
 
     run(body)
     a, b, a_salted = (job.cache_salt for job in node.jobs)
-    assert a == job_cache_salt(key_digest(b"tenant-a"), None)
+    assert a == job_cache_salt(b"tenant:" + key_tenant_name(b"tenant-a").encode(), None)
     assert len({a, b, a_salted}) == 3 and None not in {a, b, a_salted}
     assert b"tenant-a" not in (a or b"")  # the key itself is never the salt
 
 
 def test_without_isolation_keys_share_the_cache(tmp_path: Path) -> None:
+    """`prefix_cache_isolation = "none"`: the operator's explicit opt-out (issue 47 made
+    isolation the default)."""
     node = FakeNode()
+    config = make_config(**_keys(tmp_path), prefix_cache_isolation="none")
 
     async def body() -> None:
-        async with serving(node, make_config(**_keys(tmp_path))) as srv, h2_client(srv.url) as c:
+        async with serving(node, config) as srv, h2_client(srv.url) as c:
             for key in ("tenant-a", "tenant-b"):
                 r = await c.post("/v1/chat/completions", json=chat_body(), headers=_auth(key))
                 assert r.status_code == 200

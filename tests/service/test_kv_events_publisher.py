@@ -25,7 +25,11 @@ from neuron_trio.engine.block_pool import BLOCK_TOKENS, block_key
 from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import ConfigError
-from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
+from neuron_trio.service.kv_events_publisher import (
+    KVEventsCollector,
+    KVEventsPublisher,
+    is_bind_endpoint,
+)
 from tests.engine.drain import drain as _run
 from tests.engine.test_scheduler import _engine, _prompt
 
@@ -279,7 +283,8 @@ def test_a_log_that_overflows_sends_all_cleared_and_counts_the_loss() -> None:
 
 
 def test_connects_when_the_endpoint_is_not_a_wildcard() -> None:
-    """vLLM's rule: `tcp://host:port` is connected to (a central indexer binds)."""
+    """vLLM's rule: `tcp://host:port` is connected to (a central indexer binds); a loopback
+    IP address is bound, so a local indexer is reached by name."""
 
     async def main() -> None:
         context = zmq.Context.instance()
@@ -288,12 +293,12 @@ def test_connects_when_the_endpoint_is_not_a_wildcard() -> None:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         port = sub.bind_to_random_port("tcp://127.0.0.1")
         publisher = KVEventsPublisher(
-            _config(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=""), hostname="h"
+            _config(endpoint=f"tcp://localhost:{port}", replay_endpoint=""), hostname="h"
         )
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(publisher.run)
-                assert publisher.endpoint == f"tcp://127.0.0.1:{port}"
+                assert publisher.endpoint == f"tcp://localhost:{port}"
                 assert publisher.replay_endpoint is None
                 await _subscribed(publisher, sub)
                 nursery.cancel_scope.cancel()
@@ -339,3 +344,12 @@ def test_without_pyzmq_enabling_is_a_config_error(monkeypatch: pytest.MonkeyPatc
     publisher = KVEventsPublisher(_config(), hostname="h")
     with pytest.raises(ConfigError, match=r"kv_events\.enabled: needs pyzmq"):
         trio.run(publisher.run)
+
+
+def test_the_default_endpoint_is_bound_on_loopback() -> None:
+    """Issue 47: the default binds 127.0.0.1 (a loopback IP address is bound, not connected
+    to), where `tcp://*:5557` bound every interface."""
+    assert KvEventsConfig().endpoint == "tcp://127.0.0.1:5557"
+    assert is_bind_endpoint("tcp://127.0.0.1:5557") and is_bind_endpoint("tcp://[::1]:5557")
+    assert not is_bind_endpoint("tcp://localhost:5557")
+    assert not is_bind_endpoint("tcp://indexer.example:5557")
