@@ -227,6 +227,15 @@ class Daemon:
         self.notifier.status("stopped")
 
 
+def require_http_fixes() -> None:
+    """Install hypercorn's fixes before anything starts (HypercornFixError, a ConfigError, if
+    one does not fit the installed hypercorn: exit 78 then, rather than load models and serve
+    without the HTTP/2 hardening)."""
+    from neuron_trio.http._hypercorn_fixes import apply_hypercorn_fixes
+
+    apply_hypercorn_fixes()
+
+
 def configure_failpoints(environ: Mapping[str, str]) -> None:
     """Parse NEURON_FAILPOINTS (ConfigError if malformed) and say so loudly when set."""
     spec = environ.get(failpoints.ENV_VAR, "")
@@ -271,6 +280,8 @@ def run(config: NeuronConfig, wiring: Wiring | None = None) -> int:
     wiring = wiring or Wiring()
     try:
         configure_failpoints(wiring.environ)
+        if wiring.serve_http is None:
+            require_http_fixes()
     except ConfigError as exc:
         log.error("%s", exc)
         return EX_CONFIG
