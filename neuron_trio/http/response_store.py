@@ -6,6 +6,12 @@ instead of resending the conversation. neuron keeps the last `max_responses` of 
 most `max_bytes` in all (their conversations as JSON), and forgets the oldest first; a
 restart forgets them all. A follow-up must therefore reach the node that answered (a router
 pins on the response id) or resend its input; a forgotten id is a 404 naming it.
+
+A response belongs to its tenant (issue 47, #2): each tenant (http/tenancy.py; None without
+keys) has a shelf of its own with the bounds above, so no tenant can evict another's
+responses, and an id is looked up on the caller's shelf only: another tenant's GET, DELETE
+or `previous_response_id` gets the same 404 as an id never issued (no oracle). Shelves are
+made for configured tenants only, so their number is bounded by the configuration.
 """
 
 from __future__ import annotations
@@ -42,42 +48,66 @@ class StoredResponse:
     size: int  # bytes, as JSON
 
 
-class ResponseStore:
-    """Least recently stored first out, by count and by bytes.
+class _Shelf:
+    """One tenant's responses, least recently stored first out, by count and by bytes.
 
-    Invariant: `len(self._items) <= max_responses` and `self._bytes <= max_bytes`.
+    Invariant: `len(self.items) <= max_responses` and `self.bytes <= max_bytes`.
     """
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, response_id: str, item: StoredResponse, max_count: int, max_bytes: int) -> None:
+        self.items[response_id] = item
+        self.bytes += item.size
+        while len(self.items) > max_count or self.bytes > max_bytes:
+            _, oldest = self.items.popitem(last=False)
+            self.bytes -= oldest.size
+
+
+class ResponseStore:
+    """Each tenant's recent responses, bounded per tenant (`max_responses`, `max_bytes`)."""
 
     def __init__(self, *, max_responses: int = 256, max_bytes: int = 32 << 20) -> None:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
+        self._shelves: dict[str | None, _Shelf] = {}
 
     def put(
-        self, response_id: str, history: tuple[dict[str, Any], ...], doc: dict[str, Any]
+        self,
+        response_id: str,
+        history: tuple[dict[str, Any], ...],
+        doc: dict[str, Any],
+        *,
+        owner: str | None = None,
     ) -> None:
+        """Keep a response for `owner` (a tenant's name; None without keys)."""
         size = len(msgspec.json.encode(history)) + len(msgspec.json.encode(doc))
         if size > self.max_bytes:
-            return  # larger than the whole store: kept nowhere (a follow-up gets a 404)
-        self._items[response_id] = StoredResponse(history, doc, size)
-        self._bytes += size
-        while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
-            _, oldest = self._items.popitem(last=False)
-            self._bytes -= oldest.size
+            return  # larger than the whole shelf: kept nowhere (a follow-up gets a 404)
+        shelf = self._shelves.setdefault(owner, _Shelf())
+        shelf.put(
+            response_id, StoredResponse(history, doc, size), self.max_responses, self.max_bytes
+        )
 
-    def get(self, response_id: str, *, param: str | None = None) -> StoredResponse:
-        """The stored response; ResponseNotFoundError (404, naming `param`) if there is none."""
-        found = self._items.get(response_id)
+    def get(
+        self, response_id: str, *, owner: str | None = None, param: str | None = None
+    ) -> StoredResponse:
+        """`owner`'s stored response; ResponseNotFoundError (404, naming `param`) if it has
+        none of that id (another tenant's is not found either)."""
+        shelf = self._shelves.get(owner)
+        found = shelf.items.get(response_id) if shelf is not None else None
         if found is None:
             raise ResponseNotFoundError(response_id, param)
         return found
 
-    def delete(self, response_id: str) -> None:
-        found = self._items.pop(response_id, None)
-        if found is None:
+    def delete(self, response_id: str, *, owner: str | None = None) -> None:
+        shelf = self._shelves.get(owner)
+        found = None if shelf is None else shelf.items.pop(response_id, None)
+        if shelf is None or found is None:
             raise ResponseNotFoundError(response_id, None)
-        self._bytes -= found.size
+        shelf.bytes -= found.size
 
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(shelf.items) for shelf in self._shelves.values())

@@ -3,7 +3,8 @@ node, as a JSON body or as server-sent events.
 
 The request becomes a chat job (`openai.responses_api`); it runs as `generation` runs chat
 completions (one task owns the `generate` context, `receive()` is watched for a disconnect).
-A response that finished is stored (unless `store: false`) in a bounded `ResponseStore`.
+A response that finished is stored (unless `store: false`) in a bounded `ResponseStore`, on
+its tenant's shelf: another tenant's key finds nothing there (404).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from neuron_trio.http.openai.responses_api import (
 )
 from neuron_trio.http.openai.responses_stream import ResponsesStreamWriter
 from neuron_trio.http.response_store import ResponseStore
+from neuron_trio.http.tenancy import tenant_name_of
 from neuron_trio.service.api import GenerationJob, NodeService
 
 __all__ = ["ResponsesEndpoint"]
@@ -74,16 +76,20 @@ class ResponsesEndpoint:
             previous_id = msgspec.json.decode(body, type=_PreviousId).previous_response_id
         except msgspec.DecodeError:
             previous_id = None  # the full validation below names the problem
+        owner = tenant_name_of(request.scope)  # stored responses are the tenant's own
         history = None
         if previous_id is not None:
-            history = self.store.get(previous_id, param="previous_response_id").history
+            found = self.store.get(previous_id, owner=owner, param="previous_response_id")
+            history = found.history
         if len(body) <= INLINE_PARSE_BYTES:
             parsed = parse_responses_request(body, history)
         else:
             parsed = await trio.to_thread.run_sync(parse_responses_request, body, history)
-        if self._admit is not None:
-            chat = replace(parsed.chat, job=self._admit(request, parsed.chat.job))
-            parsed = replace(parsed, chat=chat)
+        job = parsed.chat.job if self._admit is None else self._admit(request, parsed.chat.job)
+        if job.tenant != owner:
+            job = replace(job, tenant=owner)
+        if job is not parsed.chat.job:
+            parsed = replace(parsed, chat=replace(parsed.chat, job=job))
         access = access_info(request.scope)
         if access is not None:
             access.model = parsed.request.model
@@ -94,15 +100,17 @@ class ResponsesEndpoint:
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
+        owner = tenant_name_of(request.scope)
         if request.method == "DELETE":
-            self.store.delete(response_id)
+            self.store.delete(response_id, owner=owner)
             return _json({"id": response_id, "object": "response", "deleted": True})
-        return _json(self.store.get(response_id).document)
+        return _json(self.store.get(response_id, owner=owner).document)
 
     def keep(self, parsed: ParsedResponsesRequest, doc: dict[str, Any]) -> None:
+        """Store `doc` for the tenant its job was served for (`create` set it)."""
         if parsed.request.store is not False:
             history = (*parsed.history, *history_of(doc["output"]))
-            self.store.put(doc["id"], history, doc)
+            self.store.put(doc["id"], history, doc, owner=parsed.chat.job.tenant)
 
     async def _complete(
         self, parsed: ParsedResponsesRequest, receive: Receive, access: AccessInfo | None

@@ -175,3 +175,49 @@ def test_keys_never_appear_in_the_config_document(tmp_path: Path) -> None:
     text = msgspec.json.encode(config).decode()
     assert "alpha-1" not in text and "the-admin" not in text
     assert job_cache_salt(b"tenant:alpha", None) is not None
+
+
+# --- stored responses belong to their tenant ------------------------------------------------
+
+
+def _respond(client: Any, key: str, **extra: Any) -> Any:
+    doc = {"model": "fake-model", "input": "my secret plan", **extra}
+    return client.post("/v1/responses", json=doc, headers=_auth(key))
+
+
+def test_another_tenant_gets_404_on_get_delete_and_previous_response_id(tmp_path: Path) -> None:
+    """Before: any other key could read, chain (its conversation landing in the other
+    tenant's prompt) and delete a stored response."""
+    node = FakeNode()
+
+    async def body() -> None:
+        config = _tenants_config(tmp_path)
+        async with serving(node, config) as srv, h2_client(srv.url) as client:
+            rid = (await _respond(client, "alpha-1")).json()["id"]
+            path = f"/v1/responses/{rid}"
+            assert (await client.get(path, headers=_auth("beta-1"))).status_code == 404
+            assert (await client.delete(path, headers=_auth("beta-1"))).status_code == 404
+            r = await _respond(client, "beta-1", previous_response_id=rid)
+            assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+            # the same 404 as an id never issued
+            never = await client.get("/v1/responses/resp_never", headers=_auth("beta-1"))
+            assert never.json()["error"]["code"] == r.json()["error"]["code"]
+            # the owner's other key still has it, chains from it and deletes it
+            assert (await client.get(path, headers=_auth("alpha-2"))).status_code == 200
+            r = await _respond(client, "alpha-2", previous_response_id=rid)
+            assert r.status_code == 200
+            assert (await client.delete(path, headers=_auth("alpha-1"))).status_code == 200
+
+    run(body)
+    assert [job.tenant for job in node.jobs] == ["alpha", "alpha"]  # beta's never ran
+
+
+def test_one_tenant_cannot_evict_another_tenants_responses() -> None:
+    from neuron_trio.http.response_store import ResponseStore
+
+    store = ResponseStore(max_responses=2, max_bytes=10_000)
+    store.put("kept", ({"role": "user", "content": "x"},), {"id": "kept"}, owner="alpha")
+    for i in range(50):
+        store.put(f"flood{i}", ({"role": "user", "content": "y"},), {}, owner="beta")
+    assert store.get("kept", owner="alpha").document == {"id": "kept"}
+    assert len(store) == 3
