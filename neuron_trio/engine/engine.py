@@ -38,6 +38,7 @@ from neuron_trio.engine.block_pool import (
     blocks_for,
     salt_root,
 )
+from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.finish import token_event
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.kv_events import KVEventLog
@@ -223,16 +224,18 @@ class Engine:
         *,
         chat: bool,
         cache_salt: bytes | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Start a request's sequence (its `params.n` choices: n of max_batch); its id, which
         every event of the request carries. NoFreeSlotError when max_batch sequences run
         (queue, retry); `can_admit` says whether to add now. With `cache_salt`, its prompt
-        shares cached prefix blocks only with requests of the same salt.
+        shares cached prefix blocks only with requests of the same salt. `tenant` is whose
+        request it is, for the scheduler's fair share (`share_fairly`).
         """
         root = salt_root(cache_salt)
         self.validate(prompt_ids, params)
         if params.max_tokens is None:  # to the end of the context
-            room = answer_room(len(prompt_ids), context=self.context, pool_blocks=self.pool.total)
+            room = self.answer_room(len(prompt_ids))
             params = replace(params, max_tokens=room)
         if self.scheduler.free_slots < params.n:
             raise NoFreeSlotError(f"{params.n} slots needed, {self.scheduler.free_slots} free")
@@ -244,6 +247,7 @@ class Engine:
                 choice_params = replace(params, seed=params.seed + index)
             seq = self._new_sequence(list(prompt_ids), choice_params, chat)
             seq.cache_root = root
+            seq.tenant = tenant
             seq.group_id = group[0].seq_id if group else seq.seq_id
             seq.index = index
             self.scheduler.admit(seq)
@@ -304,9 +308,20 @@ class Engine:
         not counted). Admitting only then keeps preemption for growth, not for arrivals."""
         return self.free_slots >= n and self.pool.available >= blocks_for(prompt_tokens) + n - 1
 
+    def answer_room(self, prompt_tokens: int) -> int:
+        """The most tokens an answer to a `prompt_tokens` prompt may have here: to the end of
+        the effective context (`context`: the configured one capped by the model's own) or
+        of the KV pool, whichever is nearer. The service caps a default max_tokens by it."""
+        return answer_room(prompt_tokens, context=self.context, pool_blocks=self.pool.total)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def share_fairly(self, fair: FairShare | None) -> None:
+        """Order prefills and choose preemptions by the tenants' counters in `fair` (kept by
+        the model actor, read during steps); None: oldest first, the youngest preempted."""
+        self.scheduler.fair = fair
 
     def record_kv_events(self, log: KVEventLog | None) -> None:
         """Record the prefix cache's changes into `log` from now on (None: no longer).

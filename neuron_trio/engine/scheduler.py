@@ -18,6 +18,11 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   younger sequence: prompt + output but the last token, without sampling, then decodes on.
   Prefill chunks never preempt running decodes; they wait. `Engine.validate` refuses a
   request that could not fit in the pool alone, so the oldest sequence always progresses;
+- with tenants (`fair`, engine/fair_share.py), prefills go lightest tenant first (oldest
+  first within a tenant), and the pool's shortage is taken from the tenant with the largest
+  virtual token counter: a row may preempt any younger sequence, or an older one of a tenant
+  that has received more service than its own; among those, the heaviest tenant's youngest
+  (itself, if that is it). One tenant (or none): exactly the rules above;
 - `cache_blocks` (after a step) registers the blocks that became full in the prefix cache;
 - `release` gives a finished or cancelled sequence's blocks back at once.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, BlockPool, block_key, blocks_for
+from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.errors import NeuronError
 
@@ -79,6 +85,8 @@ class Scheduler:
         self._active: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self._looked_up: set[int] = set()  # sequences whose prefill start checked the cache
         self.preemptions = 0
+        # The tenants' counters (the model actor's, read during a step): None, one tenant.
+        self.fair: FairShare | None = None
 
     @property
     def free_slots(self) -> int:
@@ -131,10 +139,13 @@ class Scheduler:
                 seq, seq.decode_pos + 1, preempted, may_preempt=True
             ):
                 decode.append(seq)
+        if preempted:  # a heavier tenant's older row, planned before it was preempted
+            gone = {victim.seq_id for victim in preempted}
+            decode = [seq for seq in decode if seq.seq_id not in gone]
         prefill: list[PrefillChunk] = []
         width = 0  # the longest chunk so far: every row is padded to it
-        for seq in self._active.values():
-            if seq.status is not SequenceStatus.PREFILLING or seq in preempted:
+        for seq in self._prefill_order():
+            if seq in preempted:
                 continue
             # The widest chunk this row may have so that rows × width fits the budget. When
             # it is narrower than a row already planned, joining would cut that row short:
@@ -155,6 +166,15 @@ class Scheduler:
             prefill.append(PrefillChunk(seq, seq.prefilled, end))
             width = max(width, end - seq.prefilled)
         return StepPlan(decode, prefill, preempted)
+
+    def _prefill_order(self) -> list[Sequence]:
+        """The prefilling sequences, oldest first; with tenants, the lightest tenant's first
+        (a flood of long prompts does not hold back another tenant's first token)."""
+        seqs = [s for s in self._active.values() if s.status is SequenceStatus.PREFILLING]
+        fair = self.fair
+        if fair is None:
+            return seqs
+        return sorted(seqs, key=lambda s: fair.counter(s.tenant))  # stable: oldest first
 
     def cache_blocks(self, seq: Sequence, written: int) -> None:
         """Positions 0 .. written - 1 of `seq` are in its blocks: register the full ones not
@@ -222,7 +242,7 @@ class Scheduler:
             if self.pool.available:
                 seq.blocks.append(self.pool.allocate())
                 continue
-            victim = self._youngest_holder(seq) if may_preempt else None
+            victim = self._victim(seq) if may_preempt else None
             if victim is None:
                 return False
             self._preempt(victim)
@@ -231,14 +251,23 @@ class Scheduler:
                 return False
         return True
 
-    def _youngest_holder(self, seq: Sequence) -> Sequence | None:
-        """The youngest sequence holding blocks that is not older than `seq`."""
-        for other in reversed(self._active.values()):
-            if other.blocks:
-                return other
-            if other is seq:
-                break
-        return None
+    def _victim(self, seq: Sequence) -> Sequence | None:
+        """Whom `seq` preempts: among the sequences holding blocks that are not older than
+        `seq`, or whose tenant has a larger counter than `seq`'s, the youngest of the tenant
+        with the largest counter. Without tenants: the youngest not older than `seq`."""
+        fair = self.fair
+        mine = fair.counter(seq.tenant) if fair is not None else 0.0
+        best: Sequence | None = None
+        best_key = (0.0, -1)
+        younger = False  # past `seq` in admission order
+        for i, other in enumerate(self._active.values()):
+            younger = younger or other is seq
+            if not other.blocks:
+                continue
+            counter = fair.counter(other.tenant) if fair is not None else 0.0
+            if (younger or counter > mine) and (best is None or (counter, i) > best_key):
+                best, best_key = other, (counter, i)
+        return best
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)

@@ -34,6 +34,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # its block table, in position order
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     cache_root: bytes | None = None  # block_pool.salt_root of its request's salt: its chain's start
+    tenant: str | None = None  # whose request (fair_share.py): preemption and prefill order
     preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None

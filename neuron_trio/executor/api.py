@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.prompt import PromptEngine
 from neuron_trio.engine.types import (
@@ -47,6 +48,7 @@ class ServingEngine(PromptEngine, Protocol):
         *,
         chat: bool,
         cache_salt: bytes | None = None,
+        tenant: str | None = None,
     ) -> int: ...
     def cancel(self, seq_id: int) -> None: ...
     def cancel_all(self) -> list[int]: ...
@@ -57,6 +59,7 @@ class ServingEngine(PromptEngine, Protocol):
     def has_work(self) -> bool: ...
     def statistics(self) -> EngineStatistics: ...
     def record_kv_events(self, log: KVEventLog | None) -> None: ...
+    def share_fairly(self, fair: FairShare | None) -> None: ...
 
 
 class ModelExecutor(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Literal, TypeVar
 
@@ -41,6 +41,7 @@ from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
 from neuron_trio.service.prompt_intake import prepare_job_prompt
 from neuron_trio.service.request_table import ActorRequest, RequestTable
+from neuron_trio.service.tenant_limits import TenantLimitError, TenantPolicy
 from neuron_trio.service.wedge.records import InflightRequest
 from neuron_trio.service.wedge.watchdog import Watchdog
 
@@ -102,6 +103,7 @@ class ModelActor:
         burst_gap_s: float = BURST_GAP_S,
         burst_window_s: float = BURST_WINDOW_S,
         load_timeout_s: float = float("inf"),
+        tenants: Mapping[str, TenantPolicy] | None = None,
     ) -> None:
         self.spec = spec
         self.load_timeout_s = load_timeout_s  # the build on its worker thread (not warm-up)
@@ -121,7 +123,7 @@ class ModelActor:
         self._metrics = metrics
         self._stream_capacity = stream_capacity
         self._calls = ExecutorCalls(self.name, watchdog)
-        self._requests = RequestTable(self.name, metrics, self._wake)
+        self._requests = RequestTable(self.name, metrics, self._wake, tenants)
         self._wakeup = trio.Event()
         self._stopping = False
         self._force = False
@@ -266,6 +268,11 @@ class ModelActor:
         ids, chat = await self._encode(job)
         job = with_default_max_tokens(job, len(ids), self.spec)
         self._refuse_unless_accepting()  # the state may have changed while encoding
+        try:
+            self._requests.check_limits(job.tenant, self.spec.max_batch)
+        except TenantLimitError:
+            self._requests.count("rejected_queue_full")  # a 429 (its code names the limit)
+            raise
         if self.queued >= self._queue_capacity():
             self._requests.count("rejected_queue_full")
             raise QueueFullError(
@@ -363,6 +370,7 @@ class ModelActor:
     async def _serve(self, executor: ModelExecutor) -> None:
         engine: ServingEngine = executor.engine
         requests = self._requests
+        engine.share_fairly(requests.fair)
         while True:
             self._wakeup = trio.Event()  # before looking: a wake from now on is not lost
             requests.apply_cancels(engine)

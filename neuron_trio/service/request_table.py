@@ -5,24 +5,40 @@ The `RequestTable` is the actor's bookkeeping, apart from its loop: where each r
 under, and how each engine event reaches its request's `EventStream`. Only the actor's loop
 (on the trio thread) moves requests between the queue and the engine, between steps;
 `inflight()` alone may be called from any thread (forensics).
+
+Admission is fair between tenants (issue 47): the next request admitted is the oldest of the
+waiting tenant with the smallest virtual token counter (`engine/fair_share.py`), which the
+table charges with each request's prompt at admission and its output as it is routed; the
+same counters order the engine's prefills and preemptions (`engine.share_fairly`). A
+tenant's own limits (`service/tenant_limits.py`) hold its requests at `max_sequences` and
+refuse them past `max_queued` or `tokens_per_minute`. While a tenant seen before is idle, a
+tenant already running never takes the last free slot: the idle one's next request then
+starts at the next step instead of after a long stream ends. Without tenants (all None) admission is
+first come, first served, as before.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import trio
 
+from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.errors import NeuronError, UnavailableError
 from neuron_trio.executor.api import ServingEngine
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.metrics.model import ModelMetrics
+from neuron_trio.service.tenant_limits import TenantLimits, TenantPolicy
 from neuron_trio.service.wedge.records import InflightRequest
+
+# Tenants remembered for the last-slot rule: names come from the configuration (bounded there);
+# this is a second bound on memory.
+MAX_TENANTS_SEEN = 4096
 
 
 @dataclass(eq=False)
@@ -49,7 +65,13 @@ class RequestTable:
     `wake` is called when the actor's loop has something new to do (a cancellation).
     """
 
-    def __init__(self, name: str, metrics: ModelMetrics | None, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        metrics: ModelMetrics | None,
+        wake: Callable[[], None],
+        tenants: Mapping[str, TenantPolicy] | None = None,
+    ) -> None:
         self.name = name
         self._metrics = metrics
         self._wake = wake
@@ -61,6 +83,9 @@ class RequestTable:
         self.cancels: list[int] = []  # seq_ids to cancel in the engine at the next boundary
         self._open = 0  # generate() contexts not yet left
         self._idle_lot = trio.lowlevel.ParkingLot()
+        self.limits = TenantLimits(tenants)
+        self.fair = FairShare({n: p.weight for n, p in self.limits.policies.items()})
+        self._seen: set[str | None] = set()  # tenants that sent requests (names: bounded)
 
     @property
     def engine_idle(self) -> bool:
@@ -78,8 +103,27 @@ class RequestTable:
 
     # ---- a request's life ------------------------------------------------------------------
 
+    def check_limits(self, tenant: str | None, max_batch: int) -> None:
+        """TenantLimitError (429) if a new request of `tenant` is past one of its limits."""
+        queued = sum(1 for r in self.queue if r.job.tenant == tenant)
+        self.limits.check(
+            tenant,
+            trio.current_time(),
+            queued=queued,
+            running=self.running(tenant),
+            max_batch=max_batch,
+        )
+
+    def running(self, tenant: str | None) -> int:
+        """Sequences of `tenant` in the engine (a request of n choices runs n)."""
+        return sum(r.job.params.n for r in self.active.values() if r.job.tenant == tenant)
+
     def enqueue(self, request: ActorRequest) -> None:
         """`request` waits for the engine; its consumer holds it until `leave`."""
+        tenant = request.job.tenant
+        if len(self._seen) < MAX_TENANTS_SEEN:
+            self._seen.add(tenant)
+        self.fair.arrive(tenant)
         self.queue.append(request)
         self._open += 1
 
@@ -110,6 +154,7 @@ class RequestTable:
             return
         request.done = True
         request.outcome = outcome
+        self.fair.leave(request.job.tenant)
         if request.seq_id is not None and outcome != "cancelled":
             self.active.pop(request.seq_id, None)
         self.count(outcome)
@@ -145,16 +190,19 @@ class RequestTable:
     def admit(self, engine: ServingEngine) -> None:
         # A request of n choices takes n of max_batch at once (its prompt is prefilled once,
         # shared), and waits until the KV pool has its prompt's blocks.
-        while self.queue and engine.can_admit(
-            len(self.queue[0].prompt_ids), self.queue[0].job.params.n
-        ):
-            request = self.queue.popleft()
+        while (request := self._next_admission(engine.free_slots)) is not None:
+            tokens = len(request.prompt_ids)
+            if not engine.can_admit(tokens, request.job.params.n):
+                return
+            self.queue.remove(request)
+            tenant = request.job.tenant
             try:
                 seq_id = engine.add(
                     request.prompt_ids,
                     request.job.params,
                     chat=request.chat,
                     cache_salt=request.job.cache_salt,
+                    tenant=tenant,
                 )
             except NeuronError as exc:  # validated on arrival: should not happen
                 request.stream.fail(exc)
@@ -162,8 +210,37 @@ class RequestTable:
                 continue
             request.seq_id = seq_id
             self.active[seq_id] = request
+            self.fair.charge(tenant, prompt=tokens)
+            self.limits.used(tenant, trio.current_time(), tokens)
             if self._metrics is not None:
-                self._metrics.admitted(len(request.prompt_ids))
+                self._metrics.admitted(tokens)
+
+    def _next_admission(self, free_slots: int) -> ActorRequest | None:
+        """The oldest waiting request of the lightest tenant that may start one now."""
+        heads: dict[str | None, ActorRequest] = {}
+        for request in self.queue:  # arrival order: each tenant's oldest, oldest first
+            heads.setdefault(request.job.tenant, request)
+        startable = [t for t, r in heads.items() if self._may_start(t, r.job.params.n, free_slots)]
+        if not startable:
+            return None
+        # Equal counters (a tenant just lifted from idle): the one running fewer goes first.
+        startable.sort(key=self.running)
+        return heads[self.fair.pick(startable)]
+
+    def _may_start(self, tenant: str | None, n: int, free_slots: int) -> bool:
+        running = self.running(tenant)
+        if not running:
+            return True  # a tenant's first sequences always may (n is bounded by max_batch)
+        limit = self.limits.policy(tenant).max_sequences
+        if limit is not None and running + n > limit:
+            return False
+        # The last free slot is kept while a tenant seen before is idle: its next request
+        # then starts at the next step, not once a long stream of this tenant ends.
+        return free_slots - n >= 1 or not self._someone_idle()
+
+    def _someone_idle(self) -> bool:
+        """Some tenant seen on this model has nothing queued or running."""
+        return len(self._seen) > 1 and any(not self.fair.active(t) for t in self._seen)
 
     def route(self, events: list[SequenceEvent]) -> None:
         """Each event to its request's stream; a request's last event ends it."""
@@ -180,6 +257,8 @@ class RequestTable:
                         self._metrics.first_token(now - request.enqueued_at)
                 request.last_token_at = now
                 request.tokens += n
+                self.fair.charge(request.job.tenant, output=n)
+                self.limits.used(request.job.tenant, now, n)
                 if self._metrics is not None:
                     self._metrics.generated(n)
             request.stream.push(event)

@@ -103,6 +103,8 @@ class FakeEngine:
         self.next_id = 1
         self.added: list[list[int]] = []
         self.salts: list[bytes | None] = []  # cache_salt of each add
+        self.tenants: list[str | None] = []  # tenant of each add
+        self.fair: Any = None  # what the actor handed to share_fairly
         self.cancelled: list[int] = []
         self.steps = 0
         self.batches: list[int] = []  # sequences in each step
@@ -125,10 +127,14 @@ class FakeEngine:
     def record_kv_events(self, log: Any) -> None:
         self.kv_log = log
 
+    def share_fairly(self, fair: Any) -> None:
+        self.fair = fair
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
-        if len(prompt_ids) + params.max_tokens > self.context:
+        room = self.answer_room(len(prompt_ids))  # max_tokens None: to the end (Engine.add)
+        if len(prompt_ids) + (room if params.max_tokens is None else params.max_tokens) > self.context:
             raise ContextLengthError("too long")
 
     def add(
@@ -138,12 +144,14 @@ class FakeEngine:
         *,
         chat: bool,
         cache_salt: bytes | None = None,
+        tenant: str | None = None,
     ) -> int:
         assert self.free_slots > 0
         seq_id, self.next_id = self.next_id, self.next_id + 1
         self.seqs[seq_id] = [params, 0, len(prompt_ids)]
         self.added.append(list(prompt_ids))
         self.salts.append(cache_salt)
+        self.tenants.append(tenant)
         return seq_id
 
     def cancel(self, seq_id: int) -> None:
@@ -158,6 +166,9 @@ class FakeEngine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self.seqs)
+
+    def answer_room(self, prompt_tokens: int) -> int:
+        return min(self.context, self.kv_tokens) - prompt_tokens
 
     def can_admit(self, prompt_tokens: int, n: int = 1) -> bool:
         used = sum(prompt_len + produced for _, produced, prompt_len in self.seqs.values())

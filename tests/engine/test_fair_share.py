@@ -1,0 +1,145 @@
+"""The Virtual Token Counter (engine/fair_share.py) alone, and the scheduler's prefill order and
+preemption by it (issue 47, fair service)."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_trio.engine.block_pool import RESERVED_BLOCKS, BlockPool
+from neuron_trio.engine.fair_share import OUTPUT_COST, PROMPT_COST, FairShare
+from neuron_trio.engine.scheduler import Scheduler
+from neuron_trio.engine.sequence import Sequence, SequenceStatus
+from neuron_trio.engine.types import SamplingParams, SequenceEvent
+from tests.engine.test_scheduler import _alone, _engine, _greedy, _prompt
+
+
+def test_service_is_counted_per_weight() -> None:
+    fair = FairShare({"big": 2.0})
+    fair.arrive("big")
+    fair.arrive("small")
+    fair.charge("big", prompt=10, output=5)
+    fair.charge("small", prompt=10, output=5)
+    cost = 10 * PROMPT_COST + 5 * OUTPUT_COST
+    assert fair.counter("small") == cost
+    assert fair.counter("big") == cost / 2
+    assert fair.pick(["small", "big"]) == "big"
+    with pytest.raises(ValueError, match="weight"):
+        FairShare({"x": 0.0})
+
+
+def test_ties_go_to_the_first_given() -> None:
+    fair = FairShare()
+    assert fair.pick(["a", "b"]) == "a"
+    assert fair.pick([None]) is None
+    with pytest.raises(ValueError):
+        fair.pick([])
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_lightest_active_one() -> None:
+    fair = FairShare()
+    fair.arrive("a")
+    fair.arrive("b")
+    fair.charge("a", output=100)
+    fair.charge("b", output=300)
+    fair.arrive("idle")  # back after a long pause: no credit banked
+    assert fair.counter("idle") == fair.counter("a") == 200.0
+    # a tenant still active is not lifted (its own requests count)
+    fair.leave("idle")
+    fair.arrive("c")
+    fair.charge("c", output=10)
+    fair.arrive("c")
+    assert fair.counter("c") == 200.0 + 20.0
+
+
+def test_a_tenant_with_more_credit_than_the_others_keeps_it_when_it_comes_back() -> None:
+    fair = FairShare()
+    fair.arrive("a")
+    fair.charge("a", output=500)
+    fair.arrive("b")  # lifted to 1000
+    fair.charge("b", output=10)  # 1020
+    fair.leave("b")
+    fair.arrive("b")  # max(1020, 1000): the lift never lowers a counter
+    assert fair.counter("b") == 1020.0
+
+
+def test_counters_start_over_when_nobody_is_active() -> None:
+    fair = FairShare()
+    fair.arrive("a")
+    fair.charge("a", output=1000)
+    fair.leave("a")
+    assert fair.counter("a") == 0.0
+    fair.arrive("b")
+    fair.arrive("a")
+    assert fair.counter("a") == fair.counter("b") == 0.0
+
+
+# ---- the scheduler ------------------------------------------------------------------------
+
+
+def _seq(seq_id: int, n_prompt: int, tenant: str | None) -> Sequence:
+    seq = Sequence(seq_id, list(range(1, n_prompt + 1)), SamplingParams())
+    seq.tenant = tenant
+    return seq
+
+
+def test_prefills_go_lightest_tenant_first_oldest_first_within_one() -> None:
+    sched = Scheduler(max_batch=4, prefill_chunk=8, pool=BlockPool(64 + RESERVED_BLOCKS))
+    fair = FairShare()
+    for t in ("heavy", "light"):
+        fair.arrive(t)
+    fair.charge("heavy", prompt=1000)
+    sched.fair = fair
+    seqs = [_seq(1, 8, "heavy"), _seq(2, 8, "heavy"), _seq(3, 8, "light"), _seq(4, 8, "light")]
+    for seq in seqs:
+        sched.admit(seq)
+    plan = sched.schedule()
+    assert [c.seq.seq_id for c in plan.prefill] == [3]  # the light tenant's oldest first
+    sched.fair = None  # without tenants: oldest first, as before
+    assert [c.seq.seq_id for c in sched.schedule().prefill] == [1]
+
+
+def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
+    engine, _ = _engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
+    fair = FairShare()
+    engine.share_fairly(fair)
+    for t in ("flood", "light"):
+        fair.arrive(t)
+    # each fits the pool alone (three blocks), not both together
+    old, young = _prompt(15, 1), _prompt(10, 2)
+    a = engine.add(old, _greedy(30), chat=False, tenant="flood")
+    b = engine.add(young, _greedy(30), chat=False, tenant="light")
+    fair.charge("flood", prompt=10_000)  # it has had far more service
+    events: dict[int, list[SequenceEvent]] = {}
+    seq_a, seq_b = engine.scheduler.get(a), engine.scheduler.get(b)
+    assert seq_a is not None and seq_b is not None
+    while not (seq_a.preemptions or seq_b.preemptions):
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+    # Without tenants the youngest (b) would yield; here the heavier tenant's (a) does.
+    assert seq_a.preemptions == 1 and seq_b.preemptions == 0
+    assert seq_a.status is SequenceStatus.PREFILLING and seq_a.blocks == []
+    while engine.has_work:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+    assert [t for e in events[a] for t in e.token_ids] == _alone(old, _greedy(30))
+    assert [t for e in events[b] for t in e.token_ids] == _alone(young, _greedy(30))
+
+
+def test_a_tenant_never_preempts_an_older_sequence_of_a_lighter_tenant() -> None:
+    sched = Scheduler(max_batch=2, prefill_chunk=64, pool=BlockPool(2 + RESERVED_BLOCKS))
+    fair = FairShare()
+    for t in ("light", "heavy"):
+        fair.arrive(t)
+    fair.charge("heavy", prompt=100)
+    sched.fair = fair
+    old, young = _seq(1, 16, "light"), _seq(2, 15, "heavy")
+    for seq in (old, young):
+        sched.admit(seq)
+    sched.schedule()  # one block each: the pool is empty
+    for seq in (old, young):
+        seq.prefilled = seq.prefill_len
+        seq.status = SequenceStatus.DECODING
+        seq.output_ids.append(0)
+    young.output_ids.append(0)  # position 16: young needs a second block, the pool has none
+    plan = sched.schedule()
+    assert young in plan.preempted and old not in plan.preempted

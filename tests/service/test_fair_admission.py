@@ -1,0 +1,203 @@
+"""Admission between tenants (service/request_table.py with engine/fair_share.py) and each
+tenant's own limits (service/tenant_limits.py), over the fake engine; time is a MockClock."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from neuron_trio.engine.types import SamplingParams
+from neuron_trio.errors import QueueFullError
+from neuron_trio.service.api import GenerationJob
+from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.request_table import ActorRequest, RequestTable
+from neuron_trio.service.tenant_limits import (
+    TenantLimitError,
+    TenantPolicy,
+    TokenWindow,
+    policies_from_config,
+)
+
+from .fakes import FakeEngine
+
+
+def _run(test: Callable[[trio.testing.MockClock], Awaitable[None]]) -> None:
+    clock = trio.testing.MockClock()
+    trio.run(test, clock, clock=clock)
+
+
+def _request(tenant: str | None, *, prompt: int = 4, max_tokens: int = 3) -> ActorRequest:
+    job = GenerationJob(
+        model="m", params=SamplingParams(max_tokens=max_tokens), prompt="x", tenant=tenant
+    )
+    return ActorRequest(job, [7] * prompt, False, EventStream(1024), trio.current_time())
+
+
+def _table(tenants: dict[str, TenantPolicy] | None = None) -> RequestTable:
+    return RequestTable("m", None, lambda: None, tenants)
+
+
+class Node:
+    """A request table in front of a fake engine, driven step by step as the actor's loop."""
+
+    def __init__(self, max_batch: int, tenants: dict[str, TenantPolicy] | None = None) -> None:
+        self.engine = FakeEngine(max_batch, context=100_000)
+        self.table = _table(tenants)
+        self.engine.share_fairly(self.table.fair)
+        self.tokens: Counter[str | None] = Counter()
+
+    def send(self, tenant: str | None, count: int = 1, **kw: Any) -> list[ActorRequest]:
+        out = [_request(tenant, **kw) for _ in range(count)]
+        for request in out:
+            self.table.enqueue(request)
+        return out
+
+    def step(self) -> None:
+        self.table.apply_cancels(self.engine)
+        self.table.admit(self.engine)
+        events = self.engine.step()
+        for event in events:
+            request = self.table.active.get(event.seq_id)
+            if request is not None:
+                self.tokens[request.job.tenant] += len(event.token_ids)
+        self.table.route(events)
+
+    @property
+    def admitted(self) -> list[str | None]:
+        return self.engine.tenants
+
+
+def test_a_flooding_tenant_does_not_push_another_behind_its_queue() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4)
+        node.send("flood", 50, prompt=500, max_tokens=5)
+        node.step()
+        assert node.admitted == ["flood"] * 4
+        node.step()
+        node.send("other", 1)
+        while len(node.admitted) == 4:
+            node.step()
+        # first come, first served would admit the 46 other long requests first
+        assert node.admitted[4] == "other"
+
+    _run(main)
+
+
+def test_without_tenants_admission_is_first_come_first_served() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=2)
+        sent = node.send(None, 6, max_tokens=2)
+        while node.table.queue or node.table.active:
+            node.step()
+        assert node.engine.added == [r.prompt_ids for r in sent]
+        assert [r.seq_id for r in sent] == sorted(r.seq_id for r in sent if r.seq_id)
+
+    _run(main)
+
+
+def test_weights_two_to_one_give_two_to_one_service_under_backlog() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=6, tenants={"gold": TenantPolicy(weight=2.0)})
+        for _ in range(200):  # interleaved arrivals: first come, first served would be 1:1
+            node.send("gold", max_tokens=4)
+            node.send("bronze", max_tokens=4)
+        for _ in range(150):
+            node.step()
+        ratio = node.tokens["gold"] / node.tokens["bronze"]
+        assert 1.8 <= ratio <= 2.2, node.tokens
+
+    _run(main)
+
+
+def test_max_sequences_holds_a_tenants_requests_while_others_go_by() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4, tenants={"capped": TenantPolicy(max_sequences=1)})
+        node.send("capped", 3, max_tokens=3)
+        node.send("free", 1, max_tokens=3)
+        node.step()
+        assert node.admitted == ["capped", "free"]
+        assert node.table.running("capped") == 1
+        for _ in range(3):
+            node.step()  # the first capped request ends after 3 tokens
+        assert node.admitted == ["capped", "free", "capped"]
+
+    _run(main)
+
+
+def test_the_last_slot_is_kept_while_another_tenant_is_idle() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4)
+        node.send("b", 1, max_tokens=1)
+        node.step()  # b has been seen, and is idle again
+        node.send("a", 10, max_tokens=1000)
+        node.step()
+        assert node.table.running("a") == 3  # not 4: b's next request starts at once
+        node.send("b", 1, max_tokens=3)
+        node.step()
+        assert node.table.running("b") == 1
+        node.send("c", 1, max_tokens=3)  # a third tenant, first seen now: it waits its turn
+        node.step()
+        assert node.table.running("c") == 0
+
+    _run(main)
+
+
+def test_past_max_queued_a_tenant_gets_a_429_naming_the_limit() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4, tenants={"t": TenantPolicy(max_sequences=2, max_queued=1)})
+        node.send("t", 3, max_tokens=50)
+        node.step()  # two run, one waits
+        with pytest.raises(TenantLimitError) as caught:
+            node.table.check_limits("t", max_batch=4)
+        assert isinstance(caught.value, QueueFullError)  # the HTTP layer's 429 + Retry-After
+        assert caught.value.code == "tenant_max_queued"
+        assert caught.value.retry_after_s >= 1
+        assert "max_queued" in caught.value.message
+        node.table.check_limits("other", max_batch=4)  # another tenant is not limited
+
+    _run(main)
+
+
+def test_tokens_per_minute_refuses_until_the_window_moves_on() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4, tenants={"t": TenantPolicy(tokens_per_minute=100)})
+        node.send("t", 1, prompt=90, max_tokens=10)
+        for _ in range(10):
+            node.step()
+        clock.jump(20)
+        with pytest.raises(TenantLimitError) as caught:
+            node.table.check_limits("t", max_batch=4)
+        assert caught.value.code == "tenant_tokens_per_minute"
+        assert 30 <= caught.value.retry_after_s <= 42  # the tokens of 20 s ago leave at ~60 s
+        clock.jump(caught.value.retry_after_s)
+        node.table.check_limits("t", max_batch=4)
+
+    _run(main)
+
+
+def test_the_token_window_is_bounded_and_exact() -> None:
+    window = TokenWindow()
+    for second in range(600):
+        window.add(float(second), 10)
+    assert window.used(600.0) == 600  # the last minute only
+    assert len(window._buckets) <= 61
+    assert window.retry_after(600.0, 600) == pytest.approx(1.0)
+    assert window.retry_after(600.0, 601) == 0.0
+
+
+def test_policies_come_from_the_tenant_entries() -> None:
+    class Entry:
+        name = "t"
+        weight = 3.0
+        max_sequences = 2
+        max_queued = None
+        tokens_per_minute = 1000
+
+    assert policies_from_config([Entry()]) == {
+        "t": TenantPolicy(weight=3.0, max_sequences=2, tokens_per_minute=1000)
+    }
