@@ -128,3 +128,118 @@ def test_what_could_never_fit_is_refused_before_compiling() -> None:
         cache.admit(65 << 20, param="tools")
     assert err.value.status == 400 and err.value.param == "tools"
     assert "grammar_cache.CACHE_BYTES" in err.value.message
+
+
+# ---- issue 47 (#4): bounds by what things cost ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "^((X{100}){100}){100}$"},  # 122 bytes, 175 MB kept
+        {"type": "string", "pattern": "^(?:(X{100}){100}){6}$"},
+        {"type": "string", "pattern": "^(a|b{1000}){60}$"},
+        {"type": "string", "pattern": "^[ab]{1,60000}$"},
+        {"type": "string", "pattern": "^[ab]+$", "minLength": 60_000},  # length as repetition
+        {"type": "string", "pattern": "^(X{100}){10}$", "maxLength": 60_000},
+        {"type": "array", "items": {"type": "string", "pattern": "^X{1000}$"}, "maxItems": 100},
+        {"type": "object", "patternProperties": {"^(k{300}){300}$": {}}},
+        {"type": "object", "properties": {f"p{i}": {"pattern": "x{9000}"} for i in range(6)}},
+    ],
+)
+def test_a_pattern_whose_repetitions_multiply_past_the_bound_is_a_400_naming_pattern(
+    schema: Any,
+) -> None:
+    with pytest.raises(SchemaTooComplexError) as err:
+        _check(schema)
+    assert err.value.status == 400 and err.value.param == PARAM
+    assert "`pattern`" in err.value.message
+    assert "SchemaLimits.max_pattern_repeats" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "^(X{100}){100}$"},  # 10^4: 5 MB, 0.01 s measured
+        {"type": "string", "pattern": r"^\d{3}-\d{4}$", "maxLength": 8},
+        {"type": "string", "pattern": r"^[\]{}]{3}\{100000\}$"},  # escaped, not counted
+        {"type": "string", "maxLength": 1_000_000},  # a counter, not an expansion
+        {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"}, "maxItems": 1000},
+    ],
+)
+def test_patterns_clients_write_pass(schema: Any) -> None:
+    assert _check_size(schema).pattern_repeats <= DEFAULT_LIMITS.max_pattern_repeats
+
+
+def _check_size(schema: Any) -> Any:
+    return check_schema(schema, param=PARAM, size=len(json.dumps(schema)))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expands_to"),
+    [
+        ("^((X{100}){100}){100}$", 1_000_000),
+        ("^(((X{100}){100}){100}){100}$", 1_000_001),  # past the cap: cap + 1
+        ("(X{100}){100}", 10_000),
+        ("a{3}b{2,5}c{4,}", 12),
+        ("(a|bc){10}", 30),
+        ("(?:ab){3}(?P<n>c){2}", 8),
+        (r"\{3\}[{}]{2}", 5),
+        ("x*y+z?", 3),
+    ],
+)
+def test_pattern_repeats_multiplies_counted_repetitions(pattern: str, expands_to: int) -> None:
+    from neuron_trio.engine.text.schema_limits import pattern_repeats
+
+    assert pattern_repeats(pattern, cap=1_000_000) == min(expands_to, 1_000_001)
+
+
+def test_the_byte_limit_counts_utf8_bytes_not_characters() -> None:
+    """40 000 four-byte characters are 160 KB, over the 128 KB limit, though 40 000
+    characters are under it: the limit counted characters."""
+    from neuron_trio.engine.types import Constraint
+    from tests.engine.text.test_grammar import _compiler
+
+    schema = json.dumps(
+        {"type": "string", "description": "\U0001f600" * 40_000}, ensure_ascii=False
+    )
+    assert len(schema) < DEFAULT_LIMITS.max_bytes < len(schema.encode())
+    with pytest.raises(SchemaTooComplexError, match=r"SchemaLimits\.max_bytes"):
+        _compiler().compile(Constraint(kind="json", schema=schema))
+
+
+def test_the_cache_charges_an_entry_what_the_heap_grew_by(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A grammar estimated at 4 MB kept 175 MB: the cache now charges the measure."""
+    from neuron_trio.engine.text import grammar
+    from neuron_trio.engine.types import Constraint
+    from tests.engine.text.test_grammar import _compiler
+
+    class Grew:
+        def __init__(self) -> None:
+            self.grown = 0
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.grown = 100 << 20
+
+    monkeypatch.setattr(grammar, "HeapMeter", Grew)
+    compiler = _compiler()
+    compiler.compile(Constraint(kind="json", schema='{"type": "string"}'))
+    assert compiler.cache.statistics().estimated_bytes == 100 << 20
+    compiler.cache.max_bytes = 64 << 20  # what took more than the whole cache is not kept
+    with pytest.raises(RequestError, match="took about 100 MB"):
+        compiler.compile(Constraint(kind="json", schema='{"type": "integer"}'))
+
+
+def test_the_heap_meter_sees_native_allocations() -> None:
+    from neuron_trio.engine.text.grammar_cache import HeapMeter, heap_bytes
+
+    assert heap_bytes() is not None  # glibc (the node's platform)
+    with HeapMeter() as meter:
+        block = bytearray(40 << 20)  # CPython allocates it with malloc, as Rust does
+    assert meter.grown >= 40 << 20
+    del block

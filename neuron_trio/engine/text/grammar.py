@@ -36,9 +36,14 @@ from typing import Any, Protocol
 import llguidance
 import torch
 
-from neuron_trio.engine.text.grammar_cache import GrammarCache
+from neuron_trio.engine.text.grammar_cache import GrammarCache, HeapMeter
 from neuron_trio.engine.text.grammar_masks import allowed_tokens, apply_masks, fill_masks
-from neuron_trio.engine.text.schema_limits import SchemaSize, check_schema, check_size
+from neuron_trio.engine.text.schema_limits import (
+    SchemaSize,
+    check_schema,
+    check_size,
+    schema_bytes,
+)
 from neuron_trio.engine.text.schema_prep import close_objects, one_line, refuse_remote_refs
 from neuron_trio.engine.text.tool_call_format import (
     MAX_PARALLEL_TOOL_CALLS,
@@ -102,9 +107,10 @@ def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, 
     `schema_limits`' bounds; RequestError naming the field otherwise."""
     if constraint.kind == "json":
         param = "response_format.json_schema.schema"
-        check_size(len(constraint.schema), param=param)
+        text_bytes = schema_bytes(constraint.schema)  # UTF-8 bytes, not characters
+        check_size(text_bytes, param=param)
         schema = decode_schema(constraint.schema, param)
-        size = check_schema(schema, param=param, size=len(constraint.schema))
+        size = check_schema(schema, param=param, size=text_bytes)
         if constraint.strict:
             close_objects(schema)
         refuse_remote_refs(schema, param=param)
@@ -121,7 +127,7 @@ def _lark_of(constraint: Constraint, tool_format: ToolCallFormat) -> tuple[str, 
     parameters = tool_format.prepare_parameters(constraint.tools, closed=True)
     lark = tool_format.lark(constraint.tools, constraint.parallel, parameters)
     # all the tools' schemas together: one compile
-    size = check_schema(parameters, param="tools", size=len(lark))
+    size = check_schema(parameters, param="tools", size=schema_bytes(lark))
     return llguidance.LLMatcher.grammar_from_lark(lark), size
 
 
@@ -253,7 +259,12 @@ class GrammarCompiler:
             grammar, size = _lark_of(constraint, self.tool_format)
             weight = size.estimated_bytes()
             self.cache.admit(weight, param=param)  # before the compile: refused costs nothing
-            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_LIMITS)
+            with HeapMeter() as meter:
+                matcher = llguidance.LLMatcher(
+                    self._tokenizer, grammar, log_level=0, limits=_LIMITS
+                )
+                if not matcher.is_error():
+                    self._first_mask(matcher)
         except RequestError:
             raise
         except BaseException as exc:
@@ -270,7 +281,17 @@ class GrammarCompiler:
             raise RequestError(
                 f"{field}: {one_line(matcher.get_error())}", param=param, code="invalid_schema"
             )
+        # charged what it measurably holds, where more than the schema's estimate (issue 47)
+        weight = max(weight, meter.grown)
+        self.cache.admit(weight, param=param, measured=True)
         return matcher, weight
+
+    def _first_mask(self, matcher: Any) -> None:
+        """The first mask, on a copy: it builds the lexer that the cached matcher keeps
+        (llguidance's memory grows here, not at the compile), so that the cache can measure
+        it (grammar_cache.HeapMeter) and the engine's first step does not pay for it."""
+        words = (self.vocab_size + 31) // 32
+        GrammarState(matcher.deep_copy()).fill(torch.empty((1, words), dtype=torch.int32), 0)
 
 
 def is_rust_panic(exc: BaseException) -> bool:

@@ -1,14 +1,27 @@
-"""The compiled grammars kept for reuse, bounded in entries and in (estimated) bytes.
+"""The compiled grammars kept for reuse, bounded in entries and in (measured) bytes.
 
 Issue 25: with 64 entries and no byte bound, ten distinct ~200 KB schemas took the node's RSS
-from 870 MB to 7.8 GB. Each entry now carries its estimated memory
-(`SchemaSize.estimated_bytes`); the least recently used go until the total fits the budget,
-and an entry larger than the whole budget is refused (a 400 naming the bound) rather than
-compiled and dropped at once.
+from 870 MB to 7.8 GB. Each entry carries its memory; the least recently used go until the
+total fits the budget, and an entry larger than the whole budget is refused (a 400 naming the
+bound) rather than kept.
+
+Issue 47 (#4): the schema's estimate (`SchemaSize.estimated_bytes`) was all an entry was
+charged, and a 122-byte pattern estimated at 4 MB kept ~175 MB: 40 of them took RSS from 3.0
+to 6.8 GB. llguidance exposes no size, and its memory grows lazily: the compile allocates
+almost nothing, the first mask builds the lexer (175 MB for that pattern), and that memory is
+shared by every copy of the cached matcher until the entry goes (measured: freed then). So an
+entry is charged the larger of the estimate and what the heap grew by while it was compiled
+and its first mask computed (`HeapMeter`: glibc's `mallinfo2`, which follows RSS within a few
+percent there: 179 MB against 171 MB). The heap is the process's: another thread's
+allocations in that window are charged too (the cache evicts sooner, never later), and memory
+freed meanwhile can only lower the measure to the estimate. Later masks add lexer states,
+bounded by the compiler's `max_lexer_states`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -17,7 +30,14 @@ from typing import Any
 
 from neuron_trio.errors import RequestError
 
-__all__ = ["CACHE_BYTES", "CACHE_ENTRIES", "GrammarCache", "GrammarCacheStatistics"]
+__all__ = [
+    "CACHE_BYTES",
+    "CACHE_ENTRIES",
+    "GrammarCache",
+    "GrammarCacheStatistics",
+    "HeapMeter",
+    "heap_bytes",
+]
 
 # Distinct constraints kept compiled; least recently used go first.
 CACHE_ENTRIES = 64
@@ -26,6 +46,66 @@ CACHE_ENTRIES = 64
 # costliest; typical schemas (4-5 MB estimated) fill most of the 64 entries. Measured in one
 # process: 20 distinct schemas at the bounds took RSS +200 MB at a 256 MB budget, then flat.
 CACHE_BYTES = 128 << 20
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33): ten size_t fields in this order
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
+    ]
+
+
+def _load_mallinfo2() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33: estimates only
+        return None
+    function.restype = _MallInfo2
+    function.argtypes = []
+    return function
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def heap_bytes() -> int | None:
+    """Bytes the C heap holds now (allocated chunks and mmapped blocks); None without glibc's
+    `mallinfo2`. Rust's allocations (llguidance) go through this heap."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class HeapMeter:
+    """`with HeapMeter() as meter: ...`, then `meter.grown`: how far the heap grew in the
+    block (0 where it cannot be measured, or shrank)."""
+
+    def __init__(self) -> None:
+        self.grown = 0
+        self._start: int | None = None
+
+    def __enter__(self) -> HeapMeter:
+        self._start = heap_bytes()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = heap_bytes()
+        if self._start is not None and end is not None:
+            self.grown = max(0, end - self._start)
 
 
 @dataclass(frozen=True)
@@ -37,7 +117,7 @@ class GrammarCacheStatistics:
 
 class GrammarCache:
     """A thread-safe LRU of compiled grammars by constraint, bounded by `max_entries` and by
-    `max_bytes` of estimated memory.
+    `max_bytes` of memory (each entry's measure, or its estimate where larger).
 
     Invariant: `sum(weights) == self._bytes <= max_bytes` and `len <= max_entries`.
     """
@@ -61,12 +141,14 @@ class GrammarCache:
             self._entries.move_to_end(key)
             return entry[0]
 
-    def admit(self, weight: int, *, param: str) -> None:
+    def admit(self, weight: int, *, param: str, measured: bool = False) -> None:
         """RequestError (400) naming `param` if an entry of `weight` bytes could never be
-        kept: checked before compiling, so what would not fit costs nothing."""
+        kept: checked before compiling with the estimate, so what would not fit costs
+        nothing, and after with the measure (the entry is then dropped, not kept)."""
         if weight > self.max_bytes:
+            verb = "took" if measured else "would take"
             raise RequestError(
-                f"{param}: the schema's grammar would take about {weight >> 20} MB, more than "
+                f"{param}: the schema's grammar {verb} about {weight >> 20} MB, more than "
                 f"the grammar cache's {self.max_bytes >> 20} MB (grammar_cache.CACHE_BYTES)",
                 param=param,
                 code="schema_too_complex",

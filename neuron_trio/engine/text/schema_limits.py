@@ -29,10 +29,23 @@ first mask, in a thread of the given stack size):
 
 so a compile within the bounds needs under 1 MB of stack: the compile threads'
 (`compile_threads.COMPILE_STACK_BYTES`) and the default 8 MB both leave a wide margin.
+
+Counted repetitions (issue 47, #4). A 122-byte `pattern`, `^((X{100}){100}){100}$`, counts
+as 3 JSON values but llguidance expands it into a regex of 10^6 characters: its first mask
+took 1.6 s and left 175 MB with the cached grammar (measured on the built-in model's
+vocabulary: ~175 bytes per expanded character; `(X{1000}){100}`, 10^5: 40 MB, 0.14 s;
+`(X{100}){100}`, 10^4: 5 MB, 0.01 s). So each `pattern` (and `patternProperties` key) is
+measured as the regex it expands to (`pattern_repeats`: counted repetitions multiply,
+sequences and alternatives add), times the items of every array around it
+(`minItems`/`maxItems`: 100 items of a 10^4 pattern took 1.0 s and ~90 MB), plus the
+`minLength`/`maxLength` that llguidance intersects the pattern with; all of a schema's
+together at most `max_pattern_repeats`. A length bound without a pattern is a counter, not
+an expansion (`maxLength: 1000000` alone: no cost measured), and is not counted.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +58,8 @@ __all__ = [
     "SchemaTooComplexError",
     "check_schema",
     "check_size",
+    "pattern_repeats",
+    "schema_bytes",
 ]
 
 # Keys whose values are annotations: llguidance never compiles them into the grammar, so
@@ -67,6 +82,8 @@ class SchemaLimits:
     max_enum_values: int = 1_000  # values of all `enum`s together (OpenAI's limit)
     max_literal_nodes: int = 2_000  # JSON values inside `const` and `enum` values, together
     max_string_chars: int = 4_096  # one string that is compiled (a pattern, a key, a const)
+    # characters all patterns expand to, counted repetitions multiplied out (see above)
+    max_pattern_repeats: int = 50_000
 
 
 DEFAULT_LIMITS = SchemaLimits()
@@ -88,6 +105,7 @@ class SchemaSize:
     properties: int = 0
     enum_values: int = 0
     literal_nodes: int = 0
+    pattern_repeats: int = 0
 
     def __add__(self, other: SchemaSize) -> SchemaSize:
         return SchemaSize(
@@ -95,6 +113,7 @@ class SchemaSize:
             self.properties + other.properties,
             self.enum_values + other.enum_values,
             self.literal_nodes + other.literal_nodes,
+            self.pattern_repeats + other.pattern_repeats,
         )
 
     def estimated_bytes(self) -> int:
@@ -108,6 +127,7 @@ class SchemaSize:
             + 18 * kib * self.literal_nodes
             + 12 * kib * self.properties
             + (kib * self.nodes)
+            + 200 * self.pattern_repeats  # ~175 bytes per expanded character, measured
         )
 
 
@@ -115,6 +135,105 @@ class SchemaSize:
 # schemas (`properties`, `$defs`: every key is a name, never an annotation), or literal data.
 _SCHEMA, _MAP, _LITERAL = 0, 1, 2
 _MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
+
+
+def schema_bytes(text: str) -> int:
+    """The size of a schema's JSON text in UTF-8 bytes (what `max_bytes` bounds), not its
+    characters: 128 K of 4-byte characters are 512 KB."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+_QUANTIFIER = re.compile(r"\{(\d{1,9})(?:(,)(\d{0,9}))?\}")
+
+
+def pattern_repeats(pattern: str, cap: int) -> int:
+    """How many characters the regex `pattern` expands to once its counted repetitions are
+    multiplied out (`(X{100}){100}`: 10 000); sequences and alternatives add. Unbounded
+    `*`, `+`, `?` count once (a loop, not an expansion). Stops counting past `cap` (the
+    answer is then > cap). Linear in the pattern; never recurses."""
+    stack: list[list[int]] = [[0, 0, 0]]  # per group: [alternatives' sum, this branch, last atom]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        frame = stack[-1]
+        atom = 0
+        if c == "\\":
+            i += 2
+            atom = 1
+        elif c == "[":
+            i = _class_end(pattern, i)
+            atom = 1
+        elif c == "(":
+            stack.append([0, 0, 0])
+            i = _group_body(pattern, i + 1)
+            continue
+        elif c == ")" and len(stack) > 1:
+            done = stack.pop()
+            atom = done[0] + done[1]
+            frame = stack[-1]
+            i += 1
+        elif c == "|":
+            frame[0] += frame[1]
+            frame[1] = frame[2] = 0
+            i += 1
+            continue
+        elif c == "{" and (match := _QUANTIFIER.match(pattern, i)) is not None:
+            low, comma, high = match.groups()
+            times = int(high) if high else int(low) if not comma or low != "0" else 1
+            frame[1] += frame[2] * (max(times, 1) - 1)
+            frame[2] *= max(times, 1)
+            i = match.end()
+        else:
+            i += 1
+            atom = 0 if c in "*+?^$" else 1
+        if atom:
+            frame[1] += atom
+            frame[2] = atom
+        if frame[0] + frame[1] > cap:
+            return cap + 1
+    while len(stack) > 1:  # an unclosed group: llguidance refuses it; count what it holds
+        done = stack.pop()
+        stack[-1][1] += done[0] + done[1]
+    return min(stack[0][0] + stack[0][1], cap + 1)
+
+
+def _group_body(pattern: str, i: int) -> int:
+    """Past a group's `?:`, `?=`, `?!`, `?P<name>`, `?<name>` (they match nothing)."""
+    if pattern.startswith("?", i):
+        if pattern.startswith(("?:", "?=", "?!"), i):
+            return i + 2
+        if pattern.startswith(("?P<", "?<"), i):
+            end = pattern.find(">", i)
+            return end + 1 if end >= 0 else i + 1
+    return i
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the `]` closing the character class that opens at `start`."""
+    i = start + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":
+        i += 1  # a leading "]" is a member
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
+
+
+def _length_bound(schema: dict[str, Any]) -> int:
+    """The larger of a string schema's `minLength` and `maxLength` (0 when neither)."""
+    bounds = [schema.get(key) for key in ("minLength", "maxLength")]
+    return max((b for b in bounds if isinstance(b, int) and not isinstance(b, bool)), default=0)
+
+
+def _items_bound(schema: dict[str, Any]) -> int:
+    """How many times an array schema repeats its items' grammar: `maxItems`, or
+    `minItems` when unbounded above (the rest is a loop); at least 1."""
+    for key in ("maxItems", "minItems"):
+        value = schema.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 1
 
 
 def check_size(size: int, *, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
@@ -144,18 +263,21 @@ def check_schema(
 
     check_size(size, param=param, limits=limits)
     tally = SchemaSize()
-    stack: list[tuple[Any, int, int]] = [(schema, 1, _SCHEMA)]  # (value, depth, kind)
+    # (value, depth, kind, how many times the arrays around it repeat it)
+    stack: list[tuple[Any, int, int, int]] = [(schema, 1, _SCHEMA, 1)]
     while stack:
-        value, depth, kind = stack.pop()
+        value, depth, kind, times = stack.pop()
         tally.nodes += 1
         tally.literal_nodes += kind == _LITERAL
         if depth > limits.max_depth:
             raise refuse("values are nested", depth, "max_depth")
         if isinstance(value, dict):
+            if kind == _SCHEMA:
+                tally.pattern_repeats += times * _patterns_of(value, limits.max_pattern_repeats)
             for key, item in value.items():
                 if len(key) > limits.max_string_chars:
                     raise refuse("a key has characters:", len(key), "max_string_chars")
-                child = kind
+                child, child_times = kind, times
                 if kind == _MAP:
                     child = _SCHEMA
                 elif kind == _SCHEMA:
@@ -166,9 +288,11 @@ def check_schema(
                     if key == "enum" and isinstance(item, list):
                         tally.enum_values += len(item)
                     child = _LITERAL if key in _LITERALS else _MAP if key in _MAPS else _SCHEMA
-                stack.append((item, depth + 1, child))
+                    if key == "items":
+                        child_times = times * _items_bound(value)
+                stack.append((item, depth + 1, child, child_times))
         elif isinstance(value, list):
-            stack.extend((item, depth + 1, kind) for item in value)
+            stack.extend((item, depth + 1, kind, times) for item in value)
         elif isinstance(value, str) and len(value) > limits.max_string_chars:
             raise refuse("a string has characters:", len(value), "max_string_chars")
         if tally.nodes > limits.max_nodes:
@@ -183,4 +307,25 @@ def check_schema(
             raise refuse("object properties:", tally.properties, "max_properties")
         if tally.enum_values > limits.max_enum_values:
             raise refuse("enum values:", tally.enum_values, "max_enum_values")
+        if tally.pattern_repeats > limits.max_pattern_repeats:
+            raise refuse(
+                "a `pattern`'s counted repetitions (times its arrays' items, plus its "
+                "minLength/maxLength) expand to characters:",
+                tally.pattern_repeats,
+                "max_pattern_repeats",
+            )
     return tally
+
+
+def _patterns_of(schema: dict[str, Any], cap: int) -> int:
+    """What the patterns of one schema expand to: its `pattern` (with the length bounds
+    llguidance intersects it with) and its `patternProperties`' keys. Strings over
+    `max_string_chars` are refused by the walk on its own."""
+    total = 0
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        total += pattern_repeats(pattern, cap) + _length_bound(schema)
+    keyed = schema.get("patternProperties")
+    if isinstance(keyed, dict):
+        total += sum(pattern_repeats(key, cap) for key in keyed if isinstance(key, str))
+    return total
