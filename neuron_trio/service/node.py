@@ -66,6 +66,7 @@ from neuron_trio.service.node_report import health_status, live_gpus, node_docum
 from neuron_trio.service.placement import host_memory_available
 from neuron_trio.service.process.download_progress import LOAD_SILENCE_S, DownloadProgress
 from neuron_trio.service.sources import HubLimits
+from neuron_trio.service.tenant_limits import policies_from_config
 from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.wedge.deadman import Deadman
 from neuron_trio.service.wedge.forensics import LastForensics, find_last_forensics
@@ -415,6 +416,7 @@ class Node:
                     source_path=str(placed.path),
                     burst_gap_s=self._burst_gap_s,
                     load_timeout_s=self.config.node.load_timeout_s,
+                    tenants=policies_from_config(self.config.tenants),
                     memory=placed.memory,
                 )
                 self._actors[spec.name] = actor
