@@ -11,9 +11,15 @@ were all answered, and 50 connections x 1,000 rapid resets cost 15 s of the serv
 So each connection spends tokens from two buckets (`FloodGuard.spend`):
 - its own (`rate` per second, `burst` at most): a connection that empties it is told GOAWAY
   ENHANCE_YOUR_CALM and closed;
-- the node's (`NodeFloodBudget`, shared by every connection): when that one is empty, the
-  connections that have spent more than `grace` of their own burst lately are closed, so a
-  router that resets a few streams a second is never the one cut while many floods run.
+- the node's (`NodeFloodBudget`, shared by every connection; resets have a node-wide bucket
+  of their own): when that one is empty, the connections that have spent more than `grace`
+  of their own burst lately, or sent more than `grace` frames beyond `grace_rate` a second
+  lately (`DecayingCount`), are closed, so a router that resets a few streams a second is
+  never the one cut while many floods run.
+
+Issue 47 (#4): the node's rule looked only at a connection's own bucket, which a connection
+resetting at its own sustained rate (100 a second) keeps full: 50 such connections were never
+closed, and 50 x 1,000 resets still cost 7 s of CPU. The decaying count sees them.
 
 What counts (`ControlFrame`): PING, SETTINGS, PRIORITY, a DATA frame with no payload that
 does not end its stream, a WINDOW_UPDATE beyond the two each DATA frame sent earns (a client
@@ -26,7 +32,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["ControlFrame", "FloodGuard", "FloodVerdict", "NodeFloodBudget", "TokenBucket"]
+__all__ = [
+    "ControlFrame",
+    "DecayingCount",
+    "FloodGuard",
+    "FloodVerdict",
+    "NodeFloodBudget",
+    "TokenBucket",
+]
 
 
 class ControlFrame(enum.Enum):
@@ -77,24 +90,50 @@ class TokenBucket:
 
 
 @dataclass
+class DecayingCount:
+    """Frames lately: one more per frame, `rate` fewer a second (never below zero). What a
+    connection sends beyond `rate` a second accumulates; what stays under it never does."""
+
+    rate: float
+    value: float = 0.0
+    stamp: float | None = None
+
+    def add(self, now: float) -> float:
+        if self.stamp is not None:
+            self.value = max(0.0, self.value - max(0.0, now - self.stamp) * self.rate)
+        self.stamp = now
+        self.value += 1.0
+        return self.value
+
+
+@dataclass
 class NodeFloodBudget:
-    """The budget every connection of the node shares, and what it has refused."""
+    """The budgets every connection of the node shares (control frames; stream resets, the
+    node-wide rapid-reset budget: by default as large as the other), and what they refused."""
 
     rate: float
     burst: float
+    reset_rate: float | None = None
+    reset_burst: float | None = None
     bucket: TokenBucket = field(init=False)
+    resets: TokenBucket = field(init=False)
     closed_connections: int = 0  # connections told ENHANCE_YOUR_CALM (either verdict)
 
     def __post_init__(self) -> None:
         self.bucket = TokenBucket(self.rate, self.burst)
+        reset_rate = self.rate if self.reset_rate is None else self.reset_rate
+        self.resets = TokenBucket(
+            reset_rate, self.burst if self.reset_burst is None else self.reset_burst
+        )
 
 
 @dataclass
 class FloodGuard:
     """One connection's budgets (control frames; stream resets), tied to the node's.
 
-    Invariant: a connection that has spent at most `grace` tokens of its own bucket is never
-    closed for the node's budget, however many other connections flood.
+    Invariant: a connection that has spent at most `grace` tokens of its own bucket, and sent
+    at most `grace` frames of that kind beyond `grace_rate` a second, is never closed for the
+    node's budget, however many other connections flood.
     """
 
     node: NodeFloodBudget
@@ -103,21 +142,29 @@ class FloodGuard:
     reset_rate: float  # streams reset by the client (rapid reset)
     reset_burst: float
     grace: float
+    # Frames a second of one kind that never make a connection a spender of the node's budget
+    # (a router cancelling the streams of clients that went away: a few a second).
+    grace_rate: float = 5.0
     own: TokenBucket = field(init=False)
     resets: TokenBucket = field(init=False)
     counts: dict[ControlFrame, int] = field(default_factory=dict)
+    lately: dict[bool, DecayingCount] = field(init=False)  # by "is a reset"
 
     def __post_init__(self) -> None:
         self.own = TokenBucket(self.rate, self.burst)
         self.resets = TokenBucket(self.reset_rate, self.reset_burst)
+        self.lately = {kind: DecayingCount(self.grace_rate) for kind in (False, True)}
 
     def spend(self, frame: ControlFrame, now: float) -> FloodVerdict:
         self.counts[frame] = self.counts.get(frame, 0) + 1
-        bucket = self.resets if frame is ControlFrame.RESET else self.own
+        reset = frame is ControlFrame.RESET
+        bucket = self.resets if reset else self.own
+        lately = self.lately[reset].add(now)
         if not bucket.take(now):
             self.node.closed_connections += 1
             return FloodVerdict.CONNECTION_OVER_BUDGET
-        if not self.node.bucket.take(now) and bucket.spent > self.grace:
+        node = self.node.resets if reset else self.node.bucket
+        if not node.take(now) and max(bucket.spent, lately) > self.grace:
             self.node.closed_connections += 1
             return FloodVerdict.NODE_OVER_BUDGET
         return FloodVerdict.OK

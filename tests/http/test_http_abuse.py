@@ -421,3 +421,24 @@ def test_resets_beyond_a_thousand_streams_on_one_connection_do_not_stop_the_serv
             await client.aclose()
 
     run(main, timeout=60)
+
+
+def test_connections_resetting_at_their_own_sustained_rate_meet_the_node_budget() -> None:
+    """Issue 47: each connection resetting at its own sustained rate keeps its bucket full, so
+    the node's rule (spent more than `grace`) never picked any: 50 connections x 100 resets a
+    second ran on forever. A router resetting a stream a second is still never closed."""
+    node = NodeFloodBudget(rate=200.0, burst=500.0)
+    floods = [_guard(node, reset_rate=100.0, reset_burst=1000.0, grace=20.0) for _ in range(50)]
+    router = _guard(node, reset_rate=100.0, reset_burst=1000.0, grace=20.0)
+    open_ = set(range(50))
+    sent = 0
+    for tick in range(1000):  # 10 s, every 10 ms: one reset per connection (100/s each)
+        now = tick / 100
+        for i in list(open_):
+            sent += 1
+            if floods[i].spend(ControlFrame.RESET, now) is not FloodVerdict.OK:
+                open_.discard(i)
+        if tick % 100 == 0:
+            assert router.spend(ControlFrame.RESET, now) is FloodVerdict.OK
+    assert len(open_) <= 2  # what the node's own rate (200/s) affords goes on
+    assert sent < 4_000  # was 50,000: every reset of every connection
