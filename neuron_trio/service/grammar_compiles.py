@@ -8,7 +8,12 @@ abandoned at once held trio's 40 default threads and slowed a long chat from 2 s
 
 - compiles run on the model's `CompileThreads` (one by default: a two-core node keeps a core
   for the step), never through `trio.to_thread`'s shared default limiter;
-- identical constraints in flight share one compile (the second caller waits for the first);
+- identical constraints of one tenant in flight share one compile (the second caller waits
+  for the first);
+- the compile thread serves tenants in turn (issue 47 #3: `CompileThreads` takes the tenant
+  served longest ago first), so one tenant's slow compiles delay another's by at most one;
+  two tenants' identical compiles are two jobs, one in each tenant's turn (the second is then
+  a cache hit), so that neither waits in the other's line;
 - a compile whose every caller has left (client gone, request cancelled) before a thread took
   it is withdrawn and never runs; one already running finishes (the compiler cannot be
   interrupted; the schema bounds keep it under about a second) and its result is cached.
@@ -65,11 +70,12 @@ class GrammarCompiles:
         self._is_cached = is_cached
         self._threads = threads
         self._token = trio.lowlevel.current_trio_token()
-        self._flights: dict[Constraint, _Flight] = {}
+        self._flights: dict[tuple[str | None, Constraint], _Flight] = {}
         self._compiled = self._shared = self._withdrawn = 0
 
-    async def compile(self, constraint: Constraint) -> None:
+    async def compile(self, constraint: Constraint, tenant: str | None = None) -> None:
         """Return once `constraint` is compiled and cached; its RequestError if it is bad.
+        `tenant` (a name, None without tenants): whose turn on the compile thread it takes.
 
         Cancellation handling: the caller leaves at once; the compile is withdrawn if no
         other caller waits for it and no thread has taken it yet, else it goes on (and its
@@ -77,9 +83,10 @@ class GrammarCompiles:
         """
         if self._is_cached(constraint):
             return  # no thread, no wait behind another compile
-        flight = self._flights.get(constraint)
+        key = (tenant, constraint)
+        flight = self._flights.get(key)
         if flight is None:
-            flight = self._start(constraint)
+            flight = self._start(key)
         else:
             self._shared += 1
         flight.waiters += 1
@@ -88,42 +95,43 @@ class GrammarCompiles:
         finally:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.done.is_set():
-                self._abandon(constraint, flight)
+                self._abandon(key, flight)
         if flight.error is not None:
             raise flight.error
 
-    def _start(self, constraint: Constraint) -> _Flight:
+    def _start(self, key: tuple[str | None, Constraint]) -> _Flight:
         flight = _Flight()
-        self._flights[constraint] = flight
+        self._flights[key] = flight
+        tenant, constraint = key
 
         def on_done(job: CompileJob) -> None:  # on the compile thread
             try:
-                self._token.run_sync_soon(self._finish, constraint, flight, job)
+                self._token.run_sync_soon(self._finish, key, flight, job)
             except trio.RunFinishedError:
                 pass  # the node is gone; nobody waits
 
-        flight.job = CompileJob(lambda: self._compile_fn(constraint), on_done)
+        flight.job = CompileJob(lambda: self._compile_fn(constraint), on_done, lane=tenant)
         self._threads.submit(flight.job)
         return flight
 
-    def _abandon(self, constraint: Constraint, flight: _Flight) -> None:
+    def _abandon(self, key: tuple[str | None, Constraint], flight: _Flight) -> None:
         assert flight.job is not None
         if flight.job.withdraw():
             self._withdrawn += 1
             flight.done.set()
-            if self._flights.get(constraint) is flight:
-                del self._flights[constraint]
+            if self._flights.get(key) is flight:
+                del self._flights[key]
         # else: running; it stays in flight, so a new caller joins it rather than compiling
         # the same schema a second time
 
-    def _finish(self, constraint: Constraint, flight: _Flight, job: CompileJob) -> None:
+    def _finish(self, key: tuple[str | None, Constraint], flight: _Flight, job: CompileJob) -> None:
         self._compiled += 1
         flight.error = job.error
         if job.error is not None and not isinstance(job.error, Exception):
             log.error("grammar compile: %s", job.error)  # a BaseException: handed on as is
         flight.done.set()
-        if self._flights.get(constraint) is flight:
-            del self._flights[constraint]
+        if self._flights.get(key) is flight:
+            del self._flights[key]
 
     def statistics(self) -> GrammarCompileStatistics:
         return GrammarCompileStatistics(

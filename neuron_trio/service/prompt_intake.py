@@ -58,7 +58,7 @@ async def prepare_job_prompt(
 
     if job.params.constraint is not None:
         # cached for `add`, on the model's compile thread (grammar_compiles)
-        await compiles().compile(job.params.constraint)
+        await compiles().compile(job.params.constraint, job.tenant)
     # Tools are rendered into the prompt as JSON of any size. A chat template is the
     # model file's code: it renders on a thread, under its own deadline and size
     # bounds (engine/text/template_sandbox.py), never on the event loop.

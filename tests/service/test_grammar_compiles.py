@@ -119,7 +119,7 @@ def test_abandoned_compiles_are_withdrawn_before_they_cost() -> None:
             assert job.state == "withdrawn"
             job._run()  # a thread reaching a withdrawn job skips it
         assert compiled == []
-        (kept,) = compiles._flights  # the running one's schema
+        ((_, kept),) = compiles._flights  # the running one's (tenant, schema)
         # a new request for the running schema joins it instead of compiling it again
         async with trio.open_nursery() as nursery:
             nursery.start_soon(compiles.compile, kept)

@@ -20,14 +20,21 @@ and starved the rest (a long chat went from 2 s to 51 s). Here at most `size` co
 once; a job whose caller left before a thread took it is dropped (`CompileJob.withdraw`), so
 an abandoned request costs at most the compile already running, which the bounds keep under
 about a second.
+
+Why round-robin by lane (issue 47, finding 5): one compile thread per model serves every
+tenant; in arrival order, a key that kept 8 slow compiles open made another key's small
+schema wait behind all of them (2 s -> 11 s). Each job names its lane (the tenant's name) and
+the threads take the lane served longest ago first (a lane new or back from empty first of
+all), so a job waits behind at most one compile of each other lane with work queued, and the
+one already running.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = ["COMPILE_STACK_BYTES", "CompileJob", "CompileThreads"]
@@ -35,8 +42,8 @@ __all__ = ["COMPILE_STACK_BYTES", "CompileJob", "CompileThreads"]
 log = logging.getLogger(__name__)
 
 COMPILE_STACK_BYTES = 64 << 20
-
-_STOP = None
+# Lanes are tenants' names (bounded by the configuration); a second bound on memory.
+MAX_LANES_REMEMBERED = 1024
 
 
 class CompileJob:
@@ -47,9 +54,16 @@ class CompileJob:
     Invariant: a job runs at most once, and never after `withdraw()` returned True.
     """
 
-    def __init__(self, fn: Callable[[], Any], on_done: Callable[[CompileJob], None]) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        on_done: Callable[[CompileJob], None],
+        *,
+        lane: Hashable = None,
+    ) -> None:
         self.fn = fn
         self.on_done = on_done
+        self.lane = lane  # whose compile (a tenant's name): the threads serve lanes in turn
         self.result: Any = None
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -86,8 +100,60 @@ class CompileJob:
         self.on_done(self)
 
 
+class _Lanes:
+    """Queued jobs by lane, taken round-robin: the lane served longest ago first (a lane never
+    served, first of all; ties in the order the lanes queued).
+
+    Invariant: every lane in `_lanes` holds at least one job; `_served` keeps the turn each
+    lane was last served at (at most `MAX_LANES_REMEMBERED` lanes without queued jobs).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._lanes: dict[Hashable, deque[CompileJob]] = {}
+        self._served: dict[Hashable, int] = {}
+        self._turn = 0
+        self._closed = False
+
+    def put(self, job: CompileJob) -> None:
+        with self._cond:
+            self._lanes.setdefault(job.lane, deque()).append(job)
+            self._cond.notify()
+
+    def get(self) -> CompileJob | None:
+        """The next job to run; None once closed and empty."""
+        with self._cond:
+            while (job := self._take()) is None:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            return job
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _take(self) -> CompileJob | None:
+        while self._lanes:
+            lane = min(self._lanes, key=lambda name: self._served.get(name, -1))
+            jobs = self._lanes[lane]
+            job = jobs.popleft()
+            if not jobs:
+                del self._lanes[lane]
+            if job.state != "queued":
+                continue  # withdrawn: it costs its lane no turn
+            self._turn += 1
+            self._served[lane] = self._turn
+            if len(self._served) > MAX_LANES_REMEMBERED:
+                self._served = {k: v for k, v in self._served.items() if k in self._lanes}
+            return job
+        return None
+
+
 class CompileThreads:
-    """`size` daemon threads with `stack_bytes` of stack each, taking `CompileJob`s in order.
+    """`size` daemon threads with `stack_bytes` of stack each, taking `CompileJob`s lane by
+    lane in turn (oldest first within a lane).
 
     Cancellation handling: a job is withdrawn, never interrupted; `close()` stops the threads
     once the jobs already submitted have run (or been withdrawn).
@@ -100,7 +166,7 @@ class CompileThreads:
         name: str = "grammar-compile",
         stack_bytes: int = COMPILE_STACK_BYTES,
     ) -> None:
-        self._jobs: queue.SimpleQueue[CompileJob | None] = queue.SimpleQueue()
+        self._jobs = _Lanes()
         self._threads: list[threading.Thread] = []
         # threading.stack_size is process-wide, but only for threads started while it is set:
         # a thread another part of the node starts in this instant gets a larger (virtual)
@@ -119,11 +185,10 @@ class CompileThreads:
 
     def close(self) -> None:
         """Stop the threads after the jobs submitted so far."""
-        for _ in self._threads:
-            self._jobs.put(_STOP)
+        self._jobs.close()
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not _STOP:
+        while (job := self._jobs.get()) is not None:
             try:
                 job._run()
             except BaseException:  # on_done failed: log, keep the thread
