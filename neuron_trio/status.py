@@ -1,8 +1,8 @@
 """`neuron status`: one screen for a person at the node, from `/v1/node` and `/metrics`.
 
 Reads the daemon over HTTP/1.1 with the standard library (no client dependency for a command
-an operator runs on the node), with the first key of `server.api_key_file` when the config
-sets one, and decodes `/v1/node` into the node's own types (`service/node_document.py`). Exit 0 only when the node is serving (`status` ok); 69 (EX_UNAVAILABLE) when it is
+an operator runs on the node), with the admin key, or the first API key, when the config sets
+one (`api_key`), and decodes `/v1/node` into the node's own types (`service/node_document.py`). Exit 0 only when the node is serving (`status` ok); 69 (EX_UNAVAILABLE) when it is
 starting, draining, recovering, wedged, or cannot be reached.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import ssl
 import time
 import urllib.error
@@ -24,7 +25,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_trio.config import NeuronConfig, parse_listen
-from neuron_trio.errors import EX_OK, EX_UNAVAILABLE
+from neuron_trio.errors import EX_OK, EX_UNAVAILABLE, ConfigError
 from neuron_trio.service.node_document import LastForensics, ModelInfo, NodeInfo
 
 TIMEOUT_S = 10.0  # /v1/node reads NVML live, bounded by its own timeout (5 s)
@@ -68,10 +69,22 @@ def default_url(config: NeuronConfig) -> str:
 
 
 def api_key(config: NeuronConfig) -> str | None:
-    """The first key in `server.api_key_file` (None when unset). Raises ConfigError."""
+    """The key to ask with: the first of `server.admin_key_file` when it is set and readable
+    (an operator's: /metrics, with the per-tenant figures, needs one then), else the first of
+    `server.api_key_file`, else of the first tenant's `keys_file`; None without any. Raises
+    ConfigError if the file it falls back to cannot be read."""
     from neuron_trio.http.tenancy import read_api_keys  # the daemon's own reading of the file
 
+    if config.server.admin_key_file is not None:
+        try:
+            return read_api_keys(config.server.admin_key_file, "server.admin_key_file")[0].decode()
+        except ConfigError:
+            pass  # not readable by this user: a tenant's key still reads /v1/node
     keys = read_api_keys(config.server.api_key_file)
+    for i, tenant in enumerate(config.tenants):
+        if keys:
+            break
+        keys = read_api_keys(tenant.keys_file, f"tenants[{i}].keys_file")
     return keys[0].decode() if keys else None
 
 
@@ -112,7 +125,14 @@ _WANTED = (
     "neuron_gpu_memory_used_bytes",
     "neuron_gpu_memory_total_bytes",
     "neuron_gpu_utilization_ratio",
+    "neuron_tenant_requests_total",
+    "neuron_tenant_rejections_total",
+    "neuron_tenant_prompt_tokens_total",
+    "neuron_tenant_completion_tokens_total",
+    "neuron_tenant_queue_time_seconds_sum",
+    "neuron_tenant_queue_time_seconds_count",
 )
+_TENANT_LABEL = re.compile(r'tenant="([^"]*)"')
 
 
 def parse_metrics(text: str, wanted: Iterable[str] = _WANTED) -> dict[str, float]:
@@ -259,6 +279,34 @@ def _forensics_lines(last: LastForensics | str | None) -> list[str]:
     ]
 
 
+def _tenant_lines(metrics: dict[str, float]) -> list[str]:
+    """One line per tenant seen in the per-tenant series (issue 47), busiest first."""
+    tenants = {
+        m[1]
+        for key in metrics
+        if key.startswith("neuron_tenant_") and (m := _TENANT_LABEL.search(key)) is not None
+    }
+    if not tenants:
+        return []
+    rows = []
+    for tenant in tenants:
+        served = _sum(metrics, "neuron_tenant_requests_total", tenant=tenant)
+        rejected = _sum(metrics, "neuron_tenant_rejections_total", tenant=tenant)
+        prompt = _sum(metrics, "neuron_tenant_prompt_tokens_total", tenant=tenant)
+        completion = _sum(metrics, "neuron_tenant_completion_tokens_total", tenant=tenant)
+        waits = _sum(metrics, "neuron_tenant_queue_time_seconds_count", tenant=tenant)
+        waited = _sum(metrics, "neuron_tenant_queue_time_seconds_sum", tenant=tenant)
+        queue = f"{waited / waits:.2f} s" if waits else "-"
+        rows.append(
+            (
+                -(prompt + completion),
+                f"  {tenant:<20} requests {served:.0f} (rejected {rejected:.0f})   tokens "
+                f"{prompt:.0f} in, {completion:.0f} out   queue {queue} mean",
+            )
+        )
+    return [f"tenants   {len(tenants)}", *(line for _, line in sorted(rows))]
+
+
 def render(status: NodeStatus, *, url: str, now: float | None = None) -> str:
     """The human screen (plain text, about 80 columns)."""
     node = status.document
@@ -286,6 +334,7 @@ def render(status: NodeStatus, *, url: str, now: float | None = None) -> str:
     for model in node.models:
         rate = node.generated_tokens_per_s_1m.get(model.name)
         lines.extend(_model_lines(model, status.metrics, rate))
+    lines.extend(_tenant_lines(status.metrics))
     return "\n".join(lines) + "\n"
 
 
