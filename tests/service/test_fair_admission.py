@@ -11,10 +11,12 @@ import pytest
 import trio
 import trio.testing
 
+from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import QueueFullError
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.event_stream import EventStream
+from neuron_trio.service.model_actor import ModelActor
 from neuron_trio.service.request_table import ActorRequest, RequestTable
 from neuron_trio.service.tenant_limits import (
     TenantLimitError,
@@ -23,7 +25,7 @@ from neuron_trio.service.tenant_limits import (
     policies_from_config,
 )
 
-from .fakes import FakeEngine
+from .fakes import FakeEngine, FakeExecutor
 
 
 def _run(test: Callable[[trio.testing.MockClock], Awaitable[None]]) -> None:
@@ -201,3 +203,29 @@ def test_policies_come_from_the_tenant_entries() -> None:
     assert policies_from_config([Entry()]) == {
         "t": TenantPolicy(weight=3.0, max_sequences=2, tokens_per_minute=1000)
     }
+
+
+def test_the_actor_refuses_a_tenant_past_its_limit_with_a_429_and_serves_the_others() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        executor = FakeExecutor(max_batch=2, context=1000)
+        spec = ModelConfig(name="m", source="builtin:smollm2-135m", max_batch=2)
+        tenants = {"t": TenantPolicy(max_sequences=1, max_queued=0)}
+        actor = ModelActor(spec, lambda: executor, max_queue=8, tenants=tenants, burst_gap_s=0)
+
+        def job(tenant: str) -> GenerationJob:
+            params = SamplingParams(max_tokens=500)
+            return GenerationJob(model="m", params=params, prompt="hi", tenant=tenant)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            assert executor.engine.fair is not None  # the engine orders by the same counters
+            async with actor.generate(job("t")):
+                with pytest.raises(TenantLimitError) as caught:
+                    async with actor.generate(job("t")):
+                        pass
+                assert caught.value.status == 429 and caught.value.code == "tenant_max_queued"
+                async with actor.generate(job("u")):
+                    pass  # another tenant is not held by t's limits
+            nursery.cancel_scope.cancel()
+
+    _run(main)
