@@ -238,12 +238,19 @@ def test_required_calls_in_each_syntax_parse_back(
     assert "".join(e.text for e in events) == ""
 
 
-def test_a_hermes_call_without_tags_is_held_to_the_schema(family_dir: Path) -> None:
-    """Qwen2.5-Coder answers `auto` with a bare JSON call: from its `{` on, the grammar holds
-    it to the tools (here the model wants a tool that does not exist), and it comes back as a
-    call, never as content."""
+@pytest.mark.parametrize(
+    "script",
+    [
+        '\n{"name": "rm_rf", "arguments": {"path": "/"}}\n{"name": "x"}',
+        '```json\n{\n  "name": "rm_rf",\n  "arguments": {"path": "/"}\n}\n```',
+    ],
+)
+def test_a_hermes_call_without_tags_is_held_to_the_schema(family_dir: Path, script: str) -> None:
+    """Qwen2.5-Coder answers `auto` with a call as bare JSON, or in a code fence: from its
+    `{` on, the grammar holds it to the tools (here the model wants a tool that does not
+    exist), and it comes back as a call, never as content."""
     engine = _engine(write_tiny_family(family_dir / "qwen2-bare.gguf", "qwen2"))
-    _script(engine, '\n{"name": "rm_rf", "arguments": {"path": "/"}}\n{"name": "x"}')
+    _script(engine, script)
     events = _generate(engine, AUTO)
     calls = [c for e in events for c in e.tool_calls or ()]
     assert events[-1].finish_reason == "tool_calls"

@@ -13,6 +13,7 @@ tool's schema is bounded and prepared.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -30,6 +31,34 @@ MAX_PARALLEL_TOOL_CALLS = 4
 
 # The styles a model's `tool_call_format` setting may name ("auto": read from the template).
 STYLES = ("hermes", "llama3", "mistral", "mistral_args")
+
+
+# A Markdown code fence's opening line before a call's JSON (Qwen2.5-Coder writes its calls in
+# "```json" fences), and what may still become one; the language name bounded.
+_FENCE = re.compile(r"```[A-Za-z]{0,16}[ \t]{0,4}\n\s*")
+_FENCE_START = re.compile(r"`{1,3}|```[A-Za-z]{0,16}[ \t]{0,4}")
+FENCE = "```"
+
+
+def bare_opening(text: str, *, fences: bool) -> tuple[str, int]:
+    """What the answer's text so far says about a call without a marker: ("call", where its
+    `{` is) when it opens with a JSON object (after whitespace, and with `fences` a code
+    fence's opening line), ("wait", 0) while it may still, ("text", 0) when it cannot."""
+    lead = text.lstrip()
+    at = len(text) - len(lead)
+    if not lead:
+        return "wait", 0
+    if lead.startswith("{"):
+        return "call", at
+    if not fences or not lead.startswith("`"):
+        return "text", 0
+    match = _FENCE.match(lead)
+    if match is None:
+        return ("wait", 0) if _FENCE_START.fullmatch(lead) else ("text", 0)
+    rest = lead[match.end() :]
+    if not rest:
+        return "wait", 0
+    return ("call", at + match.end()) if rest.startswith("{") else ("text", 0)
 
 
 class _Vocabulary(Protocol):

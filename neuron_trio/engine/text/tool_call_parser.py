@@ -4,7 +4,8 @@ What counts as a call (`ToolCallFormat.style`):
 
 - hermes: `<tool_call>{…}</tool_call>` blocks anywhere in the output (the text before them
   stays content), and JSON objects with "name" and "arguments" that open the answer without
-  the tags (Qwen2.5-Coder writes its calls so; llama.cpp's parser accepts both);
+  the tags, bare or in a Markdown code fence (Qwen2.5-Coder writes its calls so; llama.cpp's
+  parser accepts each of these);
 - llama3: an answer that is one JSON object with "name" and "parameters" (or "arguments"),
   possibly after `<|python_tag|>`, or several separated by `;`;
 - mistral: `[TOOL_CALLS]` followed by a JSON list of calls (or one call);
@@ -27,7 +28,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from neuron_trio.engine.text.tool_call_format import ToolCallFormat
+from neuron_trio.engine.text.tool_call_format import FENCE, ToolCallFormat, bare_opening
 from neuron_trio.engine.types import ToolCall, ToolFunction
 
 __all__ = ["ToolCallParser"]
@@ -74,6 +75,7 @@ class ToolCallParser:
         self._after_call = False  # content right after a call: its leading whitespace dropped
         # the answer's start, or right after a bare call: a "{" here opens a call
         self._bare = fmt.bare_json
+        self._fenced = False  # bare calls inside a code fence: its closing "```" is markup
         self._out: list[str] = []
         self._new: list[ToolCall] = []
 
@@ -120,24 +122,34 @@ class ToolCallParser:
         return self._marked_step(final)
 
     def _bare_step(self, final: bool, cut: bool) -> bool | None:
-        """A call that opens the answer (or follows a bare call) as a JSON object; True when
-        taken, False while it is incomplete, None when the text here is no such call."""
-        lead = self._pending.lstrip()
+        """A call that opens the answer (or follows a bare call) as a JSON object, for Hermes
+        also in a code fence; True when taken, False while it is incomplete, None when the
+        text here is no such call."""
+        text = self._pending
         if self.format.style == "llama3":
-            lead = lead.lstrip(";").lstrip()
-            if lead.startswith(PYTHON_TAG):
-                lead = lead[len(PYTHON_TAG) :].lstrip()
-        if not lead:
-            if final:
-                self._pending = ""  # whitespace at the end (or a lone tag)
-            return False
-        if not lead.startswith("{"):
+            text = text.lstrip().lstrip(";").lstrip()
+            if text.startswith(PYTHON_TAG):
+                text = text[len(PYTHON_TAG) :]
+        if self._fenced:  # the fence's closing line ends the calls
+            lead = text.lstrip()
+            if lead.startswith(FENCE):
+                self._pending, self._fenced = lead[len(FENCE) :], False
+                return True
+            if FENCE.startswith(lead) and not final:
+                return False  # maybe the closing line
+        kind, at = bare_opening(text, fences=self.format.style == "hermes" and not self._fenced)
+        if kind == "wait":
+            if not final:
+                return False
+            kind = "text"  # the model ended before a call could begin
+        if kind == "text":
+            if self.format.style == "llama3" and PYTHON_TAG.startswith(text.strip()) and not final:
+                return False  # maybe the start of the tag
             if self.format.style == "llama3":
-                if PYTHON_TAG.startswith(lead) and not final:
-                    return False  # maybe the start of the tag
                 self._pending = self._pending.replace(PYTHON_TAG, "", 1)  # markup, not text
             self._bare = False
             return None
+        lead = text[at:]
         try:
             value, end = _DECODER.raw_decode(lead)
         except json.JSONDecodeError:
@@ -150,7 +162,9 @@ class ToolCallParser:
             self._bare = False  # the model ended there: JSON text, not a call
             return None
         if self._take([value], "arguments") or self.format.style == "llama3":
-            self._pending = lead[end:]  # llama3: JSON that is no call is dropped, never shown
+            # llama3: JSON that is no call is dropped, never shown
+            self._fenced = self._fenced or FENCE in text[:at]
+            self._pending = lead[end:]
             return True
         self._bare = False  # a JSON answer that is not a call: content
         return None
@@ -177,7 +191,9 @@ class ToolCallParser:
 
     def _take(self, bodies: list[Any], key: str) -> bool:
         """Record the calls among `bodies` (JSON text or decoded); whether any was one (a call
-        past the first without `parallel` is one, dropped)."""
+        past the first without `parallel`, or the same as an earlier one, is one, dropped:
+        Qwen2.5-Coder-0.5B, given a tool's result, wrote its call again and the result's JSON
+        after it, which the grammar made a second identical call)."""
         taken = False
         for body in bodies:
             call = self._call(body, key)
@@ -185,7 +201,10 @@ class ToolCallParser:
                 log.info("dropped tool-call markup that is not a call: %.200s", body)
                 continue
             self._space, self._after_call, taken = "", True, True
-            if self.parallel or not (self.calls or self._new):
+            earlier = [*self.calls, *self._new]
+            if (self.parallel or not earlier) and not any(
+                (c.name, c.arguments) == (call.name, call.arguments) for c in earlier
+            ):
                 self._new.append(call)
         return taken
 

@@ -29,7 +29,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from neuron_trio.engine.text.grammar import GrammarState
-from neuron_trio.engine.text.tool_call_format import MAX_PARALLEL_TOOL_CALLS, ToolCallFormat
+from neuron_trio.engine.text.tool_call_format import (
+    FENCE,
+    MAX_PARALLEL_TOOL_CALLS,
+    ToolCallFormat,
+    bare_opening,
+)
 from neuron_trio.engine.types import ToolFunction
 from neuron_trio.errors import RequestError
 
@@ -57,6 +62,7 @@ class CallStart:
     tokens: tuple[int, ...]
     prefix: tuple[str, ...]
     bare: bool = False
+    fenced: bool = False  # bare, inside a code fence: the calls end with its closing "```"
 
 
 class _Vocabulary(Protocol):
@@ -97,17 +103,20 @@ class CallStartWatcher:
         text = b"".join(pieces)
         if self._opening:
             # A call without a marker is the whole answer: it begins with "{" (after
-            # whitespace and specials).
-            stripped = text.lstrip()
-            if not stripped:
+            # whitespace and specials, for Hermes also after a code fence's opening line).
+            # latin-1: one character a byte, so the offsets are the bytes'.
+            fences = self._fmt.style == "hermes"
+            kind, at = bare_opening(text.decode("latin-1"), fences=fences)
+            if kind == "wait":
                 if len(self._window) > WINDOW_TOKENS:
                     self._opening = False
                     self.done = self._fmt.style == "llama3"
                 return None
             self._opening = False
-            if stripped.startswith(b"{"):
+            if kind == "call":
                 self.done = True
-                return self._start(pieces, 0, len(text) - len(stripped), bare=True)
+                fenced = FENCE.encode() in text[:at]
+                return self._start(pieces, 0, at, bare=True, fenced=fenced)
         if self._fmt.style == "llama3":
             self.done = True  # an answer in words: llama3 has no marker to wait for
             return None
@@ -124,7 +133,13 @@ class CallStartWatcher:
         return self._start(pieces[first:], first, at - offset + len(self._marker))
 
     def _start(
-        self, pieces: list[bytes], first: int, prefix_len: int, *, bare: bool = False
+        self,
+        pieces: list[bytes],
+        first: int,
+        prefix_len: int,
+        *,
+        bare: bool = False,
+        fenced: bool = False,
     ) -> CallStart | None:
         """The tail from window token `first`; the grammar's prefix is its first `prefix_len`
         bytes of text (and every special token among them)."""
@@ -148,7 +163,7 @@ class CallStartWatcher:
             prefix.append(_literal(text))
         if any(p == "" for p in prefix):
             return None  # not whole UTF-8 characters: no literal can spell it
-        return CallStart(tokens, tuple(prefix), bare)
+        return CallStart(tokens, tuple(prefix), bare, fenced)
 
 
 def _literal(text: bytes) -> str:
@@ -174,6 +189,8 @@ def rest_of_call_lark(
     if start.bare:  # JSON objects without markers (a Hermes model's, or Llama 3.x's)
         sep = '";" ' if fmt.style == "llama3" else ""
         rest = f"call ({sep}{_WS} call){more}" if parallel else "call"
+        if start.fenced:
+            rest += f" {_WS} {json.dumps(FENCE)}"
     elif fmt.style == "mistral":
         calls = f'call ("," {_WS} call){more}' if parallel else "call"
         rest = f'{_WS} "[" {calls} "]"'

@@ -186,8 +186,9 @@ def test_json_that_is_no_call_or_follows_words_stays_content() -> None:
 
 def test_several_streamed_calls_send_no_whitespace_between_them() -> None:
     one = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    two, three = one.replace("{}", '{"tz": "CET"}'), one.replace("{}", '{"tz": "UTC"}')
     parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER, TIME])
-    shown = [parser.push(p, final=False)[0] for p in _pieces(f"{one}\n\n\n{one}\n{one}\n", 4)]
+    shown = [parser.push(p, final=False)[0] for p in _pieces(f"{one}\n\n\n{two}\n{three}\n", 4)]
     shown.append(parser.push("", final=True)[0])
     assert [s for s in shown if s] == [] and len(parser.calls) == 3
     parser = ToolCallParser(ToolCallFormat("hermes"), [TIME])  # words before a call stay
@@ -218,3 +219,26 @@ def test_mistral_named_calls_with_args_markers() -> None:
     parser = ToolCallParser(ToolCallFormat("mistral_args"), [WEATHER])  # the list form too
     list_form = '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}]'
     assert _feed(parser, [list_form, ""]) == ("", ["get_weather{}"])
+
+
+def test_hermes_calls_in_a_code_fence_that_opens_the_answer_are_calls() -> None:
+    """Qwen2.5-Coder-0.5B answered a get_weather question on `auto` with this, exactly."""
+    answer = (
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+    )
+    for pieces in (_pieces(answer, 2), [answer, ""]):
+        parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+        assert _feed(parser, pieces) == ("", ['get_weather{"city": "Paris"}'])
+    for text in ("```python\nprint(1)\n```", '```json\n{"answer": 1}\n```', "``", "`x`"):
+        parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+        assert _feed(parser, _pieces(text, 2)) == (text, [])
+
+
+def test_a_call_repeated_in_one_answer_counts_once() -> None:
+    one = '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    other = '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    parser = ToolCallParser(ToolCallFormat("hermes"), [WEATHER])
+    assert _feed(parser, [one, one, other, one, ""]) == (
+        "",
+        ['get_weather{"city": "Paris"}', 'get_weather{"city": "Oslo"}'],
+    )
