@@ -79,14 +79,19 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (token_id, text, logprob), best first
 
 
+# The finish reasons of a sequence that ended well; any other is reported as an error (the one
+# definition: the HTTP layer's bodies and streams read it through service.api).
+GOOD_FINISH_REASONS = ("stop", "length", "tool_calls")
+
+
 @dataclass
 class SequenceEvent:
     """What one engine step produced for one sequence.
 
     `text` is the new, safe-to-show text (never half a UTF-8 character, never the start of a
     stop string that may still complete). `finish_reason` is set on the sequence's last event:
-    "stop" (EOS, end-of-turn or a stop string), "length" (max_tokens), "cancelled", or
-    "error" (then `error` says why).
+    "stop" (EOS, end-of-turn or a stop string), "length" (max_tokens), "tool_calls" (a call
+    to one of the request's tools), "cancelled", or "error" (then `error` says why).
     """
 
     seq_id: int
@@ -99,6 +104,7 @@ class SequenceEvent:
     error: str | None = None
     index: int = 0  # which choice (0 .. n-1) of the request
     tool_calls: list[ToolCall] | None = None  # calls completed in this event's text
+    reasoning: str = ""  # a thinking model's new thinking (`text` is then its answer's)
     # The request has other choices still running: this event's finish_reason ends only
     # choice `index`, not the request.
     more_choices: bool = False

@@ -19,7 +19,6 @@ from starlette.types import Receive, Send
 from neuron_trio.errors import ApiError
 from neuron_trio.http.access_log import AccessInfo
 from neuron_trio.http.generation import (
-    FINISHED,
     StreamedResponse,
     _body,
     _error_event,
@@ -29,7 +28,7 @@ from neuron_trio.http.generation import (
 )
 from neuron_trio.http.openai import SSE_DONE, Transcript
 from neuron_trio.http.openai.completion_batch import BatchWriter, CompletionBatch
-from neuron_trio.service.api import NodeService, SequenceEvent
+from neuron_trio.service.api import GOOD_FINISH_REASONS, NodeService, SequenceEvent
 
 __all__ = ["BatchSSEResponse", "complete_batch"]
 
@@ -116,7 +115,7 @@ class BatchSSEResponse(StreamedResponse):
                             break
                         transcripts[part].add(item)
                         reason = item.finish_reason
-                        if reason is not None and reason not in FINISHED:
+                        if reason is not None and reason not in GOOD_FINISH_REASONS:
                             nursery.cancel_scope.cancel()
                             break
                         data = writer.chunks(part, item, reason)

@@ -31,10 +31,14 @@ from neuron_trio.http.openai import (
     now,
     sse_data,
 )
-from neuron_trio.service.api import GenerationJob, NodeService, SequenceEvent
+from neuron_trio.service.api import (
+    GOOD_FINISH_REASONS,
+    GenerationJob,
+    NodeService,
+    SequenceEvent,
+)
 
 __all__ = [
-    "FINISHED",
     "ClientGone",
     "GenerationFailedError",
     "SSEResponse",
@@ -51,8 +55,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-FINISHED = ("stop", "length", "tool_calls")  # the finish reasons of a sequence that ended well
-
 
 class GenerationFailedError(ApiError):
     """Raised if the engine ended a sequence with an error (500, its reason in the message)."""
@@ -68,7 +70,7 @@ class GenerationFailedError(ApiError):
 
 def finish_error(t: Transcript) -> ApiError | None:
     """The error a finished sequence ended with, if it did not end normally."""
-    if t.finish_reason in FINISHED:
+    if t.finish_reason in GOOD_FINISH_REASONS:
         return None
     if t.finish_reason == "cancelled":
         return UnavailableError("the node cancelled this request", code="cancelled")
@@ -131,7 +133,7 @@ def note_transcripts(access: AccessInfo | None, transcripts: Sequence[Transcript
     access.prompt_tokens = sum(t.prompt_tokens for t in transcripts)
     access.completion_tokens = sum(t.completion_tokens for t in transcripts)
     access.finish_reason = next(
-        (t.finish_reason for t in transcripts if t.finish_reason not in FINISHED),
+        (t.finish_reason for t in transcripts if t.finish_reason not in GOOD_FINISH_REASONS),
         transcripts[0].finish_reason if transcripts else None,
     )
 
@@ -231,7 +233,7 @@ class StreamedResponse(Response):
         abnormally (its error is then the transcript's: `finish_error`)."""
         async for event in events:
             reason = event.finish_reason
-            if reason is not None and reason not in FINISHED:
+            if reason is not None and reason not in GOOD_FINISH_REASONS:
                 break
             data = chunks(event)
             if data:
@@ -301,7 +303,7 @@ async def _first_event(events: AsyncIterator[SequenceEvent], t: Transcript) -> S
     except StopAsyncIteration:
         return None
     t.add(event)
-    if event.finish_reason is not None and event.finish_reason not in FINISHED:
+    if event.finish_reason is not None and event.finish_reason not in GOOD_FINISH_REASONS:
         failure = finish_error(t)
         if failure is not None:
             raise failure

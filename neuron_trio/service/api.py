@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import (
+    GOOD_FINISH_REASONS,
     Constraint,
     SamplingParams,
     SequenceEvent,
@@ -26,6 +27,7 @@ from neuron_trio.engine.types import (
 from neuron_trio.service.load_report import LoadReport
 
 __all__ = [
+    "GOOD_FINISH_REASONS",
     "ChatMessage",
     "Constraint",
     "GenerationJob",
@@ -97,15 +99,16 @@ class GenerationJob:
 
 
 def with_default_max_tokens(
-    job: GenerationJob, prompt_tokens: int, spec: ModelConfig
+    job: GenerationJob, default_max_tokens: int, room: int
 ) -> GenerationJob:
     """`job` with the model's `default_max_tokens` where the client gave no max_tokens (a
-    chat), cut to the room the context leaves after the prompt. Without a configured default
-    (0), `max_tokens` stays None: the engine runs the answer to the end of the context."""
-    if job.params.max_tokens is not None or not spec.default_max_tokens:
+    chat), cut to `room`: what the engine leaves an answer after the prompt
+    (`ServingEngine.answer_room`: its effective context, not the configured one, and its KV
+    pool). Without a configured default (0), `max_tokens` stays None: the engine runs the
+    answer to the end of the context."""
+    if job.params.max_tokens is not None or not default_max_tokens:
         return job
-    room = max(1, spec.context - prompt_tokens)
-    params = replace(job.params, max_tokens=min(spec.default_max_tokens, room))
+    params = replace(job.params, max_tokens=min(default_max_tokens, max(1, room)))
     return replace(job, params=params)
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import trio
 
@@ -38,6 +38,7 @@ from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.executor_calls import ExecutorCalls
 from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
 from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
+from neuron_trio.service.model_state import ModelState
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
 from neuron_trio.service.prompt_intake import prepare_job_prompt
 from neuron_trio.service.request_table import ActorRequest, RequestTable
@@ -48,7 +49,6 @@ from neuron_trio.service.wedge.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-ModelState = Literal["loading", "serving", "recovering", "wedged", "unloading", "unloaded"]
 
 
 # A burst of requests (a router's, or streams opened together on one HTTP/2 connection)
@@ -144,6 +144,13 @@ class ModelActor:
         return self._state
 
     @property
+    def context(self) -> int:
+        """The effective context: the engine's once loaded (the configured one capped by the
+        model's own), the configured one before."""
+        ex = self.executor
+        return ex.engine.context if ex is not None else self.spec.context
+
+    @property
     def queued(self) -> int:
         return len(self._requests.queue)
 
@@ -190,7 +197,7 @@ class ModelActor:
             weights=ex.dtype if ex else None,
             tp=ex.tp if ex else self.spec.tp,
             max_batch=self.spec.max_batch,
-            context=self.spec.context,
+            context=self.context,
             slots_in_use=stats.engine.slots_in_use,
             slots_total=stats.slots_total,
             kv_cache=KVCacheInfo.from_statistics(stats.engine, prefix_cache=self.spec.prefix_cache),
@@ -266,8 +273,10 @@ class ModelActor:
         """
         self._refuse_unless_accepting()
         ids, chat = await self._encode(job)
-        job = with_default_max_tokens(job, len(ids), self.spec)
         self._refuse_unless_accepting()  # the state may have changed while encoding
+        assert self.executor is not None
+        room = self.executor.engine.answer_room(len(ids))
+        job = with_default_max_tokens(job, self.spec.default_max_tokens, room)
         try:
             self._requests.check_limits(job.tenant, self.spec.max_batch)
         except TenantLimitError:

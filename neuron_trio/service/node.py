@@ -194,7 +194,7 @@ class Node:
             ModelSummary(
                 name=a.name,
                 created=int(a.loaded_at or 0),
-                context=a.spec.context,
+                context=a.context,
                 fingerprint=self._fingerprints.get(a.name, ""),
             )
             for a in self._actors.values()

@@ -134,7 +134,7 @@ class FakeEngine:
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
         room = self.answer_room(len(prompt_ids))  # max_tokens None: to the end (Engine.add)
-        if len(prompt_ids) + (room if params.max_tokens is None else params.max_tokens) > self.context:
+        if len(prompt_ids) + (params.max_tokens or room) > self.context:
             raise ContextLengthError("too long")
 
     def add(

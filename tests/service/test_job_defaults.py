@@ -12,10 +12,9 @@ def _job(max_tokens: int | None) -> GenerationJob:
 
 
 def test_default_max_tokens_applies_only_where_the_client_gave_none() -> None:
-    spec = ModelConfig(name="m", source="builtin:x", context=1000, default_max_tokens=300)
-    assert with_default_max_tokens(_job(None), 100, spec).params.max_tokens == 300
-    assert with_default_max_tokens(_job(None), 900, spec).params.max_tokens == 100  # the room
-    assert with_default_max_tokens(_job(7), 100, spec).params.max_tokens == 7
-    unset = ModelConfig(name="m", source="builtin:x", context=1000)
-    assert unset.default_max_tokens == 0
-    assert with_default_max_tokens(_job(None), 100, unset).params.max_tokens is None
+    # `room`: what the engine leaves an answer after the prompt (ServingEngine.answer_room)
+    assert with_default_max_tokens(_job(None), 300, room=900).params.max_tokens == 300
+    assert with_default_max_tokens(_job(None), 300, room=100).params.max_tokens == 100
+    assert with_default_max_tokens(_job(7), 300, room=900).params.max_tokens == 7
+    assert ModelConfig(name="m", source="builtin:x").default_max_tokens == 0
+    assert with_default_max_tokens(_job(None), 0, room=900).params.max_tokens is None

@@ -99,6 +99,7 @@ def run_actor(
     max_batch: int = 2,
     max_queue: int = 2,
     burst_gap_s: float = 0.0,  # tests step at once unless they test the burst wait
+    **spec_kw: Any,
 ) -> None:
     clock = trio.testing.MockClock()  # no autojump: time moves only when a test jumps it
 
@@ -121,7 +122,7 @@ def run_actor(
             actors: list[ModelActor] = []
             metrics = NodeMetrics(registry, lambda: [a.statistics() for a in actors])
             actor = ModelActor(
-                spec(max_batch),
+                spec(max_batch, **spec_kw),
                 lambda: executor,
                 max_queue=max_queue,
                 watchdog=watchdog,
@@ -183,6 +184,22 @@ def test_chat_messages_go_through_the_template() -> None:
         assert "".join(map(chr, h.engine.added[0])) == "<system>s<user>u<assistant>"
 
     run_actor(test)
+
+
+def test_a_default_max_tokens_past_the_engines_context_is_cut_to_it() -> None:
+    # Configured: context 4096 and default_max_tokens 1000; the engine's effective context is
+    # 64 (the fake's; a model's own context caps the configured one the same way). The
+    # default is cut to what the engine leaves after the prompt, not to the configured
+    # context: 1000 failed in the engine's add, after queueing.
+    async def test(h: Harness) -> None:
+        assert h.actor.context == 64
+        r = h.consume(GenerationJob(model="m", params=SamplingParams(max_tokens=None), prompt="hi"))
+        await settle()
+        assert r["error"] is None and r["done"]
+        assert len(r["events"]) == 62  # to the end of the engine's context
+        assert h.actor.info().context == 64
+
+    run_actor(test, context=4096, default_max_tokens=1000)
 
 
 def test_bad_requests_are_refused_before_queueing() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from neuron_trio.http.openai.requests import ParsedRequest, RequestKind
-from neuron_trio.service.api import SequenceEvent, TokenLogprob, ToolCall
+from neuron_trio.service.api import GOOD_FINISH_REASONS, SequenceEvent, TokenLogprob, ToolCall
 
 __all__ = [
     "SSE_DONE",
@@ -54,13 +54,15 @@ class ChoiceTranscript:
     finish_reason: str | None = None
     completion_tokens: int = 0
     error: str | None = None
+    reasoning_parts: list[str] = field(default_factory=list)  # a thinking model's thinking
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
-
-_NORMAL_FINISH = ("stop", "length", "tool_calls")
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Transcript:
         choice = self.choices.setdefault(event.index, ChoiceTranscript())
         if event.text:
             choice.text_parts.append(event.text)
+        if event.reasoning:
+            choice.reasoning_parts.append(event.reasoning)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
         if event.tool_calls:
@@ -95,7 +99,7 @@ class Transcript:
         """The request's: the first abnormal one of a choice (cancelled, error), else the
         first choice's once every choice has finished."""
         reasons = [c.finish_reason for _, c in sorted(self.choices.items())]
-        abnormal = [r for r in reasons if r is not None and r not in _NORMAL_FINISH]
+        abnormal = [r for r in reasons if r is not None and r not in GOOD_FINISH_REASONS]
         if abnormal:
             return abnormal[0]
         if reasons and all(r is not None for r in reasons):
@@ -190,6 +194,8 @@ class ChatShaper:
             # as OpenAI: the calls, and content only if the model also wrote some
             message["content"] = t.text.strip() or None
             message["tool_calls"] = [_tool_call(c) for c in t.tool_calls]
+        if t.reasoning:  # vLLM's and llama.cpp's field for a thinking model's thinking
+            message["reasoning_content"] = t.reasoning
         return {
             "index": index,
             "message": message,
@@ -211,6 +217,9 @@ class ChatShaper:
         out = []
         i = event.index
         lps = event.logprobs or []
+        if event.reasoning:
+            delta = {"reasoning_content": event.reasoning}
+            out.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
         if event.text or lps:
             logprobs = chat_logprobs(lps) if self.want_logprobs else None
             content = {"content": event.text}
@@ -226,8 +235,14 @@ class ChatShaper:
             }
             args = {"index": k, "function": {"arguments": call.arguments}}
             for part in (head, args):
-                delta: dict[str, Any] = {"tool_calls": [part]}
-                out.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
+                out.append(
+                    {
+                        "index": i,
+                        "delta": {"tool_calls": [part]},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
         if finish_reason is not None:
             out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return out

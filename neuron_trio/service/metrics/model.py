@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
 from neuron_trio.engine.types import EngineStatistics
-
-MODEL_STATES = ("loading", "serving", "recovering", "wedged", "unloading", "unloaded")
+from neuron_trio.service.metrics.tenant import tenant_metrics
+from neuron_trio.service.model_state import MODEL_STATES
 
 # Outcomes of a request (label `outcome` of neuron_model_requests_total).
 OUTCOMES = (
@@ -94,6 +94,7 @@ class NodeMetrics:
             "neuron_model_generated_tokens", "Tokens generated", ["model"], registry=registry
         )
         registry.register(_ActorCollector(statistics))
+        self.tenants = tenant_metrics(registry)  # the same requests, by tenant (issue 47)
 
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(self, name)
@@ -104,6 +105,7 @@ class ModelMetrics:
 
     def __init__(self, node: NodeMetrics, name: str) -> None:
         self.name = name
+        self.tenants = node.tenants
         self._requests = {o: node.requests.labels(name, o) for o in OUTCOMES}
         self._ttft = node.time_to_first_token.labels(name)
         self._tpot = node.time_per_output_token.labels(name)
