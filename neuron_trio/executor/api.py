@@ -25,6 +25,7 @@ from neuron_trio.engine.types import (
 )
 
 if TYPE_CHECKING:
+    from neuron_trio.engine.text.tokenizer import Tokenizer
     from neuron_trio.executor.comm import Communicator
 
 
@@ -39,6 +40,8 @@ class RankInfo(msgspec.Struct, frozen=True):
 class ServingEngine(PromptEngine, Protocol):
     """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe): prompt
     preparation (`engine.prompt.prepare_prompt`), then sequences and steps."""
+
+    tokenizer: Tokenizer  # /tokenize, /detokenize (service/tokenize.py): thread-safe reads
 
     # The effective context: the configured one capped by the model's own (sizing.py); what
     # /v1/models and /v1/node show once the model is loaded.

@@ -60,6 +60,7 @@ from neuron_trio.http.tenancy import (
     redact_node_info,
     tenant_name_of,
 )
+from neuron_trio.http.tokenize_endpoints import TokenizeEndpoints
 from neuron_trio.service.api import GenerationJob, NodeService
 
 __all__ = ["JSONResponse", "create_app", "read_api_keys"]
@@ -204,6 +205,7 @@ class _Routes:
         self.isolate_tenants = isolate_tenants
         self._metrics_limiter: trio.CapacityLimiter | None = None
         self.responses = ResponsesEndpoint(node, admit=self.admit)
+        self.tokens = TokenizeEndpoints(node, max_messages=max_messages)
 
     def admit(self, request: Request, job: GenerationJob) -> GenerationJob:
         """`job` checked and salted as every generating route needs: at most
@@ -368,6 +370,9 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         Route("/v1/completions", r.completions, methods=["POST"]),
         Route("/v1/responses", r.responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", r.responses.retrieve, methods=["GET", "DELETE"]),
+        # llama.cpp's and vLLM's paths, outside /v1 (keyed as /v1 is: middleware.py)
+        Route("/tokenize", r.tokens.tokenize, methods=["POST"]),
+        Route("/detokenize", r.tokens.detokenize, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

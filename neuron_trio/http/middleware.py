@@ -61,6 +61,7 @@ CLIENT_CLOSED_STATUS = 499  # nginx's convention: the client left before its res
 DISCARD_MAX_BYTES = 1 << 20
 DISCARD_TIMEOUT_S = 2.0
 ADMIN_ROUTES = ("/v1/models",)  # POST it, DELETE below it
+KEYED_ROOT_ROUTES = ("/tokenize", "/detokenize")  # llama.cpp's and vLLM's, keyed as /v1/* is
 
 
 class RequestTimeoutError(RequestError):
@@ -219,7 +220,7 @@ class NeuronMiddleware:
                 return None
             token = self._bearer(scope)
             return None if token and self._matches(token, keys) else UNAUTHENTICATED
-        if path != "/v1" and not path.startswith("/v1/"):
+        if path != "/v1" and not path.startswith("/v1/") and path not in KEYED_ROOT_ROUTES:
             return None
         admin_route = self.admin_keys and (
             (scope["method"] == "POST" and path in ADMIN_ROUTES)

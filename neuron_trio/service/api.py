@@ -38,6 +38,8 @@ __all__ = [
     "SamplingParams",
     "SequenceEvent",
     "TokenLogprob",
+    "TokenizeJob",
+    "Tokenized",
     "ToolCall",
     "ToolFunction",
     "template_message",
@@ -129,6 +131,27 @@ class ModelSummary:
     fingerprint: str = ""  # `system_fingerprint`: model file + dtype + engine build
 
 
+@dataclass(frozen=True)
+class TokenizeJob:
+    """A `/tokenize` request, validated by the HTTP layer: a text or a chat (one of them)."""
+
+    model: str | None  # None: the node's only model
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None  # rendered as a chat request's would be
+    tools: tuple[ToolFunction, ...] = ()
+    add_special: bool = True  # a text: BOS where the model wants it (a chat's template decides)
+    with_pieces: bool = False  # each token's bytes too
+    text_param: str = "prompt"  # the request field `text` came from, for a 400 naming it
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    model: str
+    ids: tuple[int, ...]
+    pieces: tuple[bytes, ...] = ()  # with_pieces: each token's bytes (a special token's text)
+    context: int = 0  # the model's context (vLLM's `max_model_len`)
+
+
 class NodeService(Protocol):
     """What the HTTP layer may ask of the node. Every method is cheap unless it says so."""
 
@@ -157,6 +180,20 @@ class NodeService(Protocol):
         recovering, wedged). Raises UnavailableError while iterating if the model wedges.
         Leaving the context early (client gone) cancels the sequence at the next step.
         """
+        ...
+
+    async def tokenize(self, job: TokenizeJob) -> Tokenized:
+        """`job`'s token ids as its model's prompt would hold them (service/tokenize.py).
+
+        Raises ModelNotFoundError (404), RequestError (400: no model named while several are
+        loaded, a template that refuses the messages, a text far past the context),
+        UnavailableError (503) while the model loads or recovers.
+        """
+        ...
+
+    async def detokenize(self, model: str | None, ids: tuple[int, ...]) -> str:
+        """The text of `ids` in `model` (None: the only one), special tokens included; raises
+        as `tokenize`, and RequestError (400) naming an id outside the vocabulary."""
         ...
 
     async def load_model(self, spec: ModelConfig) -> dict[str, Any]:

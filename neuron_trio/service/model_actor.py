@@ -33,7 +33,7 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.executor.api import ModelExecutor, ServingEngine
-from neuron_trio.service.api import GenerationJob, with_default_max_tokens
+from neuron_trio.service.api import GenerationJob, Tokenized, TokenizeJob, with_default_max_tokens
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.executor_calls import ExecutorCalls
 from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
@@ -43,6 +43,7 @@ from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemor
 from neuron_trio.service.prompt_intake import prepare_job_prompt
 from neuron_trio.service.request_table import ActorRequest, RequestTable
 from neuron_trio.service.tenant_limits import TenantLimitError, TenantPolicy
+from neuron_trio.service.tokenize import detokenize_ids, tokenize_job
 from neuron_trio.service.wedge.records import InflightRequest
 from neuron_trio.service.wedge.watchdog import Watchdog
 
@@ -249,6 +250,20 @@ class ModelActor:
             self._requests.count("rejected_invalid")
             raise
         return prepared.ids, prepared.chat
+
+    async def tokenize(self, job: TokenizeJob) -> Tokenized:
+        """See NodeService.tokenize (the node has resolved `job.model` to this model)."""
+        return await tokenize_job(self._prompt_engine(), job, context=self.spec.context)
+
+    async def detokenize(self, ids: tuple[int, ...]) -> str:
+        """See NodeService.detokenize."""
+        return await detokenize_ids(self._prompt_engine(), ids)
+
+    def _prompt_engine(self) -> ServingEngine:
+        """The engine, for its tokenizer and template only (never its sequences)."""
+        self._refuse_unless_accepting()
+        assert self.executor is not None
+        return self.executor.engine
 
     def _grammar_compiles(self, engine: ServingEngine) -> GrammarCompiles:
         if self._compiles is None:

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,11 +40,18 @@ from neuron_trio.errors import (
     ModelExistsError,
     ModelLoadError,
     ModelNotFoundError,
+    RequestError,
     TooManyModelsError,
     UnavailableError,
 )
 from neuron_trio.service import heap
-from neuron_trio.service.api import GenerationJob, HealthSnapshot, ModelSummary
+from neuron_trio.service.api import (
+    GenerationJob,
+    HealthSnapshot,
+    ModelSummary,
+    Tokenized,
+    TokenizeJob,
+)
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from neuron_trio.service.load_report import LoadReport, model_load, node_load
@@ -222,6 +229,33 @@ class Node:
             raise UnavailableError("the node is draining", code="draining", retry_after_s=5)
         async with actor.generate(job) as events:
             yield events
+
+    async def tokenize(self, job: TokenizeJob) -> Tokenized:
+        """See NodeService.tokenize."""
+        actor = self._tokenizing_actor(job.model)
+        return await actor.tokenize(replace(job, model=actor.name))
+
+    async def detokenize(self, model: str | None, ids: tuple[int, ...]) -> str:
+        """See NodeService.detokenize."""
+        return await self._tokenizing_actor(model).detokenize(ids)
+
+    def _tokenizing_actor(self, model: str | None) -> ModelActor:
+        """`model`'s actor, or with None the only model's (llama.cpp's clients name none)."""
+        if model is None:
+            names = [name for name, a in self._actors.items() if a.state != "unloaded"]
+            if len(names) != 1:
+                raise RequestError(
+                    f"model: required: this node serves {len(names)} models", param="model"
+                )
+            model = names[0]
+        actor = self._actors.get(model)
+        if actor is None or actor.state == "unloaded":
+            raise ModelNotFoundError(model)
+        if actor.state == "loading":
+            raise UnavailableError(
+                f"model {model!r} is loading", code="model_loading", retry_after_s=10
+            )
+        return actor
 
     async def load_model(self, spec: ModelConfig) -> dict[str, Any]:
         """Load `spec` at run time; its `/v1/node` entry once serving.

@@ -25,6 +25,8 @@ from neuron_trio.service.api import (
     LoadReport,
     ModelSummary,
     SequenceEvent,
+    Tokenized,
+    TokenizeJob,
     TokenLogprob,
 )
 
@@ -69,6 +71,7 @@ class FakeNode:
         )  # fmt: skip
         self.loads: dict[str, LoadReport] = {}
         self.load_asked: list[str | None] = []
+        self.tokenize_jobs: list[TokenizeJob] = []
 
     # --- NodeService ----------------------------------------------------------------------
 
@@ -164,6 +167,28 @@ class FakeNode:
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=i + 1,
             )
+
+    async def tokenize(self, job: TokenizeJob) -> Tokenized:
+        """One token a character (its code point), the chat's messages' texts joined."""
+        await trio.lowlevel.checkpoint()
+        model = self._model_of(job.model)
+        self.tokenize_jobs.append(job)
+        text = job.text or "".join(m.content for m in job.messages or ())
+        ids = tuple(ord(c) for c in text)
+        pieces = tuple(c.encode() for c in text) if job.with_pieces else ()
+        return Tokenized(model=model, ids=ids, pieces=pieces, context=self.models[model].context)
+
+    async def detokenize(self, model: str | None, ids: tuple[int, ...]) -> str:
+        await trio.lowlevel.checkpoint()
+        self._model_of(model)
+        return "".join(chr(i) for i in ids)
+
+    def _model_of(self, model: str | None) -> str:
+        if model is None and len(self.models) == 1:
+            return next(iter(self.models))
+        if model is None or model not in self.models:
+            raise ModelNotFoundError(str(model))
+        return model
 
     async def load_model(self, spec: ModelConfig) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()
