@@ -37,6 +37,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
 from neuron_trio.errors import ConfigError
+from neuron_trio.http import body_discard
 from neuron_trio.http.connections import ConnectionEntry, ConnectionTable
 from neuron_trio.http.h2_floods import ControlFrame, FloodGuard, FloodVerdict, NodeFloodBudget
 
@@ -48,10 +49,6 @@ _APPLIED = False
 
 # Fix 6: pending frames are written once they reach this size, even if more could be framed.
 FLUSH_BYTES = 1 << 16
-# Fix 2: body a stream may still send after its response has ended (a 413, a 401) before it is
-# reset. Clients that send the whole body before reading (httpx, curl) then read the answer.
-# server.py sets the node's value on the config (`h2_discard_max_bytes`); this is the fallback.
-DISCARD_AFTER_RESPONSE_BYTES = 16 << 20
 # Fix 7: free WINDOW_UPDATEs a connection may have earned by the DATA frames it was sent.
 WINDOW_UPDATE_CREDIT_MAX = 10_000
 
@@ -264,16 +261,15 @@ def _forget_content_length(self: Any, stream_id: int) -> None:
 
 def _drop_data(self: Any, event: Any) -> None:
     """DATA for a stream whose response has ended: acknowledge and drop it while the stream
-    has dropped at most `h2_discard_max_bytes`; past that, once the response's END_STREAM has
-    gone out, reset the stream with NO_ERROR."""
+    has dropped at most `body_discard.AFTER_END_BYTES`; past that, once the response's
+    END_STREAM has gone out, reset the stream with NO_ERROR."""
     try:
         self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
     except h2.exceptions.ProtocolError:
         pass
     dropped: dict[int, int] = self.__dict__.setdefault("_neuron_dropped", {})
     total = dropped.get(event.stream_id, 0) + event.flow_controlled_length
-    budget = int(getattr(self.config, "h2_discard_max_bytes", DISCARD_AFTER_RESPONSE_BYTES))
-    if total <= budget or event.stream_id in self.stream_buffers:
+    if total <= body_discard.AFTER_END_BYTES or event.stream_id in self.stream_buffers:
         # Within the budget, or the response is still being sent (a reset now would cut it):
         # keep reading, so a client that sends its whole body first (httpx, curl) then reads
         # the answer whole.
@@ -291,9 +287,9 @@ def _fix_2_patches() -> tuple[Patch, ...]:
     KeyError escapes the connection's handler nursery, which is the server's: one client that
     keeps sending a body after a 401 or 413 stopped every connection. Such DATA is now
     acknowledged (so the connection's flow-control window does not shrink) and dropped, up to
-    `h2_discard_max_bytes` a stream (clients such as httpx and curl send the whole body before
-    reading the answer); past that, once the response has ended, the stream is reset with
-    NO_ERROR, as RFC 9113 §8.1 allows after a complete response. An error response also lifts
+    `body_discard.AFTER_END_BYTES` a stream (the policy's second phase: body_discard.py);
+    past that, once the response has ended, the stream is reset with NO_ERROR. An error
+    response also lifts
     h2's content-length check on the rest of the body (a client that stops early ended the
     stream short, and h2 closed the whole connection with PROTOCOL_ERROR)."""
 

@@ -17,10 +17,9 @@ Order, outside in (one class, so each request pays for one wrapper, not five):
    counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it;
    each wait for the next piece of body is bounded by `read_timeout_s` (408).
 
-A response that did not read its whole request body (401, 413, 404, …) reads and drops at
-most DISCARD_MAX_BYTES more of it for at most DISCARD_TIMEOUT_S before its last frame goes
-out; past that, more DATA for the stream is answered with RST_STREAM (_hypercorn_fixes.py),
-so an unauthenticated client cannot hold a stream open by trickling a body.
+An HTTP/2 response that did not read its whole request body (401, 413, 404, …) reads and
+drops some more of it before its last frame goes out (body_discard.py: the policy and its
+bounds, and the phase after the response, in _hypercorn_fixes.py).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuron_trio.config import OPERATOR_TENANT
 from neuron_trio.errors import RequestError
+from neuron_trio.http import body_discard
 from neuron_trio.http.access_log import ACCESS_SCOPE_KEY, AccessInfo, log_access
 from neuron_trio.http.metrics import HttpMetrics
 from neuron_trio.http.openai import error_body
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 
 FINAL_SEND_TIMEOUT_S = 10.0
 CLIENT_CLOSED_STATUS = 499  # nginx's convention: the client left before its response
-DISCARD_MAX_BYTES = 1 << 20
-DISCARD_TIMEOUT_S = 2.0
 ADMIN_ROUTES = ("/v1/models",)  # POST it, DELETE below it
 KEYED_ROOT_ROUTES = ("/tokenize", "/detokenize")  # llama.cpp's and vLLM's, keyed as /v1/* is
 
@@ -303,16 +301,12 @@ class NeuronMiddleware:
             return message
 
         async def discard_rest_of_body() -> None:
-            # hypercorn 0.18 (h2.py, DataReceived) raises KeyError, and takes the whole server
-            # down, if a DATA frame arrives for a stream whose response has already ended. So
-            # an HTTP/2 response that did not read its request body (401, 404, 413, 503, …)
-            # reads and drops the rest of it before its last frame goes out.
-            # Bounded: past DISCARD_MAX_BYTES or DISCARD_TIMEOUT_S the response goes out
-            # anyway and the stream is reset when more DATA comes (_hypercorn_fixes.py).
+            # body_discard.py's first phase: an unread body must not fill hypercorn's queue
+            # for the app, which would block the connection's reader and this stream's close.
             nonlocal body_done
             dropped = 0
-            with trio.move_on_after(DISCARD_TIMEOUT_S):
-                while not body_done and dropped <= DISCARD_MAX_BYTES:
+            with trio.move_on_after(body_discard.BEFORE_END_TIMEOUT_S):
+                while not body_done and dropped <= body_discard.BEFORE_END_BYTES:
                     message = await receive()
                     dropped += len(message.get("body", b""))
                     body_done = message["type"] == "http.disconnect" or not message.get(

@@ -30,6 +30,7 @@ from hypercorn.trio.worker_context import EventWrapper, TrioSingleTask
 from neuron_trio import daemon
 from neuron_trio.config import config_from_mapping
 from neuron_trio.http import _hypercorn_fixes as fixes
+from neuron_trio.http import body_discard
 from neuron_trio.http.connections import ConnectionTable
 from neuron_trio.http.h2_floods import NodeFloodBudget
 
@@ -209,17 +210,19 @@ async def test_fix_1_ends_a_complete_stream_before_its_close_is_handled() -> Non
     assert order == ["close after [('end_stream', 1)]"]
 
 
-@trio_test
-async def test_fix_2_drops_data_for_an_ended_stream_then_resets_it() -> None:
-    proto = _h2_self(config=SimpleNamespace(h2_discard_max_bytes=10))
+def test_fix_2_drops_data_for_an_ended_stream_then_resets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(body_discard, "AFTER_END_BYTES", 10)
+    proto = _h2_self()
     original = Calls()
     handle = _patched(2, "_handle_events", original)
     data = h2.events.DataReceived(stream_id=3)
     data.stream_id, data.data, data.flow_controlled_length = 3, b"x" * 8, 8
-    await handle(proto, [data])  # hypercorn: KeyError on self.streams[3]
+    trio.run(handle, proto, [data])  # hypercorn: KeyError on self.streams[3]
     assert proto.connection.did == [("ack", 8)]
     assert original.calls == [([],)]  # nothing for hypercorn, but its flush
-    await handle(proto, [data])  # 16 bytes > 10: reset
+    trio.run(handle, proto, [data])  # 16 bytes > 10: reset
     assert proto.connection.did[-1] == ("reset", h2.errors.ErrorCodes.NO_ERROR)
 
 
