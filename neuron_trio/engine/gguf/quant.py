@@ -259,34 +259,70 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
     return _DEQUANT[qtype](flat.reshape(-1, type_size)).reshape(shape)
 
 
-FIVE_BIT = frozenset({QType.Q5_0, QType.Q5_1})
+# The formats whose weights are w = scale · q + minimum per group of 32 inputs, with q the
+# file's own 4- or 5-bit codes (Q4_K/Q5_K: per sub-block of 32, scale d · sc and minimum
+# -dmin · m): the native kernel's 4- and 5-bit layers keep them (`affine_codes`).
+FOUR_BIT = frozenset({QType.Q4_0, QType.Q4_1, QType.Q4_K})
+FIVE_BIT = frozenset({QType.Q5_0, QType.Q5_1, QType.Q5_K})
+AFFINE = FOUR_BIT | FIVE_BIT
+
+
+def _block_codes(blocks: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
+    """(q uint8 `[n, block]`, scale, minimum float32 `[n, block / 32]`) of `[n, type_size]`
+    blocks of an AFFINE format: w = scale · q + minimum per 32 codes, as `dequantize`."""
+    n = blocks.shape[0]
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        if qtype == QType.Q4_K:
+            q = _k_low_nibbles(blocks[:, 16:])
+        else:
+            shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
+            q = _k_low_nibbles(blocks[:, 48:]) | (
+                ((blocks[:, 16:48, None].transpose(1, 2) >> shifts) & 1) << 4
+            )
+        return q.reshape(n, QK_K), d * sc, -(dmin * mn)
+    d = _f16(blocks, 0)
+    if qtype == QType.Q4_0:
+        return _nibbles(blocks[:, 2:]), d, d * -8.0
+    if qtype == QType.Q4_1:
+        return _nibbles(blocks[:, 4:]), d, _f16(blocks, 2)
+    if qtype == QType.Q5_0:
+        return _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6]), d, d * -16.0
+    return _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]), d, _f16(blocks, 2)
+
+
+def affine_codes(
+    raw: torch.Tensor, qtype: QType, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An AFFINE tensor's own codes, for a kernel that keeps them (no float round trip):
+    (q uint8 `[out, in]`, 0..15 for FOUR_BIT and 0..31 for FIVE_BIT; scale and minimum
+    float16 `[out, in / 32]`) with w = scale · q + minimum as `dequantize` computes it. Q4_0
+    and Q5_0 (minimum -8 · d, -16 · d) and Q4_1 and Q5_1 come back exactly; a K-quant's
+    scale d · sc and minimum -dmin · m are rounded to float16 (at least d's own precision:
+    sc and m are integers, 1 or more where they are not zero)."""
+    if qtype not in AFFINE:
+        raise ValueError(f"{qtype.name} has no 4- or 5-bit affine codes")
+    out_f, in_f = shape
+    block, type_size = BLOCK_SIZES[qtype]
+    if in_f % block:
+        raise ValueError(f"{qtype.name}: last dimension {in_f} is not a multiple of {block}")
+    q, scale, minimum = _block_codes(raw.reshape(-1, type_size), qtype)
+    groups = in_f // 32
+    return (
+        q.reshape(out_f, in_f),
+        scale.reshape(out_f, groups).half(),
+        minimum.reshape(out_f, groups).half(),
+    )
 
 
 def five_bit_codes(
     raw: torch.Tensor, qtype: QType, shape: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q5_0/Q5_1 tensor's own codes, for a kernel that keeps them (no float round trip):
-    (q uint8 `[out, in]` in 0..31, scale and minimum float16 `[out, in / 32]`) with
-    w = scale · q + minimum exactly as `dequantize` computes it (Q5_0: minimum = -16 · d)."""
+    """`affine_codes` of a FIVE_BIT tensor (q in 0..31)."""
     if qtype not in FIVE_BIT:
         raise ValueError(f"{qtype.name} is not a 5-bit format")
-    out_f, in_f = shape
-    block, type_size = BLOCK_SIZES[qtype]
-    if in_f % block:
-        raise ValueError(f"{qtype.name}: last dimension {in_f} is not a multiple of {block}")
-    blocks = raw.reshape(-1, type_size)
-    d = blocks[:, 0:2].contiguous().view(torch.float16)  # [n, 1]
-    if qtype == QType.Q5_0:
-        minimum, first = d * -16.0, 2
-    else:
-        minimum, first = blocks[:, 2:4].contiguous().view(torch.float16), 4
-    q = _nibbles(blocks[:, first + 4 :]) | _fifth_bits(blocks[:, first : first + 4])
-    groups = in_f // block
-    return (
-        q.reshape(out_f, in_f),
-        d.reshape(out_f, groups).clone(),
-        minimum.reshape(out_f, groups).clone(),
-    )
+    return affine_codes(raw, qtype, shape)
 
 
 def raw_nbytes(qtype: QType, n_elements: int) -> int:

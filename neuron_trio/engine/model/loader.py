@@ -72,20 +72,61 @@ _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # pass the agreement is 192, 181, 190 of 192.
 AUTO_INT4_HEAD = True
 HEAD_REFINE = 256  # candidates per row recomputed exactly
-# Formats of 4 bits or fewer: under "auto" on CPU, int4 groups of 32 (the nearest kernel);
-# Q5_0/Q5_1 keep their 5-bit codes where the native kernel is built (make_linear's
-# `five_bit`); every other format (Q6_K, Q8_0, floats) takes the int8 kernel.
-FOUR_BIT = frozenset(
-    {
-        quant.QType.Q4_0,
-        quant.QType.Q4_1,
-        quant.QType.Q4_K,
-        quant.QType.IQ4_NL,
-        quant.QType.IQ4_XS,
-        quant.QType.Q3_K,
-        quant.QType.Q2_K,
-    }
+# How "auto" on the CPU keeps each format's projections (`packing_kind`; the start-up log
+# names what each format of the file got, `scheme_note`). The native kernel's 4- and 5-bit
+# layers are w = scale · q + minimum per group of 32: Q4_0, Q4_1, Q4_K and Q5_0, Q5_1, Q5_K
+# are that, and keep their own codes ("codes4", "codes5": quant.affine_codes). Every other
+# format (IQ4_NL and IQ4_XS: a non-linear grid; Q2_K, Q3_K, Q6_K: scales per 16 weights;
+# Q8_0; floats) takes the wider int8 layer, one scale per row ("int8"), rather than a
+# coarser requantisation: repacked as 4-bit groups, IQ4 and Q3_K files lost their text on
+# half the parity prompts (bench/bench_fidelity.py). A 4-bit format whose codes cannot be
+# read where the layer is built (a tensor-parallel shard, a part of a fused tensor, no
+# native kernel) is repacked from its floats ("float4": packing.pack_q4, torch's int4).
+FOUR_BIT = quant.FOUR_BIT
+SCHEME_LABELS = {
+    "codes4": "its own 4-bit codes",
+    "codes5": "its own 5-bit codes",
+    "float4": "4-bit groups repacked from its floats",
+    "int8": "int8 rows (wider than the format)",
+}
+
+
+_PROJECTIONS = tuple(
+    f".{p}.weight"
+    for p in (
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_qkv",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_gate_up",
+        "ffn_down",
+    )
 )
+
+
+def packing_kind(gf: GGUFFile, name: str, native: bool, sharded: bool) -> str:
+    """How "auto" on the CPU packs projection `name` (a key of SCHEME_LABELS)."""
+    qtype = gf.tensors[gf.storage_name(name)].qtype
+    codes = native and not sharded and gf.storage_name(name) == name
+    if qtype in quant.AFFINE and codes:
+        return "codes4" if qtype in FOUR_BIT else "codes5"
+    return "float4" if qtype in FOUR_BIT else "int8"
+
+
+def scheme_note(gf: GGUFFile, names: list[str], native: bool, sharded: bool) -> str:
+    """`Q4_0 projections: its own 4-bit codes; …`: what each format of `names` got."""
+    got: dict[str, set[str]] = {}
+    for name in names:
+        qtype = quant.qtype_name(gf.tensors[gf.storage_name(name)].qtype)
+        got.setdefault(qtype, set()).add(packing_kind(gf, name, native, sharded))
+    parts = [
+        f"{qtype}: {', '.join(SCHEME_LABELS[k] for k in sorted(kinds))}"
+        for qtype, kinds in sorted(got.items())
+    ]
+    return "projections " + "; ".join(parts)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
@@ -180,16 +221,14 @@ def _load(
     # the native kernel ("auto" on the CPU): its layers, decode attention (see Block), the head
     kernel = packing.native_kernel() if scheme == "cpu-int" and device.type == "cpu" else None
 
+    projections: list[str] = []  # every projection's logical name, for scheme_note
+
     def kind(name: str) -> str:
-        """How a weight is packed: "five" (its own 5-bit codes), "four" or "other"."""
-        qtype = gf.tensors[gf.storage_name(name)].qtype
-        if kernel is not None and shard is None and qtype in quant.FIVE_BIT:
-            return "five" if gf.storage_name(name) == name else "other"
-        return "four" if qtype in FOUR_BIT else "other"
+        return packing_kind(gf, name, kernel is not None, shard is not None)
 
     def codes(name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         info = gf.tensors[name]  # its shape checked when the file was opened (check_llama_shapes)
-        parts = quant.five_bit_codes(gf.raw(name), quant.QType(info.qtype), shape)
+        parts = quant.affine_codes(gf.raw(name), quant.QType(info.qtype), shape)
         if gf.config.arch in families.PERMUTED_QK and name.endswith(
             (".attn_q.weight", ".attn_k.weight")
         ):
@@ -199,10 +238,10 @@ def _load(
 
     def one_format(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         kinds = {kind(n) for n in names}
-        if kinds != {"five"}:
+        if kinds not in ({"codes4"}, {"codes5"}):
             w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
             with phases.phase("pack"):
-                return make_linear(w, scheme, device, four_bit=kinds == {"four"})
+                return make_linear(w, scheme, device, four_bit=kinds == {"float4"})
 
         def weight() -> torch.Tensor:  # only where the layer needs it (a dense copy): rare
             return torch.cat([gf.weight(n) for n in names], dim=0)
@@ -210,10 +249,11 @@ def _load(
         with phases.phase("pack"):
             per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
             q, scale, minimum = (torch.cat(col, dim=0) for col in zip(*per_tensor, strict=True))
-            return make_linear(weight, scheme, device, four_bit=False, five_bit=(q, scale, minimum))
+            return make_linear(weight, scheme, device, four_bit=False, codes=(q, scale, minimum))
 
     def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
         """One projection over the rows of `names`; one layer per run of a packing kind."""
+        projections.extend(names)
 
         def build() -> torch.nn.Module:
             runs: list[tuple[list[str], list[tuple[int, int]]]] = []
@@ -255,6 +295,8 @@ def _load(
             [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
         )
         layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+    if scheme == "cpu-int":  # the start-up log says how each format of the file is kept
+        phases.note(scheme_note(gf, projections, kernel is not None, shard is not None))
     for layer in model.layers:
         cast(Block, layer).attend_kernel = kernel
     model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
@@ -396,15 +438,17 @@ def make_linear(
     device: torch.device,
     *,
     four_bit: bool,
-    five_bit: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.nn.Module:
     """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`).
 
-    `five_bit`: the weight's own 5-bit codes (quant.five_bit_codes: q, scale, minimum), which
-    the native kernel keeps exactly. Under "cpu-int" the layer also keeps a bfloat16 copy for
+    `codes`: the weight's own 4- or 5-bit codes (quant.affine_codes: q, scale, minimum),
+    which the native kernel keeps as they are (4 bits where q stays below 16, as
+    quant.FOUR_BIT's); where it cannot (no kernel, a shape it does not tile, a scale beyond
+    float16), the weight takes the int8 layer. Under "cpu-int" the layer also keeps a bfloat16 copy for
     prefill chunks: torch's int kernels always, the native kernel's where
     packing.native_dense_copies() says so. `weight` may be a function that makes it: it is
-    called only where the float32 weight is used (with `five_bit` in the native kernel and
+    called only where the float32 weight is used (with `codes` in the native kernel and
     no dense copy: never, which spares a 0.5B model's first start ~1.5 s of dequantising).
     """
     made: torch.Tensor | None = None
@@ -417,7 +461,7 @@ def make_linear(
 
     if scheme != "cpu-int":
         return Linear(full().to(device=device, dtype=_DENSE[scheme]))
-    out_f, in_f = five_bit[0].shape if five_bit is not None else full().shape
+    out_f, in_f = codes[0].shape if codes is not None else full().shape
     kernel = packing.native_kernel() if device.type == "cpu" else None
     fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
 
@@ -427,8 +471,11 @@ def make_linear(
             return None
         return full().to(device=device, dtype=torch.bfloat16)
 
-    if five_bit is not None and kernel is not None and fits:
-        q, scale, minimum = five_bit
+    if codes is not None and kernel is not None and fits and _finite(codes[1], codes[2]):
+        q, scale, minimum = codes
+        if int(q.max()) < 16:  # 4-bit codes (Q4_0, Q4_1, Q4_K)
+            nibbles = packing.pack_q5(q)[0]  # the same nibbles; no fifth bits
+            return Q4Linear(kernel, nibbles, scale, minimum, dense(True))
         nibbles, high = packing.pack_q5(q)
         centred = torch.equal(minimum.float(), scale.float() * -16.0)  # Q5_0: not stored
         stored = None if centred else minimum
@@ -444,6 +491,11 @@ def make_linear(
         return Q8Linear(kernel, *packing.pack_q8(w), dense(True), keep_dtype=True)
     q8, scales = packing.pack_int8(w)
     return Int8Linear(q8, scales, dense(False))
+
+
+def _finite(*halves: torch.Tensor) -> bool:
+    """Whether float16 scales and minimums stayed finite (-8 · d of a huge Q4_0 scale may not)."""
+    return all(bool(torch.isfinite(h).all()) for h in halves)
 
 
 class SingleRunner:

@@ -182,15 +182,17 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [("Q5_0", "Int8Linear"), ("Q5_1", "Int8Linear"), ("IQ4_NL", "Int4Linear"),
-     ("Q2_K", "Int4Linear"), ("Q3_K", "Int4Linear"), ("IQ4_XS", "Int4Linear")],
+    [("Q5_0", "Q4Linear"), ("Q5_1", "Q4Linear"), ("Q5_K", "Q4Linear"), ("IQ4_NL", "Q8Linear"),
+     ("Q2_K", "Q8Linear"), ("Q3_K", "Q8Linear"), ("IQ4_XS", "Q8Linear"), ("Q6_K", "Q8Linear")],
 )  # fmt: skip
 def test_auto_on_cpu_keeps_new_formats_quantised(
     tmp_path: Path, name: str, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`dtype = "auto"` on CPU: 4-bit-or-fewer formats take the int4 kernel, 5-bit ones int8 (the
-    native kernel: 4 and 5 bits); the layer's dense copy (kept for prefill: here asked for)
-    equals the file's float32 dequantisation (to bfloat16)."""
+    """`dtype = "auto"` on CPU (loader.packing_kind): the native kernel keeps Q5_0, Q5_1 and
+    Q5_K as their own 5-bit codes; formats it has no layer for at their width (IQ4's grid,
+    Q2_K and Q3_K's scales per 16 weights, Q6_K) take its wider int8 layer; without the
+    kernel, all of them torch's int8 kernel. The layer's dense copy (kept for prefill: here
+    asked for) equals the file's float32 dequantisation (to bfloat16)."""
     from neuron_trio.engine.model.loader import load_transformer
 
     monkeypatch.setenv("NEURON_DENSE_COPIES", "1")
@@ -208,8 +210,8 @@ def test_auto_on_cpu_keeps_new_formats_quantised(
         pytest.skip("this torch has no CPU int4 kernel")
     model = load_transformer(path, dtype="auto", device="cpu")
     layer = model.layers[0].w_down
-    if packing.native_kernel() is not None:
-        kind = "Q4Linear"  # the native kernel's 4-bit, or 5-bit (Q5_x: its own codes), layer
+    if packing.native_kernel() is None:
+        kind = "Int8Linear"
     assert type(layer).__name__ == kind
     with GGUFFile(path) as gf:
         want = gf.weight("blk.0.ffn_down.weight")
