@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from neuron_trio.gpu.nvml import GpuProbe, NvmlProbe
 from neuron_trio.gpu.smi import run_nvidia_smi
 from neuron_trio.service.timefmt import utc_iso
 
@@ -138,26 +139,11 @@ def thread_stacks() -> list[ThreadStack]:
     return stacks
 
 
-def query_nvml() -> dict[str, Any]:
-    """Live per-GPU memory through NVML (pynvml); raises if NVML cannot be used."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(
-                {
-                    "index": index,
-                    "memory_used_bytes": int(memory.used),
-                    "memory_total_bytes": int(memory.total),
-                }
-            )
-        return {"gpus": gpus}
-    finally:
-        pynvml.nvmlShutdown()
+def read_gpus(probe: GpuProbe | None, timeout_s: float) -> dict[str, Any]:
+    """The GPUs as gpu/nvml.py reads them (the one NVML reader: bounded on its own thread,
+    never raises): per-GPU memory, utilisation and temperature, or why they could not be
+    read (`reason`, and `error` for a failed or timed-out read)."""
+    return (probe or NvmlProbe()).read_sync(timeout_s).to_dict()
 
 
 def _comm_part(comm: _Comm) -> dict[str, Any]:
@@ -182,11 +168,12 @@ def gather_forensics(
     reason: str = "",
     extra: dict[str, Any] | None = None,
     now: float | None = None,
+    gpu_probe: GpuProbe | None = None,
 ) -> ForensicsReport:
     """Build the report. `since` and `now` are wall-clock (time.time()) seconds.
 
-    Bounded: nvidia-smi by `nvidia_smi_timeout_s` (plus a second to reap it), NVML and each
-    communicator by `part_timeout_s`. The thread stacks are read last, so that the report's
+    Bounded: nvidia-smi by `nvidia_smi_timeout_s` (plus a second to reap it), NVML (through
+    `gpu_probe`, a fresh NvmlProbe if None) and each communicator by `part_timeout_s`. The thread stacks are read last, so that the report's
     own helper threads (still hung, if one timed out) show too.
     """
     now = time.time() if now is None else now
@@ -196,7 +183,7 @@ def gather_forensics(
     nvidia_smi = _part(
         lambda: run_nvidia_smi(nvidia_smi_timeout_s), nvidia_smi_timeout_s + 2.0, "nvidia-smi"
     )
-    nvml = _part(query_nvml, part_timeout_s, "nvml")
+    nvml = read_gpus(gpu_probe, part_timeout_s)
     nccl = [
         _part(lambda c=comm: _comm_part(c), part_timeout_s, f"comm-{i}")  # type: ignore[misc]
         for i, comm in enumerate(comms)

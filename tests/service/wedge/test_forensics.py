@@ -151,3 +151,35 @@ def test_write_report_atomically(tmp_path: Path) -> None:
     assert first.name == "20270115T080000.000000Z.json"
     assert sorted(p.name for p in (tmp_path / "forensics").iterdir()) == [first.name, second.name]
     assert json.loads(second.read_text()) == {"n": 2}
+
+
+def test_the_gpus_are_read_through_gpu_nvml_and_a_hung_driver_is_bounded(
+    no_nvidia_smi: None,
+) -> None:
+    from neuron_trio.gpu.nvml import NvmlProbe
+    from tests.gpu.fake_nvml import FakeNvml
+
+    nvml = FakeNvml(count=2)
+    report = to_builtins(
+        forensics.gather_forensics(
+            what="w", since=None, deadline_s=None, gpu_probe=NvmlProbe(module=nvml)
+        )
+    )
+    assert report["nvml"]["available"] is True
+    assert [g["index"] for g in report["nvml"]["gpus"]] == [0, 1]
+    assert {"memory_used_bytes", "memory_total_bytes", "uuid"} <= set(report["nvml"]["gpus"][0])
+    hung = FakeNvml(count=2)
+    hung.hang = threading.Event()
+    started = time.monotonic()
+    report = to_builtins(
+        forensics.gather_forensics(
+            what="w",
+            since=None,
+            deadline_s=None,
+            part_timeout_s=0.2,
+            gpu_probe=NvmlProbe(module=hung),
+        )
+    )
+    hung.hang.set()
+    assert report["nvml"]["error"] == "timed out after 0.2s"
+    assert time.monotonic() - started < 5.0
