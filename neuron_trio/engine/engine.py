@@ -24,6 +24,7 @@ logits; every event carries the first one's id and the choice's `index`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -64,6 +65,11 @@ from neuron_trio.engine.text.grammar import (
     detect_tool_format,
     fill_masks,
 )
+from neuron_trio.engine.text.reasoning import (
+    ReasoningSplitter,
+    prompt_opens_thinking,
+    thinks_in_tags,
+)
 from neuron_trio.engine.text.textgen import TextPipeline
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.text.tool_call_parser import ToolCallParser
@@ -94,6 +100,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         chat_template: Any = None,
         prefix_cache: bool = True,
+        tool_call_format: str = "auto",
     ):
         if context > runner.context:
             raise ValueError(f"context {context} exceeds the runner's {runner.context}")
@@ -113,6 +120,7 @@ class Engine:
         self._end_of_turn_ids = frozenset(end_of_turn_ids(tokenizer)) | self._eos_ids
         self._grammar: GrammarCompiler | None = None  # built on first use (0.1 s)
         self._tool_format: ToolCallFormat | None = None
+        self._tool_style = tool_call_format  # "auto": read from the chat template
         self._groups: dict[int, list[Sequence]] = {}  # requests of n > 1 choices, by id
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks beside the forward
         self._ids = itertools.count(1)
@@ -166,16 +174,22 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: Seq[ToolFunction] = ()) -> str:
-        """The chat template applied to `messages` (and `tools`), ending with the assistant's
-        turn opening (`prompt.render_messages`)."""
-        return render_messages(self.chat_template, messages, tools)
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Seq[ToolFunction] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat template applied to `messages` (and `tools`, and the request's
+        `template_kwargs`), ending with the assistant's turn opening
+        (`prompt.render_messages`)."""
+        return render_messages(self.chat_template, messages, tools, template_kwargs)
 
     @property
     def tool_format(self) -> ToolCallFormat:
         if self._tool_format is None:
             source = self.chat_template.source
-            self._tool_format = detect_tool_format(self.tokenizer, source)
+            self._tool_format = detect_tool_format(self.tokenizer, source, self._tool_style)
         return self._tool_format
 
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
@@ -272,6 +286,11 @@ class Engine:
             )
             if params.constraint is None:  # auto: constrain a call once it begins
                 seq.tool_calls.watcher = CallStartWatcher(self.tool_format, self.tokenizer)
+        # A constrained answer is what its grammar says from the first token: no thinking.
+        if chat and params.constraint is None and thinks_in_tags(self.chat_template.source):
+            # enough tokens to spell `<think>\n` even one byte a token
+            tail = self.tokenizer.decode(prompt[-12:], skip_special_tokens=False)
+            seq.reasoning = ReasoningSplitter(inside=prompt_opens_thinking(tail))
         return seq
 
     def cancel(self, seq_id: int) -> None:

@@ -5,7 +5,8 @@ it with "stop" and flushes the held-back text; a stop string completed by the te
 with "stop"; a constrained sequence whose grammar is complete ends with "stop", and one whose
 grammar engine gave up ends with "error" (never going on unconstrained); `max_tokens` ends it
 with "length" (or "stop" when the flushed tail completes a stop string). Tool calls are
-parsed out of the text last: a "stop" with calls becomes "tool_calls".
+parsed out of the text last, after a thinking model's thinking is set apart from its answer:
+a "stop" with calls becomes "tool_calls".
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def apply_finish_rules(
             event.text += seq.text.finish()
             # the held-back tail may still complete a stop string as the text is flushed
             event.finish_reason = "stop" if seq.text.stopped else "length"
+    final = event.finish_reason is not None
+    # the thinking is apart from the answer; an auto call is watched for in the answer only
+    answering = seq.reasoning is None or seq.reasoning.answering
+    if seq.reasoning is not None:
+        event.reasoning, event.text = seq.reasoning.push(event.text, final=final)
     if seq.tool_calls is not None:
-        final = event.finish_reason is not None
         watcher = seq.tool_calls.watcher
         if (
             watcher is not None
             and begin_call is not None
+            and answering
             and not final
             and (start := watcher.push(token)) is not None
         ):

@@ -12,7 +12,7 @@ none), text encoded, and the rules a request must pass before any work (`check_r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,7 +29,10 @@ class PromptEngine(Protocol):
     """What prompt preparation needs of an engine (`engine.Engine` has it)."""
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: Sequence[ToolFunction] = ()
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[ToolFunction] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str: ...
     def compile_constraint(self, constraint: Constraint) -> object: ...
     def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
@@ -50,6 +53,7 @@ def prepare_prompt(
     messages: list[dict[str, Any]] | None = None,
     ids: Sequence[int] | None = None,
     compile_constraint: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> PreparedPrompt:
     """The token ids of one request's prompt, given as exactly one of `ids` (used as they
     are), `messages` (a chat, rendered with the model's template and `params.tools`) or
@@ -59,6 +63,7 @@ def prepare_prompt(
     `ids`, which `add` compiles, and unless `compile_constraint` is False (the model actor
     compiles on a thread of its own first, `service/grammar_compiles.py`). Raises RequestError (ContextLengthError) if the request
     cannot run: a template that refuses the messages, an invalid schema, a prompt too long.
+    `template_kwargs`: more names for the chat template (`chat_template_kwargs`).
     """
     if ids is not None:
         prepared = PreparedPrompt(list(ids), chat=False)
@@ -66,7 +71,10 @@ def prepare_prompt(
         if params.constraint is not None and compile_constraint:
             engine.compile_constraint(params.constraint)  # cached for `add`
         if messages is not None:
-            rendered = engine.render_chat(messages, params.tools)
+            if template_kwargs:
+                rendered = engine.render_chat(messages, params.tools, template_kwargs)
+            else:
+                rendered = engine.render_chat(messages, params.tools)
             prepared = PreparedPrompt(engine.encode_prompt(rendered, chat=True), chat=True)
         else:
             prepared = PreparedPrompt(engine.encode_prompt(text or "", chat=False), chat=False)
@@ -86,7 +94,10 @@ def chat_template_for(tokenizer: Tokenizer, source: str | None) -> ChatTemplate:
 
 
 def render_messages(
-    template: ChatTemplate, messages: list[dict[str, Any]], tools: Sequence[ToolFunction] = ()
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    tools: Sequence[ToolFunction] = (),
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The chat template applied to `messages` (and `tools`), ending with the assistant's
     turn opening. A template that knows no tools gets them, and the history's calls and
@@ -101,7 +112,7 @@ def render_messages(
         tools = ()
     extra: dict[str, Any] = {"tools": template_tools(tools)} if tools else {}
     # a ChatPrompt (a str), which says where the messages' control-token strings are
-    return template.render(messages, add_generation_prompt=True, **extra)
+    return template.render(messages, add_generation_prompt=True, variables=template_kwargs, **extra)
 
 
 def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:

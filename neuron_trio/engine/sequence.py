@@ -43,6 +43,7 @@ class Sequence:
     sampling: Any = None
     text: Any = None
     tool_calls: Any = None  # a ToolCallParser when the request has tools
+    reasoning: Any = None  # a ReasoningSplitter when the model thinks in <think> tags
     # n choices: every choice reports as the request's first sequence (`group_id`) with its
     # `index`; that sequence prefills the prompt and then `forks` share its K/V blocks.
     group_id: int = 0

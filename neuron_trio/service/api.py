@@ -98,6 +98,9 @@ class GenerationJob:
     cache_salt: bytes | None = None
     # The tenant's name (http/tenancy.py), None without keys: fair service and its limits.
     tenant: str | None = None
+    # More names for the chat template (`chat_template_kwargs`, `reasoning_effort`), bounded
+    # by the HTTP layer: a few scalars.
+    template_kwargs: tuple[tuple[str, str | int | float | bool | None], ...] = ()
 
 
 def with_default_max_tokens(

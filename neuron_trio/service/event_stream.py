@@ -33,6 +33,7 @@ def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
         error=b.error or a.error,
         index=b.index,
         tool_calls=tool_calls,
+        reasoning=a.reasoning + b.reasoning,
         more_choices=b.more_choices,
     )
 

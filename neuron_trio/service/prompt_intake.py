@@ -54,6 +54,7 @@ async def prepare_job_prompt(
             messages=None if job.messages is None else [template_message(m) for m in job.messages],
             ids=job.prompt_ids,
             compile_constraint=False,  # done first, on the compile thread (below)
+            template_kwargs=dict(job.template_kwargs),
         )
 
     if job.params.constraint is not None:

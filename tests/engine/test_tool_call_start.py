@@ -11,16 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
-import torch
 
-from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.text.tool_call_start import CallStartWatcher, rest_of_call_lark
-from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent, ToolFunction
+from neuron_trio.engine.types import Constraint, SamplingParams, ToolFunction
 from tests.engine import tiny_families
+from tests.engine.scripted_model import engine_for as _engine
+from tests.engine.scripted_model import generate as _generate
+from tests.engine.scripted_model import script as _script
 from tests.engine.tiny_families import write_tiny_family
 
 WEATHER = ToolFunction(
@@ -51,57 +52,6 @@ LLAMA3_TOOLS_TEMPLATE = tiny_families.LLAMA3_TEMPLATE.replace(
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("families")
-
-
-def _engine(path: Path, template: str | None = None) -> Engine:
-    engine = Engine.from_gguf(
-        path, dtype="float32", device=torch.device("cpu"), max_batch=2, context=256
-    )
-    if template is not None:
-        from neuron_trio.engine.text.chat import ChatTemplate
-
-        engine.chat_template = ChatTemplate(template)
-    return engine
-
-
-def _script(engine: Engine, text: str) -> list[int]:
-    """Make the model propose `text`, token by token, then the end of the turn. Each step's
-    logits favour the next scripted token; when the grammar refuses it, the model prefers to
-    end (the end of the turn, then `]`, `}`, `"`), else takes the first allowed token."""
-    tok = engine.tokenizer
-    ids = tok.encode(text, add_special_tokens=False)
-    eos = tok.eos_id
-    assert eos is not None
-    prefer = {eos: 10.0}
-    for char, value in (("]", 5.0), ("}", 4.0), ('"', 3.0)):
-        prefer[tok.token_bytes.index(char.encode())] = value
-    steps = {"n": 0}
-    original = engine.runner.forward
-
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = original(*args, **kwargs)
-        logits = torch.zeros_like(out)
-        for token, value in prefer.items():
-            logits[:, token] = value
-        i = steps["n"]
-        logits[:, ids[i] if i < len(ids) else eos] = 50.0
-        steps["n"] += 1
-        return logits
-
-    engine.runner.forward = forward  # type: ignore[method-assign]
-    return ids
-
-
-def _generate(engine: Engine, params: SamplingParams) -> list[SequenceEvent]:
-    # the tools are not rendered: their listing would not fit the tiny context
-    prompt = engine.encode_prompt(
-        engine.render_chat([{"role": "user", "content": "hello"}]), chat=True
-    )
-    seq_id = engine.add(prompt, params, chat=True)
-    events: list[SequenceEvent] = []
-    while engine.has_work:
-        events += [e for e in engine.step() if e.seq_id == seq_id]
-    return events
 
 
 AUTO = SamplingParams(temperature=0.0, max_tokens=120, tools=(WEATHER,))

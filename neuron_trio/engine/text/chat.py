@@ -136,12 +136,15 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
         time_limit_s: float = RENDER_TIME_LIMIT_S,
     ) -> ChatPrompt:
         """The prompt for `messages`; with `add_generation_prompt`, it ends by opening the
         assistant's turn. Role "developer" is passed to the template as "system" (OpenAI's
         newer name for it). RequestError (param "messages") if the template cannot render them:
-        none, or the template itself refuses (`raise_exception`), or fails. TemplateLimitError
+        none, or the template itself refuses (`raise_exception`), or fails. `variables`: more
+        names for the template (a request's `chat_template_kwargs`, e.g. `enable_thinking`),
+        never the ones set here. TemplateLimitError
         (500) if it runs past `time_limit_s` or past a size bound (`template_sandbox`).
 
         Blocking, for up to `time_limit_s`: call it on a worker thread."""
@@ -155,7 +158,9 @@ class ChatTemplate:
         if guard is not None:
             plain = guard.protect(plain)
             tools = guard.protect(tools)
+            variables = guard.protect(variables)
         context: dict[str, Any] = {
+            **(variables or {}),
             "tools": tools or None,  # as transformers passes them: `tools is none` holds
             "documents": None,
             "bos_token": self.bos_token,

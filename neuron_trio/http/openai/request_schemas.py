@@ -65,9 +65,16 @@ class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # given to the template
+    # an assistant's earlier thinking, as a thinking model's answer carried it: accepted and
+    # not shown to the template (which drops past thinking: Qwen3's, DeepSeek-R1's)
+    reasoning_content: str | None = None
 
 
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+# Names for the chat template (`enable_thinking`, …): a few scalars, as identifiers.
+TemplateName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateValue = Annotated[str, msgspec.Meta(max_length=256)] | int | float | bool | None
+TemplateKwargs = Annotated[dict[TemplateName, TemplateValue], msgspec.Meta(max_length=16)]
 
 
 class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
@@ -142,8 +149,11 @@ class ChatCompletionRequest(CommonFields, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # Accepted and ignored: no model neuron serves reasons or has a verbosity control.
+    # Given to the chat template (a template that reads it: gpt-oss's, some thinking models');
+    # others ignore it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None  # vLLM's and llama.cpp's field
+    # Accepted and ignored: no model neuron serves has a verbosity control.
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: Annotated[list[str], msgspec.Meta(max_length=4)] | None = None  # ["text"] only
     # The deprecated forms of tools: accepted only as null (clients send `functions: null`).

@@ -7,10 +7,12 @@ other validation error names its field too (`param` in the error body).
 Accepted and ignored on purpose, because they never change the answer (README, "Request
 fields"): `user`, `safety_identifier`, `prompt_cache_key` (caller ids and a cache-routing hint
 for OpenAI's own servers; neuron's prefix cache finds shared prefixes by itself), `store`
-(neuron keeps no completions), `metadata` (bounded as OpenAI bounds it), `service_tier`,
-`reasoning_effort` and `verbosity` (no built-in model reasons or has a verbosity control),
+(neuron keeps no completions), `metadata` (bounded as OpenAI bounds it), `service_tier`, a
+message's `reasoning_content` (templates drop past thinking),
+`verbosity` (no model neuron serves has a verbosity control),
 `modalities: ["text"]`, `functions: null`/`function_call: null`. Honoured: `logit_bias`, and a
-message's `name` (given to the chat template). `stream_options` needs `stream: true` (a 400
+message's `name` (given to the chat template), `chat_template_kwargs` and
+`reasoning_effort` (given to the chat template, `template_kwargs`). `stream_options` needs `stream: true` (a 400
 otherwise, as vLLM). `null` for an optional field means "the default".
 
 Defaults are OpenAI's: temperature 1, top_p 1, no penalties; `max_tokens` 16 for
@@ -302,9 +304,48 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
     params = replace(params, constraint=constraint, tools=tools, parallel_tool_calls=parallel)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
     job = GenerationJob(
-        model=req.model, params=params, messages=messages, cache_salt=_salt(req.cache_salt)
+        model=req.model,
+        params=params,
+        messages=messages,
+        cache_salt=_salt(req.cache_salt),
+        template_kwargs=template_kwargs(req.chat_template_kwargs, req.reasoning_effort),
     )
     return ParsedRequest("chat", job, bool(req.stream), _include_usage(req))
+
+
+# Names a chat template gets from neuron itself: a request's `chat_template_kwargs` may not
+# set them (the messages, the tools, the special tokens' texts, the template's helpers).
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+        "tojson",
+    }
+)
+
+
+def template_kwargs(
+    given: dict[str, Any] | None, reasoning_effort: str | None
+) -> tuple[tuple[str, Any], ...]:
+    """The names a chat request gives its template (`chat_template_kwargs`, and
+    `reasoning_effort` unless they set it); RequestError naming a name neuron sets."""
+    names = dict(given or {})
+    taken = sorted(RESERVED_TEMPLATE_NAMES & names.keys())
+    if taken:
+        raise RequestError(
+            f"chat_template_kwargs: {taken[0]!r} is set by the server, not the request",
+            param="chat_template_kwargs",
+            code="invalid_value",
+        )
+    if reasoning_effort is not None:
+        names.setdefault("reasoning_effort", reasoning_effort)
+    return tuple(sorted(names.items()))
 
 
 def decode_completion_request(body: bytes) -> CompletionRequest:
