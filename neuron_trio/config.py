@@ -181,6 +181,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A chat request without max_tokens may generate this many tokens (cut to what the context
     # leaves after the prompt); 0: to the end of the context, as OpenAI does.
     default_max_tokens: Annotated[int, msgspec.Meta(ge=0, le=1_048_576)] = 0
+    # How the model writes tool calls (engine/text/tool_call_format.py); "auto": read from its
+    # chat template (Hermes/Qwen unless the template writes Llama 3.x's or Mistral's syntax).
+    tool_call_format: Literal["auto", "hermes", "llama3", "mistral", "mistral_args"] = "auto"
+    # This model's own watchdog deadlines, over `[watchdog]`'s (e.g. a long prefill on a CPU:
+    # `watchdog = {step_timeout_s = 120}`); None: the node's.
+    watchdog: WatchdogOverride | None = None
 
 
 class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

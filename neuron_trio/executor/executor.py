@@ -319,6 +319,7 @@ def build_executor(
             context=sizing.context,
             prefill_chunk=PREFILL_CHUNK,
             prefix_cache=spec.prefix_cache,
+            tool_call_format=spec.tool_call_format,
         )
     return Executor(
         name=spec.name,
