@@ -224,7 +224,7 @@ drain_timeout_s = 20
 state_dir = "{state_dir}"
 model_dirs = ["{model_dir}"]
 
-[tp]
+[watchdog]
 step_timeout_s = {STEP_TIMEOUT_S}
 abort_deadline_s = {ABORT_DEADLINE_S}
 probe_interval_s = 3600

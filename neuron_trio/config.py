@@ -6,6 +6,7 @@ Every error names the file and the key (or the line, for invalid TOML) and maps 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import tomllib
@@ -17,6 +18,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from neuron_trio.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_PATH = Path("/etc/neuron/neuron.toml")
 BUILTIN_MODEL_NAME = "smollm2-135m"
@@ -110,10 +113,29 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_cache_min_mb: NonNegativeInt = 0
 
 
-class TpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class WatchdogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`[watchdog]`: the deadlines every model's steps run under (service/wedge/watchdog.py).
+    The one place their defaults are written; the docs name the keys. A model's own
+    `watchdog = {...}` overrides any of them for that model (`watchdog_for`). `[tp]`, their
+    old section, is still read as an alias (a deprecation is logged once)."""
+
+    # A step (or probe) running longer is a wedge: 503 for its requests, the model recovers.
     step_timeout_s: PositiveFloat = 30.0
+    # How long a wedged step's abort may take before the deadman writes forensics, exits 70.
     abort_deadline_s: PositiveFloat = 60.0
+    # An idle model runs one tiny step this often, so a wedge shows before a request hits it.
     probe_interval_s: PositiveFloat = 30.0
+
+
+TpConfig = WatchdogConfig  # the old name, for code written against [tp]
+
+
+class WatchdogOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A model's `watchdog = {...}`: the `[watchdog]` keys it sets for itself."""
+
+    step_timeout_s: PositiveFloat | None = None
+    abort_deadline_s: PositiveFloat | None = None
+    probe_interval_s: PositiveFloat | None = None
 
 
 class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -192,7 +214,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
-    tp: TpConfig = msgspec.field(default_factory=TpConfig)
+    watchdog: WatchdogConfig = msgspec.field(default_factory=WatchdogConfig)
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
     tenants: list[TenantConfig] = msgspec.field(default_factory=list)
     default_models: list[ModelConfig] = msgspec.field(
@@ -218,9 +240,55 @@ class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "server": ServerConfig,
     "node": NodeConfig,
-    "tp": TpConfig,
+    "watchdog": WatchdogConfig,
+    "tp": WatchdogConfig,  # the old name of [watchdog]: _fold_tp_alias
     "kv_events": KvEventsConfig,
 }
+
+
+def watchdog_for(config: NeuronConfig, spec: ModelConfig) -> WatchdogConfig:
+    """The deadlines `spec`'s steps run under: its own `watchdog` keys over `[watchdog]`."""
+    if spec.watchdog is None:
+        return config.watchdog
+    own = {k: v for k, v in msgspec.structs.asdict(spec.watchdog).items() if v is not None}
+    return msgspec.structs.replace(config.watchdog, **own)
+
+
+_tp_alias_warned = False
+
+
+def _fold_tp_alias(data: dict[str, Any], origin: str, from_env: dict[str, str]) -> dict[str, str]:
+    """`[tp]` (and NEURON_TP_*) read as `[watchdog]`, logging the deprecation once per
+    process; a key set in both is an error. Returns {"watchdog.key": "tp.key"} for the keys
+    moved, so that an error names what the operator wrote."""
+    global _tp_alias_warned
+    tp = data.pop("tp", None)
+    if tp is None:
+        return {}
+    if not isinstance(tp, dict):
+        raise ConfigError(f"{origin}: key tp: [tp] is not a table")
+    watchdog = data.setdefault("watchdog", {})
+    if not isinstance(watchdog, dict):
+        raise ConfigError(f"{origin}: key watchdog: [watchdog] is not a table")
+    moved: dict[str, str] = {}
+    for key, value in tp.items():
+        # NEURON_TP_X overrides the file's watchdog.X, as any variable overrides the file.
+        from_file = f"tp.{key}" not in from_env or f"watchdog.{key}" in from_env
+        if key in watchdog and from_file:
+            raise ConfigError(
+                f"{origin}: key tp.{key}: also set as watchdog.{key}; [tp] is the old name "
+                "of [watchdog]: set it there only"
+            )
+        watchdog[key] = value
+        moved[f"watchdog.{key}"] = f"tp.{key}"
+    if not _tp_alias_warned:
+        _tp_alias_warned = True
+        log.warning(
+            "%s: [tp] (and NEURON_TP_*) is the old name of [watchdog] (NEURON_WATCHDOG_*): "
+            "read as [watchdog]; rename it",
+            origin,
+        )
+    return moved
 
 
 def parse_listen(address: str) -> tuple[str, int]:
@@ -283,10 +351,13 @@ def _decode(data: dict[str, Any], origin: str, from_env: dict[str, str]) -> Neur
     data = dict(data)
     if "source_path" in data:  # not a TOML key, whatever the Struct says
         raise ConfigError(f"{origin}: key source_path: unknown key")
+    renamed = _fold_tp_alias(data, origin, from_env)
     try:
         return msgspec.convert(data, NeuronConfig, strict=True)
     except msgspec.ValidationError as exc:
         key, detail = _msgspec_path(str(exc))
+        if key in renamed:
+            key = renamed[key]
         if key in from_env:
             key = f"{key} (from {from_env[key]})"
         raise ConfigError(f"{origin}: key {key or '<root>'}: {detail}") from None

@@ -167,4 +167,4 @@ class FailpointError(NeuronError):
 
 
 class StepTimeoutError(NeuronError):
-    """Raised if an engine step ran past `tp.step_timeout_s`: the model is wedged."""
+    """Raised if an engine step ran past `watchdog.step_timeout_s`: the model is wedged."""

@@ -202,7 +202,7 @@ def builtin_daemon(
         "node": {"state_dir": tmp / "state"},
     }
     if tp:
-        sections["tp"] = tp
+        sections["watchdog"] = tp  # its deadlines
     model = {
         "name": BUILTIN_MODEL,
         "source": "builtin:smollm2-135m",

@@ -152,8 +152,8 @@ def test_serve_passes_config_and_listen(monkeypatch: pytest.MonkeyPatch, tmp_pat
     open_path.write_text("[server]\nallow_unauthenticated = true\n")
     args = ["serve", "--config", str(open_path), "--listen", "[::1]:1", "--listen", "0.0.0.0:2"]
     assert cli.main(args) == 0
-    assert seen[0].tp.step_timeout_s == 3 and seen[0].source_path == str(path)
-    assert seen[1].server.listen == ["127.0.0.1:9"] and seen[1].tp.step_timeout_s == 3
+    assert seen[0].watchdog.step_timeout_s == 3 and seen[0].source_path == str(path)
+    assert seen[1].server.listen == ["127.0.0.1:9"] and seen[1].watchdog.step_timeout_s == 3
     assert seen[2].server.listen == ["[::1]:1", "0.0.0.0:2"]
 
 

@@ -60,7 +60,7 @@ def test_full_file(tmp_path: Path) -> None:
         """,
     )
     config = load_config(path, environ={})
-    assert config.server.drain_timeout_s == 5.0 and config.tp.step_timeout_s == 2.5
+    assert config.server.drain_timeout_s == 5.0 and config.watchdog.step_timeout_s == 2.5
     assert config.node.model_dirs == ["/srv/neuron/models"]
     assert config.default_models[0].devices == [0, 1]
     assert config.source_path == str(path)
@@ -140,7 +140,7 @@ def test_env_overrides(tmp_path: Path) -> None:
             "NEURON_LOG_LEVEL": "debug",
         },
     )
-    assert config.tp.abort_deadline_s == 7.0
+    assert config.watchdog.abort_deadline_s == 7.0
     assert config.server.listen == ["0.0.0.0:1", "127.0.0.1:2"]
     assert config.node.state_dir == "123"
     assert config.node.model_dirs == ["/a", "/b"]

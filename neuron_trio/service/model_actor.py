@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import trio
 
-from neuron_trio.config import ModelConfig, TpConfig
+from neuron_trio.config import ModelConfig, WatchdogConfig
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
@@ -110,9 +110,10 @@ class ModelActor:
         self.load_timeout_s = load_timeout_s  # the build on its worker thread (not warm-up)
         self.name = spec.name
         self.max_queue = max_queue
-        # One idle-probe interval (tp.probe_interval_s): the watchdog's, which /v1/node shows.
+        # One idle-probe interval (watchdog.probe_interval_s): the watchdog's, which /v1/node
+        # shows.
         self.probe_interval_s = (
-            watchdog.probe_interval_s if watchdog is not None else TpConfig().probe_interval_s
+            watchdog.probe_interval_s if watchdog is not None else WatchdogConfig().probe_interval_s
         )
         self.source_path = source_path
         self.memory = memory

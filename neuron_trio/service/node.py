@@ -34,7 +34,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from neuron_trio import failpoints as fp
-from neuron_trio.config import ModelConfig, NeuronConfig
+from neuron_trio.config import ModelConfig, NeuronConfig, watchdog_for
 from neuron_trio.errors import (
     ConfigError,
     ModelExistsError,
@@ -391,7 +391,10 @@ class Node:
         metrics = WatchdogMetrics.for_registry(self._registry)
         metrics.zero(spec.name)
         return Watchdog(
-            model_name=spec.name, tp=self.config.tp, deadman=self.deadman, metrics=metrics
+            model_name=spec.name,
+            deadlines=watchdog_for(self.config, spec),
+            deadman=self.deadman,
+            metrics=metrics,
         )
 
     def node_statistics(self) -> NodeStatistics:

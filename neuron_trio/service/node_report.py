@@ -74,7 +74,7 @@ def node_document(
 ) -> NodeInfo:
     """The `/v1/node` document of `node`, its `actors` and their rates."""
     health, config, deadman, failpoints = node.health(), node.config, node.deadman, node.failpoints
-    tp = config.tp
+    deadlines = config.watchdog  # the node's; each model's own are in `models`
     return NodeInfo(
         hostname=node.hostname,
         boot_id=health.boot_id,
@@ -88,9 +88,9 @@ def node_document(
         models=[actor.info() for actor in actors.values()],
         generated_tokens_per_s_1m={name: token_rates.rate(name) for name in actors},
         watchdog=NodeWatchdog(
-            step_timeout_s=tp.step_timeout_s,
-            abort_deadline_s=tp.abort_deadline_s,
-            probe_interval_s=tp.probe_interval_s,
+            step_timeout_s=deadlines.step_timeout_s,
+            abort_deadline_s=deadlines.abort_deadline_s,
+            probe_interval_s=deadlines.probe_interval_s,
             deadman_firing=deadman.firing,
             deadman_reason=deadman.reason,
             models={

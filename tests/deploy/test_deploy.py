@@ -207,9 +207,15 @@ def test_example_config_loads(tmp_path: Path) -> None:
 
 def test_example_config_shows_every_key() -> None:
     text = (DEPLOY / "neuron.toml").read_text()
-    from neuron_trio.config import ModelConfig, NodeConfig, ServerConfig, TenantConfig, TpConfig
+    from neuron_trio.config import (
+        ModelConfig,
+        NodeConfig,
+        ServerConfig,
+        TenantConfig,
+        WatchdogConfig,
+    )
 
-    for struct in (ServerConfig, NodeConfig, TpConfig, ModelConfig, TenantConfig):
+    for struct in (ServerConfig, NodeConfig, WatchdogConfig, ModelConfig, TenantConfig):
         for key in struct.__struct_fields__:
             assert f"\n{key} =" in text or f"\n# {key} =" in text, key
 

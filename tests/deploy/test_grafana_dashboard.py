@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from neuron_trio.config import ModelConfig, TpConfig
+from neuron_trio.config import ModelConfig, WatchdogConfig
 from neuron_trio.gpu.metrics import GpuCollector
 from neuron_trio.gpu.nvml import GpuReading, GpuSnapshot
 from neuron_trio.http import create_app
@@ -79,7 +79,7 @@ def app_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
             metrics.zero(spec.name)
             return Watchdog(
                 model_name=spec.name,
-                tp=TpConfig(step_timeout_s=30, abort_deadline_s=60),
+                deadlines=WatchdogConfig(step_timeout_s=30, abort_deadline_s=60),
                 deadman=FakeDeadman(),  # type: ignore[arg-type]
                 run_thread=w.threads,
                 metrics=metrics,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.router_drill import HAPROXY_CFG, drill_haproxy_config
+from neuron_trio.config import WatchdogConfig
 
 
 def _haproxy() -> str:
@@ -69,6 +70,7 @@ def test_the_settings_the_readme_argues_for() -> None:
     assert re.search(r"^\s*http-check expect status 200$", text, re.M)
     assert "on-marked-down shutdown-sessions" not in re.sub(r"#.*", "", text)
     # a request caught by a wedge must get neuron's 503 (retried), not HAProxy's 504:
-    # timeout server above tp.step_timeout_s's default (30 s)
+    # timeout server above watchdog.step_timeout_s's default (config.py: the one place)
     server_timeout = re.search(r"^\s*timeout server (\d+)s$", text, re.M)
-    assert server_timeout is not None and int(server_timeout.group(1)) > 30
+    default = WatchdogConfig().step_timeout_s
+    assert server_timeout is not None and int(server_timeout.group(1)) > default

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
-from neuron_trio.config import ModelConfig, TpConfig
+from neuron_trio.config import ModelConfig, WatchdogConfig
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
 from neuron_trio.errors import (
     ContextLengthError,
@@ -110,7 +110,7 @@ def run_actor(
             registry = CollectorRegistry()
             watchdog = Watchdog(
                 model_name="m",
-                tp=TpConfig(
+                deadlines=WatchdogConfig(
                     step_timeout_s=STEP_TIMEOUT,
                     abort_deadline_s=ABORT_DEADLINE,
                     probe_interval_s=PROBE_INTERVAL,

@@ -20,7 +20,7 @@ import trio
 import trio.testing
 from prometheus_client import generate_latest
 
-from neuron_trio.config import ModelConfig, NeuronConfig, TpConfig, config_from_mapping
+from neuron_trio.config import ModelConfig, NeuronConfig, WatchdogConfig, config_from_mapping
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import (
     ModelExistsError,
@@ -144,7 +144,7 @@ class World:
     def watchdog(self, spec: ModelConfig) -> Watchdog:
         return Watchdog(
             model_name=spec.name,
-            tp=TpConfig(step_timeout_s=30, abort_deadline_s=60),
+            deadlines=WatchdogConfig(step_timeout_s=30, abort_deadline_s=60),
             deadman=FakeDeadman(),  # type: ignore[arg-type]
             run_thread=self.threads,
         )

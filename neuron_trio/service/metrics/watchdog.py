@@ -30,7 +30,7 @@ class WatchdogMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.wedges = Counter(
             "neuron_watchdog_wedges_total",
-            "Engine steps (or probes) that ran past tp.step_timeout_s.",
+            "Engine steps (or probes) that ran past watchdog.step_timeout_s.",
             ["model", "what"],
             registry=registry,
         )

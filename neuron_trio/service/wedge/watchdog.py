@@ -5,10 +5,10 @@ and the abort meant to free it blocked forever too, so neither branch after it e
 Here every blocking call runs on a worker thread the event loop does not wait for
 (`abandon_on_cancel=True`), and every wait on such a thread has a deadline of its own:
 
-    run_step(fn)         fn on thread "neuron-step-<model>" under tp.step_timeout_s
+    run_step(fn)         fn on thread "neuron-step-<model>" under watchdog.step_timeout_s
       └─ past it         -> StepTimeoutError; the model is "recovering"
     recover(executor)    abort every rank's communicator on thread "nccl-abort-<model>"
-      ├─ wait_for_return  returned / error / deadline (tp.abort_deadline_s from the wedge)
+      ├─ wait_for_return  returned / error / deadline (watchdog.abort_deadline_s from it)
       ├─ deadline        -> deadman: forensics, exit 70 (never returns)
       └─ came back       -> wedged step thread back (bounded), recreate_comm (bounded),
                             probe (bounded) -> serving again; any of them failing -> exit 70
@@ -16,7 +16,7 @@ Here every blocking call runs on a worker thread the event loop does not wait fo
 
 How the model actor uses it (one Watchdog per model, one Deadman per process):
 
-    watchdog = Watchdog(model_name=name, tp=config.tp, deadman=deadman,
+    watchdog = Watchdog(model_name=name, deadlines=watchdog_for(config, spec), deadman=deadman,
                         metrics=WatchdogMetrics.for_registry(registry))
     try:
         events = await watchdog.run_step(executor.step, inflight=actor.inflight)
@@ -39,7 +39,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import msgspec
 import trio
 
-from neuron_trio.config import TpConfig
+from neuron_trio.config import WatchdogConfig
 from neuron_trio.errors import StepTimeoutError, UnavailableError
 from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
@@ -83,7 +83,7 @@ class Watchdog:
         self,
         *,
         model_name: str,
-        tp: TpConfig,
+        deadlines: WatchdogConfig,  # config.watchdog_for: [watchdog] and the model's own
         deadman: Deadman,
         metrics: WatchdogMetrics | None = None,
         clock: Callable[[], float] = trio.current_time,
@@ -92,9 +92,9 @@ class Watchdog:
         logger: logging.Logger | None = None,
     ) -> None:
         self.model_name = model_name
-        self.step_timeout_s = tp.step_timeout_s
-        self.abort_deadline_s = tp.abort_deadline_s
-        self.probe_interval_s = tp.probe_interval_s
+        self.step_timeout_s = deadlines.step_timeout_s
+        self.abort_deadline_s = deadlines.abort_deadline_s
+        self.probe_interval_s = deadlines.probe_interval_s
         self._deadman = deadman
         self._metrics = metrics
         self._clock = clock

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from neuron_trio.config import TpConfig
+from neuron_trio.config import WatchdogConfig
 from neuron_trio.errors import CommError, StepTimeoutError, UnavailableError
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.wedge.deadman import Deadman, DeadmanExit
@@ -24,7 +24,7 @@ from tests.service.fakes import FakeDeadman, FakeThreads, ScriptedExecutor
 STEP_S = 2.0
 ABORT_S = 3.0
 PROBE_S = 30.0
-TP = TpConfig(step_timeout_s=STEP_S, abort_deadline_s=ABORT_S, probe_interval_s=PROBE_S)
+TP = WatchdogConfig(step_timeout_s=STEP_S, abort_deadline_s=ABORT_S, probe_interval_s=PROBE_S)
 
 
 def run_with(
@@ -39,7 +39,7 @@ def run_with(
             runner = FakeThreads(nursery)
             watchdog = Watchdog(
                 model_name="m",
-                tp=TP,
+                deadlines=TP,
                 deadman=cast(Deadman, deadman),
                 metrics=WatchdogMetrics.for_registry(registry) if registry else None,
                 run_thread=runner,
@@ -387,7 +387,7 @@ def test_the_warm_up_bound_is_the_minimum_or_a_wedged_steps_time(
 ) -> None:
     watchdog = Watchdog(
         model_name="m",
-        tp=TpConfig(step_timeout_s=step_s, abort_deadline_s=abort_s),
+        deadlines=WatchdogConfig(step_timeout_s=step_s, abort_deadline_s=abort_s),
         deadman=cast(Deadman, FakeDeadman()),
         wall_clock=lambda: 0.0,
     )
