@@ -59,9 +59,7 @@ def test_the_old_variable_still_overrides_the_file(tmp_path: Path) -> None:
 
 
 def test_a_bad_value_under_tp_is_named_as_written(tmp_path: Path) -> None:
-    with pytest.raises(
-        ConfigError, match=r"key tp\.step_timeout_s: "
-    ):
+    with pytest.raises(ConfigError, match=r"key tp\.step_timeout_s: "):
         _load(tmp_path, "[tp]\nstep_timeout_s = -1\n")
     env = {"NEURON_TP_STEP_TIMEOUT_S": "-1"}
     with pytest.raises(ConfigError, match=r"tp\.step_timeout_s \(from NEURON_TP_STEP_TIMEOUT_S\)"):
