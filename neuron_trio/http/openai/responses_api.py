@@ -197,7 +197,7 @@ def _input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
         elif kind == "reasoning":
-            continue  # a reasoning item sent back by an agent SDK: neuron never makes one
+            continue  # a reasoning item sent back: templates drop past thinking anyway
         else:
             raise _refuse(f"{where}.type", f"input items of type {kind!r} are not supported")
     return messages
@@ -319,11 +319,21 @@ def function_call_item(
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A thinking model's thinking, as OpenAI's SDK reads a `reasoning` item (the text as
+    `reasoning_text` content, as vLLM sends it; no summary)."""
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
 def output_items(choice: ChoiceTranscript) -> list[dict[str, Any]]:
-    """The output of a finished answer: its text (if any, or if there is nothing else) as a
-    message, then its function calls."""
+    """The output of a finished answer: its thinking (a thinking model's) as a reasoning
+    item, its text (if any, or if there is nothing else) as a message, then its function
+    calls."""
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     items = []
+    if choice.reasoning:
+        items.append(reasoning_item(new_item_id("rs"), choice.reasoning, status))
     text = choice.text.strip() if choice.tool_calls else choice.text
     if text or not choice.tool_calls:
         items.append(message_item(new_item_id("msg"), text, status))
@@ -351,7 +361,7 @@ def responses_usage(t: Transcript) -> dict[str, Any]:
         "input_tokens": t.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": t.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart
         "total_tokens": t.prompt_tokens + t.completion_tokens,
     }
 

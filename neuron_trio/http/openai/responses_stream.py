@@ -2,6 +2,9 @@
 
 ```
 response.created, response.in_progress
+  thinking:   response.output_item.added (a reasoning item), response.content_part.added,
+              response.reasoning_text.delta …, response.reasoning_text.done,
+              response.content_part.done, response.output_item.done
   a message:  response.output_item.added, response.content_part.added,
               response.output_text.delta …, response.output_text.done,
               response.content_part.done, response.output_item.done
@@ -30,6 +33,7 @@ from neuron_trio.http.openai.responses_api import (
     message_item,
     new_item_id,
     output_text_part,
+    reasoning_item,
     response_object,
     responses_usage,
 )
@@ -54,6 +58,8 @@ class ResponsesStreamWriter:
     _message_id: str | None = None  # the message item open now
     _text: list[str] = field(default_factory=list)
     _pending_space: str = ""  # whitespace held back until text that is not whitespace
+    _reasoning_id: str | None = None  # the reasoning item open now
+    _reasoning: list[str] = field(default_factory=list)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         doc = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -78,10 +84,53 @@ class ResponsesStreamWriter:
 
     def event(self, event: SequenceEvent) -> bytes:
         out = b""
+        if event.reasoning:
+            out += self._reasoning_delta(event.reasoning)
         if event.text:
             out += self._text_delta(event.text)
         for call in event.tool_calls or ():
+            out += self._close_reasoning("completed")
             out += self._close_message("completed") + self._call(call)
+        return out
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        out = b""
+        if self._reasoning_id is None:
+            self._reasoning_id = new_item_id("rs")
+            item = reasoning_item(self._reasoning_id, "", "in_progress")
+            out += self._event(
+                "response.output_item.added", output_index=len(self.output), item=item
+            )
+            out += self._event(
+                "response.content_part.added",
+                item_id=self._reasoning_id,
+                output_index=len(self.output),
+                content_index=0,
+                part={"type": "reasoning_text", "text": ""},
+            )
+        self._reasoning.append(text)
+        return out + self._event(
+            "response.reasoning_text.delta",
+            item_id=self._reasoning_id,
+            output_index=len(self.output),
+            content_index=0,
+            delta=text,
+        )
+
+    def _close_reasoning(self, status: str) -> bytes:
+        """End the open reasoning item, if one is."""
+        item_id = self._reasoning_id
+        if item_id is None:
+            return b""
+        text, index = "".join(self._reasoning), len(self.output)
+        part = {"type": "reasoning_text", "text": text}
+        fields = {"item_id": item_id, "output_index": index, "content_index": 0}
+        out = self._event("response.reasoning_text.done", text=text, **fields)
+        out += self._event("response.content_part.done", part=part, **fields)
+        item = reasoning_item(item_id, text, status)
+        out += self._event("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
+        self._reasoning_id, self._reasoning = None, []
         return out
 
     def _text_delta(self, text: str) -> bytes:
@@ -90,7 +139,7 @@ class ResponsesStreamWriter:
                 self._pending_space += text
                 return b""
             text, self._pending_space = self._pending_space + text, ""
-            head = self._open_message()
+            head = self._close_reasoning("completed") + self._open_message()
         else:
             head = b""
         self._text.append(text)
@@ -176,9 +225,15 @@ class ResponsesStreamWriter:
     def closing(self, t: Transcript) -> bytes:
         """The end: the open message closed, then response.completed or .incomplete."""
         status = "incomplete" if t.finish_reason == "length" else "completed"
-        out = self._close_message(status, always=not self.output)
+        out = self._close_reasoning(status)
+        out += self._close_message(status, always=not self.output or self._only_reasoning())
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return out + self._event(kind, response=self.final(t))
+
+    def _only_reasoning(self) -> bool:
+        """Whether the output so far is thinking alone (an answer then still gets its
+        message, empty, as a chat answer gets its `content`)."""
+        return all(item["type"] == "reasoning" for item in self.output)
 
     def final(self, t: Transcript) -> dict[str, Any]:
         status = "incomplete" if t.finish_reason == "length" else "completed"
