@@ -108,8 +108,9 @@ class DecayingCount:
 
 @dataclass
 class NodeFloodBudget:
-    """The budgets every connection of the node shares (control frames; stream resets, the
-    node-wide rapid-reset budget: by default as large as the other), and what they refused."""
+    """The budgets every connection of the node shares: control frames (`rate`, `burst`)
+    and stream resets (the node-wide rapid-reset budget; by default as large), and what they
+    refused."""
 
     rate: float
     burst: float
@@ -122,9 +123,8 @@ class NodeFloodBudget:
     def __post_init__(self) -> None:
         self.bucket = TokenBucket(self.rate, self.burst)
         reset_rate = self.rate if self.reset_rate is None else self.reset_rate
-        self.resets = TokenBucket(
-            reset_rate, self.burst if self.reset_burst is None else self.reset_burst
-        )
+        reset_burst = self.burst if self.reset_burst is None else self.reset_burst
+        self.resets = TokenBucket(reset_rate, reset_burst)
 
 
 @dataclass

@@ -11,7 +11,7 @@ Order, outside in (one class, so each request pays for one wrapper, not five):
 4. auth: with API keys, every `/v1/*` route needs `Authorization: Bearer <key>`; with admin
    keys, loading and unloading models needs one of those (another valid key: 403); with API
    keys or metrics keys, `/metrics` needs an operator's key (`_metrics_keys`); the request's
-   tenant (its name, and its key's digest) and whether it is an operator go into the scope;
+   tenant (its name) and whether it is an operator go into the scope;
    an admin key may name the tenant it acts for in X-Neuron-Tenant (tenancy.py);
 5. body limit: a `Content-Length` over the limit is a 413 at once; otherwise `receive()`
    counts bytes as they arrive (chunked bodies too) and raises BodyTooLargeError past it;
@@ -46,9 +46,7 @@ from neuron_trio.http.tenancy import (
     OPERATOR_SCOPE_KEY,
     TENANT_HEADER,
     TENANT_NAME_SCOPE_KEY,
-    TENANT_SCOPE_KEY,
     TenantDirectory,
-    key_digest,
     key_tenant_name,
 )
 
@@ -230,8 +228,6 @@ class NeuronMiddleware:
         token = self._bearer(scope)
         is_admin = bool(token) and self._matches(token, self.admin_keys)
         is_user = bool(token) and (is_admin or self._matches(token, self.api_keys))
-        if is_user:
-            scope[TENANT_SCOPE_KEY] = key_digest(token)
         scope[OPERATOR_SCOPE_KEY] = is_admin or (is_user and not self.admin_keys)
         if admin_route:
             if is_admin:

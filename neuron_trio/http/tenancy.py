@@ -4,14 +4,13 @@ Issue 25 (#6, #10). A shared prefix cache is a timing oracle: a client guessing 
 system prompt saw its first token in 0.029 s on a right guess against 0.75-0.91 s on wrong
 ones, and `/metrics` (open) showed the hit tokens exactly. So:
 
-- `cache_salt` (a request field, as in vLLM) and, with `server.prefix_cache_isolation =
-  "api_key"`, the digest of the caller's key are folded into the job's salt
-  (`job_cache_salt`): cached prompt blocks are shared only between requests with the same
-  salt (engine/block_pool.py). The tenant part comes from authentication, so no `cache_salt`
-  a client may send can equal another tenant's salt.
-- The middleware marks each request with its tenant (the key's digest) and whether its key
-  is an operator's: the admin key when `admin_key_file` is set, else any key (or no key
-  configured at all). `/v1/node` shows file paths, the last forensics report and the prefix
+- `cache_salt` (a request field, as in vLLM) and, unless `server.prefix_cache_isolation =
+  "none"`, the caller's tenant are folded into the job's salt (`job_cache_salt`): cached
+  prompt blocks are shared only between requests with the same salt (engine/block_pool.py).
+  The tenant part comes from authentication, so no `cache_salt` a client may send can equal
+  another tenant's salt.
+- The middleware marks each request with its tenant and whether its key is an operator's:
+  the admin key when `admin_key_file` is set, else any key (or no key configured at all). `/v1/node` shows file paths, the last forensics report and the prefix
   cache's hit counters to operators only (`redact_node_info`).
 
 Issue 47 (#1, #2): tenants are configuration (`[[tenants]]`: a name, a keys file, limits), and
@@ -41,7 +40,6 @@ __all__ = [
     "OPERATOR_SCOPE_KEY",
     "TENANT_HEADER",
     "TENANT_NAME_SCOPE_KEY",
-    "TENANT_SCOPE_KEY",
     "TenantDirectory",
     "is_operator",
     "job_cache_salt",
@@ -50,10 +48,8 @@ __all__ = [
     "read_api_keys",
     "redact_node_info",
     "tenant_name_of",
-    "tenant_of",
 ]
 
-TENANT_SCOPE_KEY = "neuron.tenant"  # the key's digest (bytes)
 TENANT_NAME_SCOPE_KEY = "neuron.tenant_name"  # the tenant's name (str); absent: no keys
 OPERATOR_SCOPE_KEY = "neuron.operator"
 TENANT_HEADER = "X-Neuron-Tenant"
@@ -63,11 +59,6 @@ HIDDEN = "<hidden: needs the admin key>"
 def key_digest(token: bytes) -> bytes:
     """A tenant's identity: a digest of its API key (the key itself is never kept)."""
     return hashlib.blake2b(token, digest_size=16, person=b"neuron-tenant").digest()
-
-
-def tenant_of(scope: Scope) -> bytes | None:
-    value = scope.get(TENANT_SCOPE_KEY)
-    return value if isinstance(value, bytes) else None
 
 
 def tenant_name_of(scope: Scope) -> str | None:

@@ -173,7 +173,7 @@ def test_one_connection_flooding_is_stopped_by_its_own_budget() -> None:
 def test_many_connections_meet_the_node_budget_but_a_quiet_one_is_spared() -> None:
     """50 connections each under their own limit: the node's budget stops them; a router that
     resets a stream now and then (under `grace`) is never the one closed."""
-    node = NodeFloodBudget(rate=0.0, burst=100.0)
+    node = NodeFloodBudget(rate=0.0, burst=100.0, reset_rate=0.0, reset_burst=100.0)
     floods = [_guard(node, reset_burst=1000.0) for _ in range(50)]
     router = _guard(node)
     closed = set()
@@ -193,6 +193,8 @@ def _cheap_floods(monkeypatch: pytest.MonkeyPatch, **values: float) -> None:
         H2_CONTROL_RATE_PER_S=0.001,
         H2_NODE_BURST=100_000.0,
         H2_NODE_RATE_PER_S=0.001,
+        H2_NODE_RESET_BURST=100_000.0,
+        H2_NODE_RESET_RATE_PER_S=0.001,
     )
     defaults.update(values)
     for name, value in defaults.items():
@@ -261,7 +263,7 @@ def test_an_honest_client_stays_under_the_control_budget(monkeypatch: pytest.Mon
 
 def test_many_connections_resetting_meet_the_node_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: only a per-connection limit, so 50 connections x 1,000 resets all ran."""
-    _cheap_floods(monkeypatch, H2_NODE_BURST=200.0)
+    _cheap_floods(monkeypatch, H2_NODE_RESET_BURST=200.0)
     monkeypatch.setattr(http_server, "H2_RESET_BURST", 10_000.0)
     monkeypatch.setattr(http_server, "H2_FLOOD_GRACE", 10.0)
 
@@ -427,7 +429,7 @@ def test_connections_resetting_at_their_own_sustained_rate_meet_the_node_budget(
     """Issue 47: each connection resetting at its own sustained rate keeps its bucket full, so
     the node's rule (spent more than `grace`) never picked any: 50 connections x 100 resets a
     second ran on forever. A router resetting a stream a second is still never closed."""
-    node = NodeFloodBudget(rate=200.0, burst=500.0)
+    node = NodeFloodBudget(rate=200.0, burst=500.0, reset_rate=200.0, reset_burst=500.0)
     floods = [_guard(node, reset_rate=100.0, reset_burst=1000.0, grace=20.0) for _ in range(50)]
     router = _guard(node, reset_rate=100.0, reset_burst=1000.0, grace=20.0)
     open_ = set(range(50))
