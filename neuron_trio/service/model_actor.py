@@ -218,10 +218,10 @@ class ModelActor:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _refuse_unless_accepting(self) -> None:
+    def _refuse_unless_accepting(self, tenant: str | None = None) -> None:
         if self.accepting:
             return
-        self._requests.count("rejected_unavailable")
+        self._requests.count("rejected_unavailable", tenant)
         state = "unloading" if self._stopping else self.state
         if state == "recovering":
             raise UnavailableError(
@@ -248,7 +248,7 @@ class ModelActor:
                 engine, job, self.spec, lambda: self._grammar_compiles(engine)
             )
         except RequestError:
-            self._requests.count("rejected_invalid")
+            self._requests.count("rejected_invalid", job.tenant)
             raise
         return prepared.ids, prepared.chat
 
@@ -287,19 +287,19 @@ class ModelActor:
         before it waits. Leaving the context before the last event cancels the sequence at
         the next step boundary (or drops it from the queue at once).
         """
-        self._refuse_unless_accepting()
+        self._refuse_unless_accepting(job.tenant)
         ids, chat = await self._encode(job)
-        self._refuse_unless_accepting()  # the state may have changed while encoding
+        self._refuse_unless_accepting(job.tenant)  # the state may have changed while encoding
         assert self.executor is not None
         room = self.executor.engine.answer_room(len(ids))
         job = with_default_max_tokens(job, self.spec.default_max_tokens, room)
         try:
             self._requests.check_limits(job.tenant, self.spec.max_batch)
         except TenantLimitError:
-            self._requests.count("rejected_queue_full")  # a 429 (its code names the limit)
+            self._requests.count("rejected_queue_full", job.tenant)  # a 429 naming the limit
             raise
         if self.queued >= self._queue_capacity():
-            self._requests.count("rejected_queue_full")
+            self._requests.count("rejected_queue_full", job.tenant)
             raise QueueFullError(
                 f"model {self.name!r}: {self.max_queue} requests already wait for a slot",
                 retry_after_s=max(1, self.queued // max(1, self.spec.max_batch)),

@@ -97,9 +97,11 @@ class RequestTable:
         """No request queued, running, or still being read by its consumer."""
         return self.engine_idle and not self._open
 
-    def count(self, outcome: str) -> None:
+    def count(self, outcome: str, tenant: str | None = None) -> None:
+        """Count a request's `outcome`, for its model and for its tenant."""
         if self._metrics is not None:
             self._metrics.outcome(outcome)
+            self._metrics.tenants.outcome(tenant, outcome)
 
     # ---- a request's life ------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class RequestTable:
         self.fair.leave(request.job.tenant)
         if request.seq_id is not None and outcome != "cancelled":
             self.active.pop(request.seq_id, None)
-        self.count(outcome)
+        self.count(outcome, request.job.tenant)
         m = self._metrics
         if m is not None and request.tokens > 1:
             assert request.first_token_at is not None and request.last_token_at is not None
@@ -214,6 +216,8 @@ class RequestTable:
             self.limits.used(tenant, trio.current_time(), tokens)
             if self._metrics is not None:
                 self._metrics.admitted(tokens)
+                waited = trio.current_time() - request.enqueued_at
+                self._metrics.tenants.admitted(tenant, tokens, waited)
 
     def _next_admission(self, free_slots: int) -> ActorRequest | None:
         """The oldest waiting request of the lightest tenant that may start one now."""
@@ -261,6 +265,7 @@ class RequestTable:
                 self.limits.used(request.job.tenant, now, n)
                 if self._metrics is not None:
                     self._metrics.generated(n)
+                    self._metrics.tenants.generated(request.job.tenant, n)
             request.stream.push(event)
             if event.finish_reason is not None and not event.more_choices:
                 request.stream.close()
