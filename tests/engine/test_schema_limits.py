@@ -197,7 +197,7 @@ def test_pattern_repeats_multiplies_counted_repetitions(pattern: str, expands_to
 def test_the_byte_limit_counts_utf8_bytes_not_characters() -> None:
     """40 000 four-byte characters are 160 KB, over the 128 KB limit, though 40 000
     characters are under it: the limit counted characters."""
-    from neuron_trio.engine.types import Constraint
+    from neuron_trio.engine.types import Constraint, ToolFunction
     from tests.engine.text.test_grammar import _compiler
 
     schema = json.dumps(
@@ -206,6 +206,9 @@ def test_the_byte_limit_counts_utf8_bytes_not_characters() -> None:
     assert len(schema) < DEFAULT_LIMITS.max_bytes < len(schema.encode())
     with pytest.raises(SchemaTooComplexError, match=r"SchemaLimits\.max_bytes"):
         _compiler().compile(Constraint(kind="json", schema=schema))
+    tool = ToolFunction(name="f", parameters=schema)  # a tool's parameters: the same bound
+    with pytest.raises(SchemaTooComplexError, match=r"SchemaLimits\.max_bytes"):
+        _compiler().compile(Constraint(kind="tool_call", tools=(tool,)))
 
 
 def test_the_cache_charges_an_entry_what_the_heap_grew_by(

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from neuron_trio.engine.text.schema_limits import check_schema, check_size
+from neuron_trio.engine.text.schema_limits import check_schema, check_size, schema_bytes
 from neuron_trio.engine.text.schema_prep import close_objects, rebase_refs
 from neuron_trio.engine.types import ToolFunction
 from neuron_trio.errors import RequestError
@@ -126,9 +126,10 @@ class ToolCallFormat:
         prepared = []
         for index, tool in enumerate(tools):
             param = f"tools[{tool.name}].function.parameters"
-            check_size(len(tool.parameters), param=param)
+            text_bytes = schema_bytes(tool.parameters)  # UTF-8 bytes, not characters
+            check_size(text_bytes, param=param)
             parameters = decode_schema(tool.parameters, param)
-            check_schema(parameters, param=param, size=len(tool.parameters))
+            check_schema(parameters, param=param, size=text_bytes)
             if tool.strict or closed:
                 close_objects(parameters, listed_only=not tool.strict)
             at = f"/properties/{self.arguments_key}"
