@@ -69,9 +69,12 @@ def test_mistral_name_args_required_parses_back(family_dir: Path) -> None:
     engine = engine_for(
         write_tiny_family(family_dir / "mistral-req.gguf", "mistral"), MISTRAL_ARGS_TEMPLATE
     )
+    assert engine.tool_format.style == "mistral_args"
     script(engine, "hello")
     required = Constraint("tool_call", tools=(WEATHER,), parallel=True)
     events = generate(engine, dataclasses.replace(AUTO, constraint=required))
+    written = engine.tokenizer.decode([t for e in events for t in e.token_ids])
+    assert written.startswith("[TOOL_CALLS]get_weather[ARGS]{"), written
     assert events[-1].finish_reason == "tool_calls"
     assert _calls(events) and all(name == "get_weather" for name, _ in _calls(events))
     assert "".join(e.text for e in events) == ""
