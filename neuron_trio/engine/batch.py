@@ -84,22 +84,60 @@ def row_logits(rows: list[Sequence], logits: list[torch.Tensor]) -> torch.Tensor
     return batch
 
 
-def run_plan(runner: Runner, plan: StepPlan) -> list[torch.Tensor]:
+def run_plan(
+    runner: Runner, plan: StepPlan, prompt_rows: dict[int, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """The step's forwards (decode rows, then the prefill chunks in one batch); the logits
-    of the rows that sample, in `sampled_rows` order but for the forks."""
+    of the rows that sample, in `sampled_rows` order but for the forks.
+
+    The chunks of sequences that collect their prompt's logprobs run in a forward of their
+    own that keeps every row's logits: `prompt_rows[i]` gets chunk i's `[length, V]`."""
     device = runner.device
     logits: list[torch.Tensor] = []
     if plan.decode:
         at = decode_inputs(plan.decode, device)
         logits.append(runner.forward(at.ids, at.start_pos, at.tables))
     chunks = plan.prefill
-    if chunks:
+    full = [i for i, c in enumerate(chunks) if c.seq.collects_prompt_logprobs]
+    if chunks and not full:
         at = prefill_inputs(chunks, device)
         out = runner.forward(at.ids, at.start_pos, at.tables, lengths=at.lengths)
         done = [i for i, c in enumerate(chunks) if c.samples]
         if done:
             logits.append(out if len(done) == len(chunks) else out[done])
+    elif chunks:
+        last = _prefill_apart(runner, chunks, full, prompt_rows)
+        sampled = [last[i] for i, c in enumerate(chunks) if c.samples]
+        if sampled:
+            logits.append(torch.stack(sampled))
     return logits
+
+
+def _prefill_apart(
+    runner: Runner,
+    chunks: list[PrefillChunk],
+    full: list[int],
+    prompt_rows: dict[int, torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """The chunks `full` in a forward that keeps all their rows (into `prompt_rows`), the
+    others in one of their own; each chunk's last row's logits `[V]`, in chunk order."""
+    last: list[torch.Tensor | None] = [None] * len(chunks)
+    plain = [i for i in range(len(chunks)) if i not in full]
+    for group, every in ((plain, False), (full, True)):
+        if not group:
+            continue
+        at = prefill_inputs([chunks[i] for i in group], runner.device)
+        out = runner.forward(at.ids, at.start_pos, at.tables, lengths=at.lengths, all_logits=every)
+        for row, i in enumerate(group):
+            if every:
+                size = chunks[i].end - chunks[i].start
+                rows = out[row, :size]
+                if prompt_rows is not None:
+                    prompt_rows[i] = rows
+                last[i] = rows[size - 1]
+            else:
+                last[i] = out[row]
+    return [x for x in last if x is not None]
 
 
 def probe(runner: Runner, token: int) -> None:

@@ -53,6 +53,7 @@ from neuron_trio.engine.prompt import (
     encode_text,
     render_messages,
 )
+from neuron_trio.engine.prompt_logprobs import collect_prompt_logprobs, start_prompt_logprobs
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
@@ -276,6 +277,8 @@ class Engine:
     def _new_sequence(self, prompt: list[int], params: SamplingParams, chat: bool) -> Sequence:
         seq = Sequence(next(self._ids), prompt, params, chat=chat)
         seq.sampling = SamplingState(params, prompt)
+        if params.prompt_logprobs:
+            start_prompt_logprobs(seq, self.tokenizer.token_text)
         markers = tool_marker_ids(self.tokenizer) if params.tools else ()
         seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt, markers)
         if params.constraint is not None:
@@ -387,7 +390,8 @@ class Engine:
         if any(g is not None for g in grammars):
             masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
-            logits = run_plan(self.runner, plan)
+            prompt_rows: dict[int, torch.Tensor] = {}  # prefill chunk -> all its logits
+            logits = run_plan(self.runner, plan, prompt_rows)
             bitmask = masks.result() if masks is not None else None
             results = self._sample(rows, logits, bitmask) if rows else []
         # The forwards returned: only now is any sequence's state advanced.
@@ -396,6 +400,8 @@ class Engine:
             # cancel_all ran while this step was in flight (a wedged step that came back late):
             # its sequences are gone and their blocks may already hold new ones.
             return []
+        if prompt_rows:
+            self._collect_prompt_logprobs(plan, prompt_rows)
         self._advance(plan)
         return [
             self._accept(seq, result)
@@ -426,6 +432,15 @@ class Engine:
                 seq.status = SequenceStatus.DECODING
                 self._fork(seq)
 
+    def _collect_prompt_logprobs(self, plan: StepPlan, rows: dict[int, torch.Tensor]) -> None:
+        """The prompt logprobs that this step's chunks computed, into their sequences."""
+        with torch.inference_mode():
+            for i, chunk_rows in rows.items():
+                chunk = plan.prefill[i]
+                collect_prompt_logprobs(
+                    chunk.seq, chunk.start, chunk_rows, self.tokenizer.token_text
+                )
+
     def _mask_thread(self) -> ThreadPoolExecutor:
         if self._masks is None:
             self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
@@ -433,7 +448,9 @@ class Engine:
 
     def _fork(self, seq: Sequence) -> None:
         """The prompt of `seq` is in its blocks: its other choices share them (the partial
-        last block copied)."""
+        last block copied), and its prompt's logprobs when asked for."""
+        for fork in seq.forks:
+            fork.prompt_logprobs = seq.prompt_logprobs
         copies = [
             pair
             for fork in seq.forks
@@ -454,6 +471,9 @@ class Engine:
             eos_ids=self._eos_ids,
             begin_call=self._begin_call,
         )
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            event.prompt_logprobs = seq.prompt_logprobs  # with the choice's first token
+            seq.prompt_logprobs_sent = True
         if event.finish_reason is not None:
             seq.finish_reason = event.finish_reason
             self.scheduler.release(seq)

@@ -225,8 +225,8 @@ class Scheduler:
         """A sequence starting (or restarting) its prefill takes the longest cached prefix of
         its tokens; at least the last one is computed (its logits, or its K/V row)."""
         self._looked_up.add(seq.seq_id)
-        if seq.blocks or not self.pool.prefix_cache:
-            return
+        if seq.blocks or not self.pool.prefix_cache or seq.collects_prompt_logprobs:
+            return  # (a cached block has no logits for a prompt's logprobs)
         n = seq.prefill_len
         seq.blocks, seq.block_keys = self.pool.lookup(seq.tokens(0, n), n - 1, seq.cache_root)
         seq.prefilled = len(seq.blocks) * BLOCK_TOKENS

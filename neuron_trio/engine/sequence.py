@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron_trio.engine.types import SamplingParams
+from neuron_trio.engine.types import SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +49,10 @@ class Sequence:
     group_id: int = 0
     index: int = 0
     forks: list[Sequence] = field(default_factory=list)
+    # params.prompt_logprobs: the prompt's own logprobs so far (engine/prompt_logprobs.py),
+    # sent with the first sampled token
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_prompt(self) -> int:
@@ -82,6 +86,12 @@ class Sequence:
     def decode_pos(self) -> int:
         """The KV position `last_token` is written at by the next decode step."""
         return self.num_prompt + self.num_output - 1
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Its prefill must keep every row's logits (and so reuse no cached prefix)."""
+        have = self.prompt_logprobs
+        return have is not None and len(have) < self.num_prompt
 
     @property
     def is_finished(self) -> bool:

@@ -69,6 +69,9 @@ class SamplingParams:
     n: int = 1  # choices: the prompt is prefilled once, then each choice samples on its own
     # (token id, bias) pairs added to the logits before any other step (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The prompt's own logprobs too (`top_logprobs` alternatives each), on the first event of
+    # every choice (`SequenceEvent.prompt_logprobs`): completions' echo with logprobs
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ class SequenceEvent:
     # The request has other choices still running: this event's finish_reason ends only
     # choice `index`, not the request.
     more_choices: bool = False
+    # params.prompt_logprobs: one entry per prompt token, on the choice's first event; the
+    # first token's logprob is 0.0 here (nothing precedes it: the wire shows null)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

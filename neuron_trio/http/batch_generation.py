@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -30,12 +31,26 @@ from neuron_trio.http.openai import SSE_DONE, Transcript
 from neuron_trio.http.openai.completion_batch import BatchWriter, CompletionBatch
 from neuron_trio.service.api import GOOD_FINISH_REASONS, NodeService, SequenceEvent
 
-__all__ = ["BatchSSEResponse", "complete_batch"]
+__all__ = ["BatchSSEResponse", "complete_batch", "with_echo_texts"]
 
 log = logging.getLogger(__name__)
 
 
 _Item = tuple[int, SequenceEvent | ApiError]  # (prompt, what its stream said)
+
+
+async def with_echo_texts(node: NodeService, batch: CompletionBatch) -> CompletionBatch:
+    """`batch` with the text of each token-id prompt it echoes (the node's tokenizer: the
+    HTTP layer holds none), before any job is queued."""
+    echo = batch.echo
+    if echo is None or all(text is not None for text in echo):
+        return batch
+    texts = list(echo)
+    for i, part in enumerate(batch.parts):
+        ids = part.job.prompt_ids
+        if texts[i] is None and ids is not None:
+            texts[i] = await node.detokenize(part.job.model, ids)
+    return replace(batch, echo=tuple(texts))
 
 
 async def _open_all(stack: AsyncExitStack, node: NodeService, batch: CompletionBatch) -> list[Any]:
@@ -46,6 +61,7 @@ async def complete_batch(
     node: NodeService, batch: CompletionBatch, receive: Receive, access: AccessInfo | None
 ) -> dict[str, Any] | None:
     """Run every prompt to its end; the response document, or None if the client left."""
+    batch = await with_echo_texts(node, batch)
     transcripts = [Transcript() for _ in batch.parts]
 
     async def collect() -> None:
@@ -97,6 +113,7 @@ class BatchSSEResponse(StreamedResponse):
     async def _stream(
         self, send: Send, transcripts: list[Transcript], access: AccessInfo | None
     ) -> None:
+        self.batch = await with_echo_texts(self.node, self.batch)
         writer = BatchWriter(self.batch)
         async with AsyncExitStack() as stack:
             streams = await _open_all(stack, self.node, self.batch)

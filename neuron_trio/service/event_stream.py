@@ -35,6 +35,7 @@ def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:
         tool_calls=tool_calls,
         reasoning=a.reasoning + b.reasoning,
         more_choices=b.more_choices,
+        prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
     )
 
 

@@ -6,19 +6,18 @@ Ported: single completions (text and token ids) and their usage, no/zero/some/to
 logprobs (completions and chat), streaming equals non-streaming with one finish reason,
 parallel sampling (`n`, plain and streamed), `stream_options` (usage only when asked, and
 only with `stream`), batches of prompts (text and ids; plain, `n = 2` and streamed),
-`echo`, invalid structured-output requests, a chat session over two turns, a JSON schema.
+`echo` (with `logprobs`, text and token ids), invalid structured-output requests, a chat session over two turns, a JSON schema.
 
 Not ported, and why:
-- LoRA adapters (`zephyr-lora`), `prompt_logprobs`, `truncate_prompt_tokens`,
+- LoRA adapters (`zephyr-lora`), `prompt_logprobs` (as a field of its own; `echo` with
+  `logprobs` returns the prompt's, below), `truncate_prompt_tokens`,
   `truncation_side`, `return_token_ids`, `continuous_usage_stats`, `min_tokens`,
   `min_characters`, `use_beam_search`, `structured_outputs` (choice/regex/grammar): vLLM
   extensions; neuron answers a 400 naming each (checked for `structured_outputs` below);
 - `prompt_tokens_details.cached_tokens`: neuron does not report cached prompt tokens per
   request (its prefix-cache hits are in `/metrics`);
 - "subrequests finished at different times" (n = 3, 50 tokens): with the small max_tokens
-  kept here for speed, every choice may well run to the limit;
-- `echo` with `logprobs`: needs the prompt's logprobs, which neuron does not compute: a 400
-  naming `echo` (checked below).
+  kept here for speed, every choice may well run to the limit.
 """
 
 from __future__ import annotations
@@ -244,11 +243,40 @@ def test_echo_completion(api_base: str) -> None:
                 model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0, echo=True
             )
             assert completion.choices[0].text.startswith(prompt)
-            with pytest.raises(openai.BadRequestError) as e:
-                await client.completions.create(
-                    model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=1
-                )
-            assert e.value.body["param"] == "echo"  # type: ignore[index]
+
+    run(body)
+
+
+@pytest.mark.parametrize("logprobs_arg", [1, 3])
+def test_echo_logprob_completion(api_base: str, tokenize: Any, logprobs_arg: int) -> None:
+    """vLLM's test_echo_logprob_completion: text and token-id prompts (vLLM's `[0] * 5`
+    ids are the built-in model's first token here too)."""
+
+    async def body() -> None:
+        async with _client(api_base) as client:
+            for prompt in ("Hello, my name is", [0, 0, 0, 0, 0]):
+                completion = await client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0, echo=True,
+                    logprobs=logprobs_arg,
+                )  # fmt: skip
+                ids = tokenize(prompt) if isinstance(prompt, str) else prompt
+                text = completion.choices[0].text
+                if isinstance(prompt, str):
+                    assert text.startswith(prompt)
+                logprobs = completion.choices[0].logprobs
+                assert logprobs is not None
+                assert logprobs.tokens is not None and logprobs.text_offset is not None
+                assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+                assert len(logprobs.text_offset) > 5
+                assert len(logprobs.token_logprobs) > 5 and logprobs.token_logprobs[0] is None
+                assert len(logprobs.top_logprobs) > 5 and logprobs.top_logprobs[0] is None
+                for top_logprobs in logprobs.top_logprobs[1:]:
+                    assert max(logprobs_arg, 1) <= len(top_logprobs) <= logprobs_arg + 1
+                assert len(logprobs.tokens) > 5
+                # neuron's own: the prompt's tokens first, then the completion's
+                completion_tokens = completion.usage.completion_tokens if completion.usage else 0
+                assert len(logprobs.tokens) == len(ids) + completion_tokens
+                assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
 
     run(body)
 

@@ -166,7 +166,22 @@ class FakeNode:
                 finish_reason=reason if last else None,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=i + 1,
+                prompt_logprobs=self._prompt_logprobs(job) if i == 0 else None,
             )
+
+    @staticmethod
+    def _prompt_logprobs(job: GenerationJob) -> list[TokenLogprob] | None:
+        """With params.prompt_logprobs: a token a character (its code point), logprob -1."""
+        if not job.params.prompt_logprobs:
+            return None
+        ids = job.prompt_ids or tuple(ord(c) for c in job.prompt or "")
+        top = job.params.top_logprobs
+        return [
+            TokenLogprob(
+                t, chr(t), 0.0 if k == 0 else -1.0, () if k == 0 else ((t, chr(t), -1.0),) * top
+            )
+            for k, t in enumerate(ids)
+        ]
 
     async def tokenize(self, job: TokenizeJob) -> Tokenized:
         """One token a character (its code point), the chat's messages' texts joined."""

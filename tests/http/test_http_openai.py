@@ -515,8 +515,6 @@ BAD_INPUT: list[tuple[str, Any, int, str | None]] = [
     (COMP, {"model": "fake-model", "prompt": []}, 400, "prompt"),
     (COMP, {"model": "fake-model", "prompt": ["a"] * 17}, 400, "prompt"),
     (COMP, {"model": "fake-model", "prompt": ["a"] * 3, "n": 6}, 400, "prompt"),
-    (COMP, {"model": "fake-model", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
-    (COMP, {"model": "fake-model", "prompt": [1, 2], "echo": True}, 400, "echo"),
     (COMP, {"model": "fake-model", "prompt": "x", "suffix": "tail"}, 400, "suffix"),
     (COMP, {"model": "fake-model", "prompt": "x", "best_of": 3}, 400, "best_of"),
     (COMP, {"model": "fake-model", "prompt": "x", "logprobs": 21}, 400, "logprobs"),

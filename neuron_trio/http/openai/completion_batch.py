@@ -4,9 +4,11 @@
 A request of P prompts becomes P jobs (one per prompt, each with the request's `n`); its
 choices are numbered across them as OpenAI does: prompt p's choice j has `index` p·n + j.
 `usage` adds up every prompt's tokens. With `echo`, each choice's text starts with its
-prompt's text (a text prompt only: the HTTP layer does not hold a tokenizer to turn token
-ids back into text, so echo with token ids is a 400 naming it); echo with `logprobs` would
-need the prompt's logprobs, which the engine does not compute: a 400 naming it too.
+prompt's text (a prompt of token ids: their text, asked of the node before the batch runs,
+`batch_generation.with_echo_texts`); with `echo` and `logprobs`, its logprobs start with the
+prompt's tokens, the first one's logprob and alternatives null (nothing precedes it), as
+OpenAI's legacy API and vLLM return them (the engine computes them:
+`SamplingParams.prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from neuron_trio.http.openai.requests import (
 from neuron_trio.http.openai.responses import (
     CompletionShaper,
     Transcript,
+    completion_logprobs,
     new_id,
     now,
     sse_data,
 )
-from neuron_trio.service.api import SequenceEvent
+from neuron_trio.service.api import SequenceEvent, TokenLogprob
 
 __all__ = [
     "MAX_CHOICES",
@@ -49,7 +52,9 @@ class CompletionBatch:
     """A validated `/v1/completions` request: one `ParsedRequest` per prompt."""
 
     parts: tuple[ParsedRequest, ...]
-    echo: tuple[str, ...] | None = None  # per prompt: the text each of its choices starts with
+    # per prompt: the text each of its choices starts with (None: a prompt of token ids whose
+    # text is not known yet, `with_echo_texts`)
+    echo: tuple[str | None, ...] | None = None
 
     @property
     def first(self) -> ParsedRequest:
@@ -76,23 +81,35 @@ def parse_completion_batch(body: bytes) -> CompletionBatch:
             param="prompt",
             code="too_many_prompts",
         )
+    parts = tuple(completion_parsed(req, p) for p in prompts)
     echo = None
     if req.echo:
-        if req.logprobs is not None:
-            raise RequestError(
-                "echo: not supported together with logprobs (neuron does not compute the "
-                "prompt's logprobs)",
-                param="echo",
-                code="unsupported_value",
-            )
-        if not all(isinstance(p, str) for p in prompts):
-            raise RequestError(
-                "echo: supported for text prompts only, not for token ids",
-                param="echo",
-                code="unsupported_value",
-            )
-        echo = tuple(p for p in prompts if isinstance(p, str))
-    return CompletionBatch(tuple(completion_parsed(req, p) for p in prompts), echo)
+        echo = tuple(p if isinstance(p, str) else None for p in prompts)
+        if req.logprobs is not None:  # the prompt's logprobs before the completion's
+            parts = tuple(_with_prompt_logprobs(p) for p in parts)
+    return CompletionBatch(parts, echo)
+
+
+def _with_prompt_logprobs(part: ParsedRequest) -> ParsedRequest:
+    params = replace(part.job.params, prompt_logprobs=True)
+    return replace(part, job=replace(part.job, params=params))
+
+
+def echo_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    """The prompt's part of a choice's `logprobs`: its tokens from text offset 0, the first
+    one's logprob and alternatives null. (Offsets count the tokens' own texts, as vLLM's do:
+    a special token's text need not appear in the echoed prompt.)"""
+    doc = completion_logprobs(items, 0)
+    if items:
+        doc["token_logprobs"][0] = None
+        doc["top_logprobs"][0] = None
+    return doc
+
+
+def _joined(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    if tail is None:
+        return head
+    return {key: [*head[key], *tail[key]] for key in head}
 
 
 @dataclass
@@ -107,6 +124,8 @@ class BatchWriter:
 
     def __post_init__(self) -> None:
         self._shapers = [CompletionShaper(p) for p in self.batch.parts]
+        for shaper, echo in zip(self._shapers, self.batch.echo or (), strict=False):
+            shaper.prompt_chars = len(echo or "")  # the completion's text follows the echo
 
     def _index(self, part: int, choice: int) -> int:
         return part * self.batch.n + choice
@@ -130,7 +149,10 @@ class BatchWriter:
                 choice = shaper.choice(j, t.choice(j))
                 choice["index"] = self._index(p, j)
                 if self.batch.echo is not None:
-                    choice["text"] = self.batch.echo[p] + choice["text"]
+                    choice["text"] = (self.batch.echo[p] or "") + choice["text"]
+                    if choice["logprobs"] is not None:
+                        head = echo_logprobs(t.choice(j).prompt_logprobs or [])
+                        choice["logprobs"] = _joined(head, choice["logprobs"])
                 choices.append(choice)
         doc = self._doc(choices)
         doc["usage"] = usage(transcripts)
@@ -142,7 +164,10 @@ class BatchWriter:
         index = self._index(part, event.index)
         if self.batch.echo is not None and index not in self._echoed:
             self._echoed.add(index)
-            echo = {"index": index, "text": self.batch.echo[part], "logprobs": None}
+            logprobs = None
+            if self._shapers[part].want_logprobs:
+                logprobs = echo_logprobs(event.prompt_logprobs or [])
+            echo = {"index": index, "text": self.batch.echo[part] or "", "logprobs": logprobs}
             out.append({**echo, "finish_reason": None})
         for choice in self._shapers[part].chunks(event, finish_reason):
             out.append({**choice, "index": index})

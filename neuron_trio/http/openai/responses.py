@@ -51,6 +51,7 @@ class ChoiceTranscript:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # completions' echo with logprobs
     finish_reason: str | None = None
     completion_tokens: int = 0
     error: str | None = None
@@ -83,6 +84,8 @@ class Transcript:
             choice.logprobs.extend(event.logprobs)
         if event.tool_calls:
             choice.tool_calls.extend(event.tool_calls)
+        if event.prompt_logprobs is not None:
+            choice.prompt_logprobs = event.prompt_logprobs
         if event.prompt_tokens:
             self.prompt_tokens = event.prompt_tokens
         if event.completion_tokens:
