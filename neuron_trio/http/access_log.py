@@ -5,7 +5,7 @@ unless they fail with a 5xx other than health's own 503. The middleware puts an 
 into the ASGI scope; the generation handlers fill in the model, token counts, finish reason
 and first-token time; the middleware writes the line when the response has ended:
 
-    POST /v1/chat/completions 200 0.412s h2 127.0.0.1 model=smollm2-135m prompt=34 completion=12 finish=stop ttft=0.061s
+    POST /v1/chat/completions 200 0.412s h2 127.0.0.1 tenant=team-a model=smollm2-135m prompt=34 completion=12 finish=stop ttft=0.061s
     POST /v1/completions 400 0.002s h2 127.0.0.1 error="max_tokens: Expected `int` >= 1"
 
 Set NEURON_LOG_LEVEL=WARNING to drop them.
@@ -17,6 +17,8 @@ import logging
 from dataclasses import dataclass
 
 from starlette.types import Scope
+
+from neuron_trio.http.tenancy import tenant_name_of
 
 __all__ = ["ACCESS_SCOPE_KEY", "AccessInfo", "access_info", "log_access"]
 
@@ -73,6 +75,9 @@ def log_access(scope: Scope, route: str, status: int, ended: float, info: Access
         "h2" if scope.get("http_version") == "2" else f"http/{scope.get('http_version', '?')}",
         str(client[0]) if client else "-",
     ]
+    tenant = tenant_name_of(scope)  # the tenant's name, never its key (issue 47)
+    if tenant is not None:
+        parts.append(f"tenant={tenant}")
     if info.model is not None:
         parts.append(f"model={bounded(info.model)}")
     if info.prompt_tokens is not None:

@@ -243,16 +243,17 @@ class NeuronMiddleware:
     ) -> Denied | None:
         """Put the request's tenant in the scope: the one named in X-Neuron-Tenant if the
         caller may act for others (an admin key, or anyone without keys), else its own."""
-        named = _header(scope, TENANT_HEADER.lower().encode())
-        if named is not None:
-            if not may_act_for_others:
-                return NOT_A_ROUTER
-            name = named.decode("ascii", "replace").strip()
-            if name not in self.tenants.names:
-                return _unknown_tenant(named)
-            own = name
         if own is not None:
-            scope[TENANT_NAME_SCOPE_KEY] = own
+            scope[TENANT_NAME_SCOPE_KEY] = own  # a refusal below is logged under it too
+        named = _header(scope, TENANT_HEADER.lower().encode())
+        if named is None:
+            return None
+        if not may_act_for_others:
+            return NOT_A_ROUTER
+        name = named.decode("ascii", "replace").strip()
+        if name not in self.tenants.names:
+            return _unknown_tenant(named)
+        scope[TENANT_NAME_SCOPE_KEY] = name
         return None
 
     def _content_length(self, scope: Scope) -> int | None:

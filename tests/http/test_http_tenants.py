@@ -221,3 +221,22 @@ def test_one_tenant_cannot_evict_another_tenants_responses() -> None:
         store.put(f"flood{i}", ({"role": "user", "content": "y"},), {}, owner="beta")
     assert store.get("kept", owner="alpha").document == {"id": "kept"}
     assert len(store) == 3
+
+
+def test_the_access_log_names_the_tenant_never_the_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="neuron_trio.access")
+
+    async def body() -> None:
+        config = _tenants_config(tmp_path)
+        async with serving(FakeNode(), config) as srv, h2_client(srv.url) as client:
+            assert (await _post(client, _auth("alpha-1"))).status_code == 200
+            assert (await _post(client, _auth("alpha-1", "beta"))).status_code == 403
+
+    run(body)
+    lines = [r.getMessage() for r in caplog.records if r.name == "neuron_trio.access"]
+    assert len(lines) == 2 and all("tenant=alpha" in line for line in lines), lines
+    assert not any("alpha-1" in r.getMessage() for r in caplog.records)
