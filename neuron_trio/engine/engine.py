@@ -57,6 +57,7 @@ from neuron_trio.engine.prompt_logprobs import collect_prompt_logprobs, start_pr
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
+from neuron_trio.engine.speculative import Speculator, trim_blocks, verify
 from neuron_trio.engine.text.chat import end_of_turn_ids
 from neuron_trio.engine.text.grammar import (
     GrammarCompiler,
@@ -102,6 +103,7 @@ class Engine:
         chat_template: Any = None,
         prefix_cache: bool = True,
         tool_call_format: str = "auto",
+        speculative_tokens: int = 0,
     ):
         if context > runner.context:
             raise ValueError(f"context {context} exceeds the runner's {runner.context}")
@@ -127,6 +129,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._epoch = 0  # bumped by cancel_all: a step that was in flight then is void
         self._steps = 0
+        # Prompt-lookup speculation (speculative.py): drafts of up to this many tokens; 0: off
+        self.speculator = Speculator(speculative_tokens) if speculative_tokens else None
         self._prompt_tokens_total = 0
         self._generated_tokens_total = 0
 
@@ -142,6 +146,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         kv_cache_mb: int = 0,
         prefix_cache: bool = True,
+        speculative_tokens: int = 0,
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
@@ -171,6 +176,7 @@ class Engine:
             context=context,
             prefill_chunk=prefill_chunk,
             prefix_cache=prefix_cache,
+            speculative_tokens=speculative_tokens,
         )
 
     # ---- prompts -------------------------------------------------------------------------
@@ -381,6 +387,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        plan, drafted, drafts = self._split_drafts(plan)
         rows = sampled_rows(plan)
         # Structured output: the masks of the rows sampled this step depend only on the tokens
         # so far, so they are computed on a thread of their own while the forward runs
@@ -392,6 +399,7 @@ class Engine:
         with torch.inference_mode():
             prompt_rows: dict[int, torch.Tensor] = {}  # prefill chunk -> all its logits
             logits = run_plan(self.runner, plan, prompt_rows)
+            checked = verify(self.runner, drafted, drafts) if drafted else []
             bitmask = masks.result() if masks is not None else None
             results = self._sample(rows, logits, bitmask) if rows else []
         # The forwards returned: only now is any sequence's state advanced.
@@ -403,11 +411,56 @@ class Engine:
         if prompt_rows:
             self._collect_prompt_logprobs(plan, prompt_rows)
         self._advance(plan)
-        return [
+        events = [
             self._accept(seq, result)
             for seq, result in zip(rows, results, strict=True)
             if not seq.is_finished  # cancelled while the step ran
         ]
+        for seq, seq_logits in zip(drafted, checked, strict=True):
+            if not seq.is_finished:
+                events += self._accept_draft(seq, drafts[seq.seq_id], seq_logits)
+        return events
+
+    def _split_drafts(
+        self, plan: StepPlan
+    ) -> tuple[StepPlan, list[Sequence], dict[int, list[int]]]:
+        """The decode rows that verify a draft this step (speculative.py), out of `plan`'s
+        plain decode forward; their drafts by seq_id."""
+        if self.speculator is None or not plan.decode:
+            return plan, [], {}
+        drafts = self.speculator.drafts(plan.decode, self.pool, self.runner.context)
+        if not drafts:
+            return plan, [], {}
+        drafted = [s for s in plan.decode if s.seq_id in drafts]
+        plain = [s for s in plan.decode if s.seq_id not in drafts]
+        return replace(plan, decode=plain), drafted, drafts
+
+    def _accept_draft(
+        self, seq: Sequence, draft: list[int], logits: torch.Tensor
+    ) -> list[SequenceEvent]:
+        """The tokens `seq` gets from a verified draft: position j's logits sampled as a decode
+        step would (the sequence's own sampler, penalties and logprobs included), on while the
+        token picked is the draft's; each through the finish rules, so a stop, a stop string
+        or max_tokens ends the run at its token. An auto tool call that begins ends it too
+        (the next tokens need the call's grammar)."""
+        pos = seq.decode_pos  # where the step wrote seq.last_token; the draft follows it
+        events: list[SequenceEvent] = []
+        matched = 0  # draft tokens the model agreed with
+        with torch.inference_mode():
+            for j in range(len(draft) + 1):
+                self.scheduler.cache_blocks(seq, pos + j + 1)  # what is known to be right
+                result = self.sampler.sample(logits[j : j + 1], [seq.sampling])[0]
+                events.append(self._accept(seq, result))
+                if j == len(draft) or result.token_id != draft[j]:
+                    break
+                matched += 1
+                if seq.is_finished or seq.sampling.grammar is not None:
+                    break
+        assert self.speculator is not None
+        self.speculator.record(seq, len(draft), matched)
+        if not seq.is_finished:
+            trim_blocks(seq, self.pool)
+        return events
 
     def _sample(self, rows: list[Sequence], logits: list[torch.Tensor], bitmask: Any) -> list[Any]:
         """A token for each of `rows` (forks from their parent's logits, `batch.row_logits`);

@@ -53,6 +53,7 @@ class Sequence:
     # sent with the first sampled token
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False
+    draft: Any = None  # its speculation's state (speculative.DraftState) once it proposes
 
     @property
     def num_prompt(self) -> int:
