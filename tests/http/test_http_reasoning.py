@@ -137,3 +137,19 @@ def test_chat_template_kwargs_reach_the_template_bounded() -> None:
             assert len(node.jobs) == 1
 
     run(body)
+
+
+def test_responses_reasoning_effort_reaches_the_template() -> None:
+    async def body() -> None:
+        node = FakeNode()
+        async with serving(node) as srv, h2_client(srv.url) as client:
+            ok = {"model": "fake-model", "input": "hi", "reasoning": {"effort": "low"}}
+            r = await client.post("/v1/responses", json=ok)
+            assert r.status_code == 200, r.text
+            assert r.json()["reasoning"]["effort"] == "low"
+            assert node.jobs[0].template_kwargs == (("reasoning_effort", "low"),)
+            bad = {**ok, "reasoning": {"effort": "extreme"}}
+            r = await client.post("/v1/responses", json=bad)
+            assert r.status_code == 400 and "reasoning.effort" in r.text, r.text
+
+    run(body)

@@ -73,8 +73,9 @@ class NamedFunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Reasoning(msgspec.Struct, forbid_unknown_fields=True):
-    # Accepted and ignored: neuron's models do not reason in a separate channel.
-    effort: str | None = None
+    # `effort` goes to the chat template as `reasoning_effort` (as chat's field does); the
+    # summary fields are accepted and ignored (neuron writes no summaries).
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -278,6 +279,7 @@ def parse_responses_request(
         "tools": _chat_tools(req.tools),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
     }
     choice = req.tool_choice
     if isinstance(choice, NamedFunctionChoice):
@@ -392,7 +394,10 @@ def response_object(
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {
+            "effort": req.reasoning.effort if req.reasoning is not None else None,
+            "summary": None,
+        },
         "store": req.store is not False,
         "temperature": parsed.chat.job.params.temperature,
         "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
