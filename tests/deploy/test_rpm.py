@@ -89,7 +89,7 @@ def test_spec_uses_the_packaging_macros_it_promises() -> None:
         "%systemd_postun_with_restart neuron.service",
         "%sysusers_create_compat %{SOURCE1}",
         "%config(noreplace) %attr(0640,root,neuron) %{_sysconfdir}/neuron/neuron.toml",
-        "%dir %attr(0755,neuron,neuron) %{_sharedstatedir}/neuron",
+        "%dir %attr(0700,neuron,neuron) %{_sharedstatedir}/neuron",
     ):
         assert macro in text, macro
     version = re.search(r"^Version:\s+(\S+)", text, re.M)

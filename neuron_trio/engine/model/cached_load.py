@@ -86,11 +86,6 @@ class Slots:
         recording, self.recording = self.recording, None
         if recording is None:
             return
-        try:
-            recording.check_pointers()
-        except UncacheableError as exc:
-            self._give_up(str(exc))
-            return
         if self.cache.background:
             self.phases.note("weight cache miss: storing in the background")
             self.cache.store_later(self.key, recording)
@@ -123,5 +118,5 @@ def open_slots(
         loaded = cache.load(key)
     if loaded is None:
         return Slots(phases, cache, key)
-    phases.note(f"weight cache hit: {loaded.nbytes / 1e9:.2f} GB mapped")
+    phases.note(f"weight cache hit: {loaded.nbytes / 1e9:.2f} GB read")
     return Slots(phases, cache, key, loaded.slots)

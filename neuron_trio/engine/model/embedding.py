@@ -9,10 +9,13 @@ float32 table's. Used under "auto" on the CPU when the output head does not shar
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from neuron_trio.engine.gguf import quant
+from neuron_trio.engine.model.layer_parts import LayerParts, expect, int_field
 
 
 class QuantizedEmbedding(nn.Module):
@@ -26,6 +29,19 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("rows", rows)
         self.qtype = int(qtype)
         self.dim = dim
+
+    def layer_parts(self) -> LayerParts:
+        """What the weight cache keeps of it (module_codec.py)."""
+        return LayerParts({"rows": self.rows}, {"qtype": self.qtype, "dim": self.dim})
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> QuantizedEmbedding:
+        rows, dim = parts.tensors["rows"], int_field(parts.fields, "dim")
+        if rows is None or rows.dim() != 2 or dim <= 0:
+            raise ValueError("rows: not [vocab, bytes per row], or no dim")
+        kind = quant.QType(int_field(parts.fields, "qtype"))
+        expect(rows, "rows", torch.uint8, (int(rows.shape[0]), quant.raw_nbytes(kind, dim)))
+        return cls(rows, kind, dim)
 
     @property
     def num_embeddings(self) -> int:

@@ -19,6 +19,17 @@ from torch import nn
 
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.layer_parts import (
+    LayerParts,
+    dtype_name,
+    dtype_of,
+    expect,
+    int_field,
+)
+
+# What the weight cache may keep (module_codec.py): each class says what it is made of
+# (`parts`) and is built again from that by its own constructor (`from_parts`), which checks
+# the tensors against its fields. Every method here is short; the checks are the point.
 
 
 class LinearLayer(nn.Module):
@@ -70,6 +81,16 @@ class Linear(LinearLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self._buffers["weight"])  # type: ignore[arg-type]
+
+    def layer_parts(self) -> LayerParts:
+        return LayerParts({"weight": self._buffers["weight"]})
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> Linear:
+        weight = parts.tensors["weight"]
+        if weight is None or weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError("weight: not a 2-D floating-point tensor")
+        return cls(weight)
 
 
 # At or above this many rows (prefill chunks), the int kernels lose to a dense GEMM: layers
@@ -137,6 +158,24 @@ class Int4Linear(LinearLayer):
         if dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
             return F.linear(x.to(dense.dtype), dense).to(x.dtype)
         return _INT4_MM(x, buffers["packed"], self.group, buffers["scales_zeros"])
+
+    def layer_parts(self) -> LayerParts:
+        fields = {"out_f": self.out_features, "in_f": self.in_features, "group": self.group}
+        names = ("packed", "scales_zeros", "dense")
+        return LayerParts({n: self._buffers[n] for n in names}, fields)
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> Int4Linear:
+        t, f = parts.tensors, parts.fields
+        out_f, in_f, group = (int_field(f, n) for n in ("out_f", "in_f", "group"))
+        if out_f <= 0 or in_f <= 0 or group <= 0 or in_f % group:
+            raise ValueError(f"shape {out_f} x {in_f} in groups of {group}")
+        packed, scales_zeros = t["packed"], t["scales_zeros"]
+        if packed is None or packed.numel() * packed.element_size() != out_f * in_f // 2:
+            raise ValueError("packed: not out x in / 2 bytes")  # torch's op checks its shape
+        expect(scales_zeros, "scales_zeros", torch.bfloat16, (in_f // group, out_f, 2))
+        _expect_dense(t["dense"], out_f, in_f)
+        return cls(packed, scales_zeros, out_f, in_f, group, t["dense"])  # type: ignore[arg-type]
 
 
 # The native kernel's prologues (see _cpu_kernel.c): what it does to x before the product.
@@ -242,9 +281,11 @@ class Q4Linear(NativeLinear):
         out_dtype: torch.dtype | None = None,
         one_pass: bool = False,
         coarse: bool = False,
+        tiled: bool = False,
     ) -> None:
+        """`tiled`: the tensors are already in the kernel's tiles (from_parts: the weight
+        cache's), checked against each other instead of tiled."""
         super().__init__()
-        self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
         self.kernel = kernel  # RefinedHead's refinement runs in it too (a coarse head)
         self.out_dtype = out_dtype
         centred = minimum is None and not coarse
@@ -252,15 +293,21 @@ class Q4Linear(NativeLinear):
             raise ValueError("the coarse kind is pack_q4_symmetric's: no minimum, no fifth bits")
         if centred and high is None:
             raise ValueError("a minimum of None is for 5-bit codes (Q5_0) or `coarse` only")
-        # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's tiles;
-        # a centred or coarse layer's "minimum" is its scale (a valid address the kernel never
-        # reads)
-        nibbles, scale, minimum = packing.tile_q4(
-            nibbles, scale, scale if minimum is None else minimum
-        )
+        if tiled:
+            self.out_features, self.in_features = _check_q4_tiles(nibbles, scale, minimum, high)
+            tiled_high = high
+        else:
+            self.out_features, self.in_features = scale.shape[0], nibbles.shape[1] * 2
+            # pack_q4's layout ([out, in / 2] nibbles, [out, in / 32] scales) in the kernel's
+            # tiles; a centred or coarse layer's "minimum" is its scale (a valid address the
+            # kernel never reads)
+            nibbles, scale, minimum = packing.tile_q4(
+                nibbles, scale, scale if minimum is None else minimum
+            )
+            tiled_high = None if high is None else packing.tile_high(high)
+        _expect_dense(dense, self.out_features, self.in_features)
         # the kernel's FLAG_CENTRED, FLAG_ONE_PASS and FLAG_COARSE (which implies one pass)
         self._flags = (4 if centred else 0) | (8 if one_pass or coarse else 0) | (32 * coarse)
-        tiled_high = None if high is None else packing.tile_high(high)
         self.register_buffer("nibbles", nibbles)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", None if centred or coarse else minimum)
@@ -323,6 +370,53 @@ class Q4Linear(NativeLinear):
         qs, scale, minimum = self._pointers
         return [qs, scale, minimum, self._high, 0, self.out_features, self._flags]
 
+    def layer_parts(self) -> LayerParts:
+        fields = {
+            "out_dtype": dtype_name(self.out_dtype),
+            "one_pass": bool(self._flags & 8),
+            "coarse": bool(self._flags & 32),
+        }
+        return LayerParts({n: self._buffers[n] for n in (*self.KERNEL_BUFFERS, "dense")}, fields)
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> Q4Linear:
+        if kernel is None:
+            raise ValueError("Q4Linear needs the native kernel, which is not here")
+        t, f = parts.tensors, parts.fields
+        nibbles, scale = t["nibbles"], t["scale"]
+        if nibbles is None or scale is None:
+            raise ValueError("nibbles and scale are required")
+        return cls(
+            kernel, nibbles, scale, t["minimum"], t["dense"], t["high"],
+            out_dtype=dtype_of(f["out_dtype"]), one_pass=bool(f["one_pass"]),
+            coarse=bool(f["coarse"]), tiled=True,
+        )  # fmt: skip
+
+
+def _check_q4_tiles(
+    nibbles: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor | None,
+    high: torch.Tensor | None,
+) -> tuple[int, int]:
+    """(out, in) of tile_q4's (and tile_high's) tensors; ValueError unless every one has the
+    dtype and shape the kernel reads for them."""
+    if nibbles.dim() != 5:
+        raise ValueError(f"nibbles: {tuple(nibbles.shape)} is not tile_q4's 5-D layout")
+    tiles, groups = int(nibbles.shape[0]), int(nibbles.shape[1])
+    expect(nibbles, "nibbles", torch.uint8, (tiles, groups, 4, packing.Q4_TILE, 4))
+    expect(scale, "scale", torch.float16, (tiles, groups, packing.Q4_TILE))
+    if minimum is not None:
+        expect(minimum, "minimum", torch.float16, (tiles, groups, packing.Q4_TILE))
+    if high is not None:
+        expect(high, "high", torch.uint8, (tiles, groups, 8, 4))
+    return tiles * packing.Q4_TILE, groups * packing.INT4_GROUP
+
+
+def _expect_dense(dense: torch.Tensor | None, out_f: int, in_f: int) -> None:
+    if dense is not None and (tuple(dense.shape) != (out_f, in_f) or not dense.is_floating_point()):
+        raise ValueError(f"dense: {tuple(dense.shape)}, expected a float ({out_f}, {in_f})")
+
 
 # The kernel's FLAG_GLU_ROUNDED for int8 layers: their SwiGLU of bfloat16 rows rounds as torch's
 # did when it ran first. Measured on the parity prompts (top-1 agreement with float32, 192
@@ -350,13 +444,21 @@ class Q8Linear(NativeLinear):
         dense: torch.Tensor | None = None,
         *,
         keep_dtype: bool = False,
+        group_sums: torch.Tensor | None = None,
     ) -> None:
+        """With `group_sums`, `weight` is already in the kernel's tiles (from_parts: the weight
+        cache's), checked against the sums and scales instead of tiled."""
         super().__init__()
-        self.register_buffer("dense", dense)
         self.keep_dtype = keep_dtype
-        self.out_features, self.in_features = weight.shape
-        tiled, scale = packing.tile_q8(weight), scale.float().contiguous()
-        sums = packing.q8_group_sums(weight)
+        if group_sums is not None:
+            self.out_features, self.in_features = _check_q8_tiles(weight, scale, group_sums)
+            tiled, sums = weight, group_sums
+        else:
+            self.out_features, self.in_features = weight.shape
+            tiled, scale = packing.tile_q8(weight), scale.float().contiguous()
+            sums = packing.q8_group_sums(weight)
+        _expect_dense(dense, self.out_features, self.in_features)
+        self.register_buffer("dense", dense)
         self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
         self.register_buffer("scale", scale)  # [out]
         self.register_buffer("group_sums", sums)
@@ -401,6 +503,35 @@ class Q8Linear(NativeLinear):
         weight, scale, sums = self._pointers
         return [weight, scale, 0, 0, sums, self.out_features, _Q8_FLAGS]
 
+    def layer_parts(self) -> LayerParts:
+        names = (*self.KERNEL_BUFFERS, "dense")
+        return LayerParts({n: self._buffers[n] for n in names}, {"keep_dtype": self.keep_dtype})
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> Q8Linear:
+        if kernel is None:
+            raise ValueError("Q8Linear needs the native kernel, which is not here")
+        t = parts.tensors
+        weight, scale, sums = t["weight"], t["scale"], t["group_sums"]
+        if weight is None or scale is None or sums is None:
+            raise ValueError("weight, scale and group_sums are required")
+        keep = bool(parts.fields["keep_dtype"])
+        return cls(kernel, weight, scale, t["dense"], keep_dtype=keep, group_sums=sums)
+
+
+def _check_q8_tiles(
+    weight: torch.Tensor, scale: torch.Tensor, sums: torch.Tensor
+) -> tuple[int, int]:
+    """(out, in) of tile_q8's weight with its scales and q8_group_sums; ValueError unless each
+    has the dtype and shape the kernel reads."""
+    if weight.dim() != 5:
+        raise ValueError(f"weight: {tuple(weight.shape)} is not tile_q8's 5-D layout")
+    tiles, groups = int(weight.shape[0]), int(weight.shape[1])
+    expect(weight, "weight", torch.int8, (tiles, groups, 8, packing.Q4_TILE, 4))
+    expect(scale, "scale", torch.float32, (tiles * packing.Q4_TILE,))
+    expect(sums, "group_sums", torch.int32, (tiles, groups, packing.Q4_TILE))
+    return tiles * packing.Q4_TILE, groups * packing.INT4_GROUP
+
 
 class StackedLinear(LinearLayer):
     """One projection whose output rows are held by several layers, one after the other: a
@@ -416,6 +547,18 @@ class StackedLinear(LinearLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _joined([part(x) for part in self.parts])
+
+    def layer_parts(self) -> LayerParts:
+        return LayerParts({}, children=tuple(self.parts))
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> StackedLinear:
+        layers = [c for c in parts.children if isinstance(c, LinearLayer)]
+        if not layers or len(layers) != len(parts.children):
+            raise ValueError("a stack of projections needs at least one, and only those")
+        if any(layer.in_features != layers[0].in_features for layer in layers):
+            raise ValueError("the parts of a stack read inputs of different widths")
+        return cls(layers)
 
     def normed(
         self,
@@ -463,6 +606,19 @@ class Int8Linear(LinearLayer):
             return F.linear(x.to(dense.dtype), dense)
         return _INT8_MM(x, buffers["weight"], buffers["scales"])
 
+    def layer_parts(self) -> LayerParts:
+        return LayerParts({n: self._buffers[n] for n in ("weight", "scales", "dense")})
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> Int8Linear:
+        t = parts.tensors
+        weight, scales = t["weight"], t["scales"]
+        if weight is None or weight.dim() != 2 or weight.dtype != torch.int8:
+            raise ValueError("weight: not a 2-D int8 tensor")
+        expect(scales, "scales", torch.bfloat16, (weight.shape[0],))
+        _expect_dense(t["dense"], weight.shape[0], weight.shape[1])
+        return cls(weight, scales, t["dense"])  # type: ignore[arg-type]
+
 
 class RefinedHead(nn.Module):
     """The output head under "auto" on CPU: a coarse pass over the whole vocabulary through a
@@ -499,6 +655,26 @@ class RefinedHead(nn.Module):
         fits = table.dtype in kinds and table.is_contiguous() and table.device.type == "cpu"
         native = fits and isinstance(coarse, (Q8Linear, Q4Linear))
         self._kernel: Any = coarse.kernel if native else None
+
+    def layer_parts(self) -> LayerParts:
+        fields = {"refine": self.refine, "q8_dim": self.q8_dim}
+        return LayerParts({"table": self._buffers["table"]}, fields, (self.coarse,))
+
+    @classmethod
+    def from_parts(cls, parts: LayerParts, kernel: Any = None) -> RefinedHead:
+        table, (coarse,) = parts.tensors["table"], parts.children
+        refine, q8_dim = int_field(parts.fields, "refine"), int_field(parts.fields, "q8_dim")
+        if table is None or table.dim() != 2:
+            raise ValueError("table: not a 2-D tensor")
+        vocab, dim = int(table.shape[0]), q8_dim or int(table.shape[1])
+        if q8_dim:  # the kernel's refine reads whole Q8_0 rows of q8_dim
+            row = quant.raw_nbytes(quant.QType.Q8_0, q8_dim)
+            expect(table, "table", torch.uint8, (vocab, row))
+        if not 0 < refine <= vocab or not isinstance(coarse, LinearLayer):
+            raise ValueError(f"refine {refine} of {vocab}, or a coarse pass that is no layer")
+        if (coarse.out_features, coarse.in_features) != (vocab, dim):
+            raise ValueError("the coarse pass and the table disagree on the head's shape")
+        return cls(coarse, table, refine, q8_dim=q8_dim)
 
     def _rows(self, index: torch.Tensor | slice) -> torch.Tensor:
         """Table rows as float32 (or the dense table's dtype): `index` a tensor or a slice."""

@@ -1,39 +1,47 @@
-"""The packed-weight cache: a model's built layers on disk, memory-mapped at the next start.
+"""The packed-weight cache: a model's built layers on disk, read back at the next start.
 
 Under dtype "auto" on the CPU most of a load is dequantising every GGUF tensor to float32 and
 packing it again for the kernels (~20 s of CPU for a 0.5B Q4_K_M file on 2 cores). The
 result depends only on the file and on this build's code, so the first load writes it to one
-file here (`WeightCache.store`) and later loads map that file (`WeightCache.load`): the
-tensors are views of the mapping (copy-on-write, never written), read from the page cache on
-first touch, so a warm start costs little more than mapping it.
+file here (`WeightCache.store`) and later loads read it back (`WeightCache.load`) into
+memory of their own, whose views the restored layers hold. The file is read, not mapped, so
+that nothing done to it later can take pages from under a running model: a mapped file cut
+short (even its pages already copied on write: truncation takes those too) faults with
+SIGBUS, which killed the node. The copy costs ~1.5-2 s per GB on this 2-core machine under
+load, against ~0.25 s to map and check it (bench/bench_startup.py; STACK-NOTES.md).
 
 Keyed by `snapshot_key`: the GGUF file (size, mtime, header bytes with every tensor's name,
 type, shape and offset, its last MiB), the scheme and device, and this build (torch's
 version, the native kernel's binary and instruction set, and the source of every module that
 decides what a packed layer holds: a changed packing is a new key, never a stale layout).
 
+What a file holds: module_codec's typed nodes (each layer's class from a fixed table, its
+tensors by index, its plain fields; no addresses) and the tensors, each layer built again by
+its own constructor, which checks the tensors against its fields.
+
 Robustness: a file is written to a temporary name and renamed into place (a reader sees a
-whole file or none); its header names its key and layout version and has a CRC-32; the data
-carries a checksum (the sum of its 64-bit words) checked before use. A file that is truncated, corrupt,
-of another version or unreadable is logged, removed and ignored: the load packs as if there
-were no cache. Writing failures (a full disk) are logged and cost only the cache. The
-directory is bounded (`max_bytes`): the least recently used files go first.
+whole file or none), readable by this user only (0600, in a 0700 directory); its header names
+its key and layout version and carries an XXH3-64 of itself, the data an XXH3-128 (xxhash:
+fast enough to check at every start, ~3 GB/s here, and a real hash: moved or swapped regions
+are a miss, which a sum of words was not) checked before use. A file that is truncated,
+corrupt, of another version or unreadable is logged, removed and ignored: the load packs as
+if there were no cache. Writing failures (a full disk) are logged and cost only the cache.
+The directory is bounded (`max_bytes`): the least recently used files go first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import logging
-import mmap
 import os
 import secrets
 import struct
 import threading
 import time
-import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -41,22 +49,32 @@ from typing import Any
 
 import msgspec
 import torch
+import xxhash
 
 from neuron_trio.engine.gguf import file as gguf_file
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model import embedding, linear, module_codec, packing, transformer
-from neuron_trio.engine.model.module_codec import Snapshot, SnapshotError
+from neuron_trio.engine.model import (
+    embedding,
+    layer_parts,
+    linear,
+    module_codec,
+    packing,
+    transformer,
+)
+from neuron_trio.engine.model.module_codec import Node, Snapshot, SnapshotError
 
 log = logging.getLogger(__name__)
 
 # Bump when the file format changes (what module_codec writes is covered by its source).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = b"NTWCACHE"
 SUFFIX = ".nwc"
-_PREFIX = struct.Struct("<8sQI")  # magic, header length, the header's CRC-32
+_PREFIX = struct.Struct("<8sQQ")  # magic, header length, the header's XXH3-64
 _HEADER_MAX = 64 << 20  # a header past this is corrupt (the 0.5B model's is ~100 KiB)
 _DATA_ALIGN = 4096  # the data region starts on a page
+_READ_CHUNK = 1 << 30  # one read(2) moves at most ~2 GiB on Linux: read in chunks of this
+_FILE_MODE, _DIR_MODE = 0o600, 0o700  # cached weights are the operator's: nobody else reads them
 _TENSOR_ALIGN = 64  # and each tensor on a cache line, as torch's allocator aligns them
 _ARRAY_SLOT = "array"  # the one slot of a `store_array` entry
 _TAIL_BYTES = 1 << 20
@@ -78,9 +96,9 @@ class CacheHeader(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     key: str
     tensors: list[TensorEntry]
-    slots: dict[str, Any]  # module_codec's encoding of each slot
+    slots: dict[str, Node]  # module_codec's typed node of each slot
     data_bytes: int
-    checksum: int  # the data region's 64-bit words summed, modulo 2**64
+    digest: str  # the data region's XXH3-128, hex
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,7 @@ def build_digest() -> str:
             packing,
             transformer,
             embedding,
+            layer_parts,
             module_codec,
             quant,
             gguf_file,
@@ -140,15 +159,36 @@ def snapshot_key(gf: GGUFFile, scheme: str, device: torch.device, options: str) 
     return digest.hexdigest()
 
 
-def _word_sum(data: torch.Tensor) -> int:
-    """Sum of `data`'s bytes as little-endian 64-bit words (zero-padded), modulo 2**64."""
-    flat = data.reshape(-1).view(torch.uint8)
-    whole = flat.numel() // 8 * 8
-    total = int(flat[:whole].view(torch.int64).sum()) if whole else 0
-    if whole < flat.numel():
-        tail = bytes(flat[whole:].tolist()) + bytes(8 - (flat.numel() - whole))
-        total += int.from_bytes(tail, "little", signed=True)
-    return total % (1 << 64)
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    view: memoryview = t.reshape(-1).view(torch.uint8).numpy().data
+    return view
+
+
+def _private_bytes(n: int) -> torch.Tensor:
+    """`n` bytes of this process's own (anonymous) memory, for the file to be read into.
+    Not advised for 2 MiB pages: under THP's "madvise" defrag a fault there may wait for
+    compaction (0.4-3 s for 320 MB here, against 0.5-0.7 s in 4 KiB pages)."""
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def _read_exactly(f: Any, into: memoryview) -> None:
+    """Fill `into` from `f` (a raw file); ValueError if the file ends first (truncated)."""
+    done = 0
+    while done < len(into):
+        n = f.readinto(into[done : done + _READ_CHUNK])
+        if not n:
+            raise ValueError(f"the file ends {len(into) - done} bytes early")
+        done += n
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` and any missing parent as 0700; an existing `path` is made 0700 too."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=_DIR_MODE)
+    with contextlib.suppress(OSError):  # not ours to change: left as it is
+        os.chmod(path, _DIR_MODE)
 
 
 def _writer_alive(temp_name: str) -> bool:
@@ -168,6 +208,44 @@ def _writer_alive(temp_name: str) -> bool:
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _read_header(f: Any, key: str) -> tuple[CacheHeader, int]:
+    """The header of the cache file open as `f` (checked: magic, size, hash, version, key)
+    and where its data starts; ValueError if any is wrong."""
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) != _PREFIX.size:
+        raise ValueError(f"{size} bytes: not even a header")
+    magic, header_len, header_hash = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ValueError("not a weight cache file (bad magic)")
+    if header_len > min(_HEADER_MAX, size):
+        raise ValueError(f"a header of {header_len} bytes in a file of {size}")
+    raw_header = f.read(header_len)
+    if xxhash.xxh3_64_intdigest(raw_header) != header_hash:
+        raise ValueError("header checksum mismatch")
+    header = msgspec.msgpack.decode(raw_header, type=CacheHeader)
+    if header.version != LAYOUT_VERSION or header.key != key:
+        raise ValueError(f"version {header.version}, key {header.key}: not this entry")
+    data_start = _align(_PREFIX.size + header_len, _DATA_ALIGN)
+    if size != data_start + header.data_bytes:
+        raise ValueError(f"{size} bytes, expected {data_start + header.data_bytes}")
+    return header, data_start
+
+
+def _data_chunks(tensors: list[torch.Tensor], entries: list[TensorEntry]) -> Iterator[Any]:
+    """The data region's bytes in order: each tensor's, after the padding that aligns it."""
+    at = 0
+    for t, entry in zip(tensors, entries, strict=True):
+        if entry.offset > at:
+            yield bytes(entry.offset - at)
+        if entry.nbytes:
+            yield _bytes_of(t)
+        at = entry.offset + entry.nbytes
+    end = _align(at, _TENSOR_ALIGN)
+    if end > at:
+        yield bytes(end - at)
 
 
 class WeightCache:
@@ -200,7 +278,7 @@ class WeightCache:
     # ---- reading -----------------------------------------------------------------------
 
     def load(self, key: str) -> LoadedSnapshot | None:
-        """The snapshot stored under `key`, its tensors views of the mapped file; None if
+        """The snapshot stored under `key`, its tensors views of memory it was read into; None if
         there is none, or if it is unusable (logged, and the file removed)."""
         path = self.path(key)
         try:
@@ -222,37 +300,21 @@ class WeightCache:
             return None
 
     def _load(self, path: Path, key: str) -> LoadedSnapshot:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            magic, header_len, header_crc = _PREFIX.unpack(f.read(_PREFIX.size))
-            if magic != MAGIC:
-                raise ValueError("not a weight cache file (bad magic)")
-            if header_len > min(_HEADER_MAX, size):
-                raise ValueError(f"a header of {header_len} bytes in a file of {size}")
-            raw_header = f.read(header_len)
-            if zlib.crc32(raw_header) != header_crc:
-                raise ValueError("header checksum mismatch")
-            header = msgspec.msgpack.decode(raw_header, type=CacheHeader)
-            if header.version != LAYOUT_VERSION or header.key != key:
-                raise ValueError(f"version {header.version}, key {header.key}: not this entry")
-            data_start = _align(_PREFIX.size + header_len, _DATA_ALIGN)
-            if size != data_start + header.data_bytes:
-                raise ValueError(f"{size} bytes, expected {data_start + header.data_bytes}")
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        region = (
-            torch.frombuffer(mapping, dtype=torch.uint8, offset=data_start, count=header.data_bytes)
-            if header.data_bytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        if _word_sum(region) != header.checksum:
-            raise ValueError("checksum mismatch")
-        # The check read every page into this process, and they stay mapped (handing them back
-        # with madvise(DONTNEED) lowers the RSS after load, but the warm-up faults them in
-        # again: on a busy machine it looked slower, so the pages stay).
+        with open(path, "rb", buffering=0) as f:
+            header, data_start = _read_header(f, key)
+            region = _private_bytes(header.data_bytes)
+            f.seek(data_start)
+            _read_exactly(f, _bytes_of(region))
+            if f.read(1):
+                raise ValueError("the file goes on past its data")
+        # Checked in memory of our own: whatever happens to the file from now on, the
+        # layers read what was checked.
+        if xxhash.xxh3_128_hexdigest(_bytes_of(region)) != header.digest:
+            raise ValueError("data checksum mismatch")
         tensors = [self._tensor(region, entry) for entry in header.tensors]
         slots = {name: module_codec.decode(node, tensors) for name, node in header.slots.items()}
         os.utime(path)  # recently used: evicted last
-        return LoadedSnapshot(slots=slots, nbytes=size)
+        return LoadedSnapshot(slots=slots, nbytes=data_start + header.data_bytes)
 
     @staticmethod
     def _tensor(region: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -284,9 +346,12 @@ class WeightCache:
             dtype = str(t.dtype).removeprefix("torch.")
             entries.append(TensorEntry(dtype, list(t.shape), offset, nbytes))
             offset = _align(offset + nbytes, _TENSOR_ALIGN)
-        checksum = sum(_word_sum(t) for t in snapshot.tensors if t.numel()) % (1 << 64)
+        data = list(_data_chunks(snapshot.tensors, entries))
+        digest = xxhash.xxh3_128()
+        for chunk in data:
+            digest.update(chunk)
         header = msgspec.msgpack.encode(
-            CacheHeader(LAYOUT_VERSION, key, entries, snapshot.slots, offset, checksum)
+            CacheHeader(LAYOUT_VERSION, key, entries, snapshot.slots, offset, digest.hexdigest())
         )
         data_start = _align(_PREFIX.size + len(header), _DATA_ALIGN)
         total = data_start + offset
@@ -300,17 +365,15 @@ class WeightCache:
             return None
         temp = self.directory / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.directory)
             self.evict(room_for=total)
-            with open(temp, "wb") as f:
-                f.write(_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)))
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_PREFIX.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
                 f.write(header)
                 f.write(bytes(data_start - f.tell()))
-                for t, entry in zip(snapshot.tensors, entries, strict=True):
-                    f.write(bytes(data_start + entry.offset - f.tell()))  # alignment padding
-                    if entry.nbytes:
-                        f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-                f.write(bytes(total - f.tell()))
+                for chunk in data:
+                    f.write(chunk)
             os.replace(temp, self.path(key))
         except OSError as exc:
             log.warning("weight cache: could not write %s (%s); not cached", self.path(key), exc)
@@ -319,8 +382,8 @@ class WeightCache:
         return total
 
     def load_array(self, key: str) -> torch.Tensor | None:
-        """The single tensor `store_array` kept under `key` (a view of the mapped file), or
-        None."""
+        """The single tensor `store_array` kept under `key` (a view of the memory it was read
+        into), or None."""
         loaded = self.load(key)
         value = None if loaded is None else loaded.slots.get(_ARRAY_SLOT)
         return value if isinstance(value, torch.Tensor) else None
