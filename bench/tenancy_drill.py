@@ -325,7 +325,7 @@ class Flood:
 
     def start(self) -> None:
         jobs: list[Callable[[], None]] = [self._long_streams] * self.streams
-        jobs += [self._slow_schemas, self._slow_schemas, self._huge_patterns, self._resets]
+        jobs += [self._slow_schemas, self._huge_patterns, self._resets]
         for job in jobs:
             thread = threading.Thread(target=job, daemon=True)
             thread.start()
@@ -377,14 +377,19 @@ class Flood:
                 body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}  # fmt: skip
                 yield body
 
-        self._post_loop("huge pattern", bodies(), 40)
+        self._post_loop("huge pattern", bodies(), 20)
 
-    def _resets(self, connections: int = 10, per: int = 1000) -> None:
-        for _ in range(30):
+    def _resets(self, rounds: int = 3, connections: int = 10, per: int = 1000) -> None:
+        """Rounds of `connections` × `per` HTTP/2 rapid resets, 5 s apart."""
+        for _ in range(rounds):
             for _ in range(connections):
                 if self.stop.is_set():
                     return
-                client = RawH2(self.target)
+                try:
+                    client = RawH2(self.target)
+                except OSError as exc:
+                    self.count("rapid reset connection", type(exc).__name__)
+                    continue
                 for _ in range(per):
                     if client.closed:
                         break
@@ -394,6 +399,8 @@ class Flood:
                 client.drain(0.5)
                 self.count("rapid reset connection", client.outcome())
                 client.close()
+            if self.stop.wait(5.0):
+                return
 
 
 # --- the drill ------------------------------------------------------------------------------

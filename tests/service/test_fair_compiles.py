@@ -99,7 +99,7 @@ def test_the_same_schema_of_two_tenants_is_compiled_in_each_ones_turn() -> None:
             nursery.start_soon(compiles.compile, schema, "a")  # shares a's job
             nursery.start_soon(compiles.compile, schema, "b")  # its own, in b's lane
             await trio.testing.wait_all_tasks_blocked()
-            assert [job.lane for job in lanes.jobs] == ["a", "b"]
+            assert sorted(job.lane for job in lanes.jobs) == ["a", "b"]  # trio starts in any order
             assert compiles.statistics().shared == 1
             for job in lanes.jobs:
                 job._run()
