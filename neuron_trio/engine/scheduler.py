@@ -19,10 +19,12 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   Prefill chunks never preempt running decodes; they wait. `Engine.validate` refuses a
   request that could not fit in the pool alone, so the oldest sequence always progresses;
 - with tenants (`fair`, engine/fair_share.py), prefills go lightest tenant first (oldest
-  first within a tenant), and the pool's shortage is taken from the tenant with the largest
-  virtual token counter: a row may preempt any younger sequence, or an older one of a tenant
-  that has received more service than its own; among those, the heaviest tenant's youngest
-  (itself, if that is it). One tenant (or none): exactly the rules above;
+  first within a tenant; a heavier tenant's chunk joins a lighter one's step no wider than
+  it, so a flood of long prompts does not pad another tenant's first token), and the pool's
+  shortage is taken from the tenant with the largest virtual token counter: a row may
+  preempt any younger sequence, or an older one of a tenant that has received more service
+  than its own; among those, the heaviest tenant's youngest (itself, if that is it). One
+  tenant (or none): exactly the rules above;
 - `cache_blocks` (after a step) registers the blocks that became full in the prefix cache;
 - `release` gives a finished or cancelled sequence's blocks back at once.
 """
@@ -156,6 +158,10 @@ class Scheduler:
             if seq.seq_id not in self._looked_up:
                 self._reuse_cached_prefix(seq)
             end = min(seq.prefill_len, seq.prefilled + room)
+            if prefill and self._heavier(seq, prefill[0].seq):
+                # A lighter tenant's prefill leads this step: a heavier tenant's row joins it
+                # without widening the batch (its long prompt does not pad the other's step).
+                end = min(end, seq.prefilled + width)
             if decode or prefill:  # only the blocks free now: younger rows wait, in order
                 end = min(end, (len(seq.blocks) + self.pool.available) * BLOCK_TOKENS)
                 self._grow(seq, end, preempted, may_preempt=False)
@@ -166,6 +172,15 @@ class Scheduler:
             prefill.append(PrefillChunk(seq, seq.prefilled, end))
             width = max(width, end - seq.prefilled)
         return StepPlan(decode, prefill, preempted)
+
+    def _heavier(self, seq: Sequence, than: Sequence) -> bool:
+        """`seq`'s tenant has received more service than `than`'s (another tenant's)."""
+        fair = self.fair
+        return (
+            fair is not None
+            and seq.tenant != than.tenant
+            and fair.counter(seq.tenant) > fair.counter(than.tenant)
+        )
 
     def _prefill_order(self) -> list[Sequence]:
         """The prefilling sequences, oldest first; with tenants, the lightest tenant's first

@@ -100,6 +100,22 @@ def test_prefills_go_lightest_tenant_first_oldest_first_within_one() -> None:
     assert [c.seq.seq_id for c in sched.schedule().prefill] == [1]
 
 
+def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -> None:
+    sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(64 + RESERVED_BLOCKS))
+    fair = FairShare()
+    for t in ("heavy", "light"):
+        fair.arrive(t)
+    fair.charge("heavy", prompt=1000)
+    sched.fair = fair
+    long, short = _seq(1, 500, "heavy"), _seq(2, 36, "light")
+    for seq in (long, short):
+        sched.admit(seq)
+    spans = [(c.seq.seq_id, c.start, c.end) for c in sched.schedule().prefill]
+    # first come, first served: (1, 0, 256) alone, the light prompt a step later; joined
+    # without the rule: (2, 0, 36), (1, 0, 128): the light row padded to 128
+    assert spans == [(2, 0, 36), (1, 0, 36)]
+
+
 def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
     engine, _ = _engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
     fair = FairShare()
