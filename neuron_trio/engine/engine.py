@@ -70,6 +70,7 @@ from neuron_trio.engine.text.grammar import (
 from neuron_trio.engine.text.reasoning import (
     ReasoningSplitter,
     prompt_opens_thinking,
+    think_tag_ids,
     thinks_in_tags,
 )
 from neuron_trio.engine.text.textgen import TextPipeline
@@ -285,7 +286,10 @@ class Engine:
         seq.sampling = SamplingState(params, prompt)
         if params.prompt_logprobs:
             start_prompt_logprobs(seq, self.tokenizer.token_text)
+        seq.reasoning = self._reasoning_for(prompt, params, chat)
         markers = tool_marker_ids(self.tokenizer) if params.tools else ()
+        if seq.reasoning is not None:  # the splitter must see the tags, special or not
+            markers = (*markers, *think_tag_ids(self.tokenizer))
         seq.text = TextPipeline.for_tokenizer(self.tokenizer, params.stop, prompt, markers)
         if params.constraint is not None:
             seq.sampling.grammar = self.compile_constraint(params.constraint)  # a cache hit
@@ -295,12 +299,20 @@ class Engine:
             )
             if params.constraint is None:  # auto: constrain a call once it begins
                 seq.tool_calls.watcher = CallStartWatcher(self.tool_format, self.tokenizer)
-        # A constrained answer is what its grammar says from the first token: no thinking.
-        if chat and params.constraint is None and thinks_in_tags(self.chat_template.source):
-            # enough tokens to spell `<think>\n` even one byte a token
-            tail = self.tokenizer.decode(prompt[-12:], skip_special_tokens=False)
-            seq.reasoning = ReasoningSplitter(inside=prompt_opens_thinking(tail))
         return seq
+
+    def _reasoning_for(
+        self, prompt: list[int], params: SamplingParams, chat: bool
+    ) -> ReasoningSplitter | None:
+        """The thinking splitter of a chat whose template thinks in tags; None for a
+        constrained answer (its grammar says what it is from the first token: no thinking)."""
+        if not chat or params.constraint is not None:
+            return None
+        if not thinks_in_tags(self.chat_template.source):
+            return None
+        # enough tokens to spell `<think>\n` even one byte a token
+        tail = self.tokenizer.decode(prompt[-12:], skip_special_tokens=False)
+        return ReasoningSplitter(inside=prompt_opens_thinking(tail))
 
     def cancel(self, seq_id: int) -> None:
         """Drop a request's sequences now; their blocks are free for the next `add`. Unknown

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent, ToolFunction
+from tests.engine import tiny_families
 from tests.engine.scripted_model import engine_for, generate, script
 from tests.engine.tiny_families import write_tiny_family
 
@@ -96,3 +97,18 @@ def test_a_constrained_answer_is_not_thinking(qwen3: Path) -> None:
         generate(engine, dataclasses.replace(AUTO, constraint=required))
     )
     assert reasoning == "" and content == "" and [n for n, _ in calls] == ["get_weather"]
+
+
+def test_think_tags_held_as_special_tokens_still_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF may mark `<think>` and `</think>` as control tokens, which the answer's text
+    would not show: the splitter must see them all the same."""
+    fam = tiny_families.FAMILIES["qwen3"]
+    tags = dataclasses.replace(fam, specials=(*fam.specials, "<think>", "</think>"))
+    monkeypatch.setitem(tiny_families.FAMILIES, "qwen3", tags)
+    engine = engine_for(write_tiny_family(tmp_path / "qwen3-tags.gguf", "qwen3"), QWEN3_TEMPLATE)
+    assert engine.tokenizer.token_to_id("</think>") in engine.tokenizer.special_ids
+    ids = script(engine, "<think>Hmm.</think>Hello!")
+    assert ids[0] == engine.tokenizer.token_to_id("<think>")
+    assert _parts(generate(engine, GREEDY)) == ("Hmm.", "Hello!", [])

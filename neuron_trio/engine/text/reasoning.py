@@ -15,7 +15,9 @@ the thinking is parsed from the answer, and one mentioned in the thinking is not
 
 from __future__ import annotations
 
-__all__ = ["ReasoningSplitter", "prompt_opens_thinking", "thinks_in_tags"]
+from typing import Any
+
+__all__ = ["ReasoningSplitter", "prompt_opens_thinking", "think_tag_ids", "thinks_in_tags"]
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -23,6 +25,13 @@ OPEN, CLOSE = "<think>", "</think>"
 def thinks_in_tags(template_source: str | None) -> bool:
     """Whether a chat template's model thinks in `<think>` tags."""
     return template_source is not None and CLOSE in template_source
+
+
+def think_tag_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The think tags that the vocabulary holds as special tokens (a GGUF may mark them
+    control tokens): shown as text, so that the splitter sees them."""
+    ids = (tokenizer.token_to_id(tag) for tag in (OPEN, CLOSE))
+    return tuple(i for i in ids if i is not None and i in tokenizer.special_ids)
 
 
 def prompt_opens_thinking(prompt_tail: str) -> bool:
