@@ -130,6 +130,17 @@ class WatchdogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 TpConfig = WatchdogConfig  # the old name, for code written against [tp]
 
 
+class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A model's `[default_models.speculative]`: decode steps verify a draft of the next
+    tokens in one forward (engine/speculative.py); greedy and sampled output unchanged."""
+
+    # "ngram": prompt lookup, the draft copied from where the text's last tokens occurred
+    # before (code edits, quoted documents, extracted fields)
+    method: Literal["ngram"] = "ngram"
+    # the most tokens a draft has (each sequence adapts below it to its acceptance)
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+
+
 class WatchdogOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A model's `watchdog = {...}`: the `[watchdog]` keys it sets for itself."""
 
@@ -209,6 +220,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # This model's own watchdog deadlines, over `[watchdog]`'s (e.g. a long prefill on a CPU:
     # `watchdog = {step_timeout_s = 120}`); None: the node's.
     watchdog: WatchdogOverride | None = None
+    # Speculative decoding (`speculative = {method = "ngram", num_tokens = 4}`); None: off.
+    speculative: SpeculativeConfig | None = None
 
 
 class NeuronConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -384,6 +384,8 @@ class Engine:
             prefix_cache_queries_tokens=pool.query_tokens,
             prefix_cache_hits_tokens=pool.hit_tokens,
             preemptions=self.scheduler.preemptions,
+            speculative_proposed_tokens=self.speculator.counts.proposed if self.speculator else 0,
+            speculative_accepted_tokens=self.speculator.counts.accepted if self.speculator else 0,
         )
 
     # ---- stepping ------------------------------------------------------------------------

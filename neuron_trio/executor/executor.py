@@ -320,6 +320,7 @@ def build_executor(
             prefill_chunk=PREFILL_CHUNK,
             prefix_cache=spec.prefix_cache,
             tool_call_format=spec.tool_call_format,
+            speculative_tokens=spec.speculative.num_tokens if spec.speculative else 0,
         )
     return Executor(
         name=spec.name,

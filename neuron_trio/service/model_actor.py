@@ -39,7 +39,12 @@ from neuron_trio.service.executor_calls import ExecutorCalls
 from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
 from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
 from neuron_trio.service.model_state import ModelState
-from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, ModelMemory
+from neuron_trio.service.node_document import (
+    KVCacheInfo,
+    ModelInfo,
+    ModelMemory,
+    SpeculationInfo,
+)
 from neuron_trio.service.prompt_intake import prepare_job_prompt
 from neuron_trio.service.request_table import ActorRequest, RequestTable
 from neuron_trio.service.tenant_limits import TenantLimitError, TenantPolicy
@@ -203,6 +208,7 @@ class ModelActor:
             slots_in_use=stats.engine.slots_in_use,
             slots_total=stats.slots_total,
             kv_cache=KVCacheInfo.from_statistics(stats.engine, prefix_cache=self.spec.prefix_cache),
+            speculative=self._speculation(stats.engine),
             running=stats.running,
             queued=stats.queued,
             max_queue=self.max_queue,
@@ -215,6 +221,12 @@ class ModelActor:
             last_error=self._last_error,
             watchdog=self.watchdog.statistics() if self.watchdog is not None else None,
         )
+
+    def _speculation(self, engine: EngineStatistics) -> SpeculationInfo | None:
+        config = self.spec.speculative
+        if config is None:
+            return None
+        return SpeculationInfo.from_statistics(engine, config.method, config.num_tokens)
 
     # ---- requests ------------------------------------------------------------------------
 

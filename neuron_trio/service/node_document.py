@@ -36,6 +36,7 @@ __all__ = [
     "NodeInfo",
     "NodeWatchdog",
     "RankInfo",
+    "SpeculationInfo",
     "WatchdogStatistics",
 ]
 
@@ -78,6 +79,29 @@ class KVCacheInfo(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class SpeculationInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's speculative decoding in `/v1/node` ([default_models.speculative])."""
+
+    method: str = "ngram"
+    num_tokens: int = 0  # the most tokens a draft has
+    proposed_tokens: int = 0  # draft tokens verified (counter)
+    accepted_tokens: int = 0  # ... kept (counter)
+    acceptance_rate: float | None = None  # accepted / proposed; None before any draft
+
+    @classmethod
+    def from_statistics(
+        cls, engine: EngineStatistics, method: str, num_tokens: int
+    ) -> SpeculationInfo:
+        proposed, accepted = engine.speculative_proposed_tokens, engine.speculative_accepted_tokens
+        return cls(
+            method=method,
+            num_tokens=num_tokens,
+            proposed_tokens=proposed,
+            accepted_tokens=accepted,
+            acceptance_rate=round(accepted / proposed, 4) if proposed else None,
+        )
+
+
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A model's entry in `/v1/node` (and the answer to a run-time load)."""
 
@@ -93,6 +117,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     slots_in_use: int = 0
     slots_total: int = 0
     kv_cache: KVCacheInfo | None = None  # None from a node older than the paged KV cache
+    speculative: SpeculationInfo | None = None  # None: speculation off
     running: int = 0
     queued: int = 0
     max_queue: int = 0

@@ -194,6 +194,16 @@ class _ActorCollector(Collector):
             "Sequences paused and recomputed later because the KV cache ran out",
             labels=["model"],
         )
+        drafted = CounterMetricFamily(
+            "neuron_model_speculative_proposed_tokens",
+            "Draft tokens verified by speculative decoding",
+            labels=["model"],
+        )
+        kept = CounterMetricFamily(
+            "neuron_model_speculative_accepted_tokens",
+            "Draft tokens the model agreed with (kept) in speculative decoding",
+            labels=["model"],
+        )
         steps = CounterMetricFamily("neuron_model_steps", "Engine steps run", labels=["model"])
         failures = CounterMetricFamily(
             "neuron_model_step_failures",
@@ -218,7 +228,9 @@ class _ActorCollector(Collector):
             prefix_queries.add_metric([s.name], e.prefix_cache_queries_tokens)
             prefix_hits.add_metric([s.name], e.prefix_cache_hits_tokens)
             preemptions.add_metric([s.name], e.preemptions)
+            drafted.add_metric([s.name], e.speculative_proposed_tokens)
+            kept.add_metric([s.name], e.speculative_accepted_tokens)
         yield from (queued, running, in_use, total, state, steps, failures)
         yield from (blocks_used, blocks_cached, blocks_total, prefix_queries, prefix_hits)
         yield from (usage, cache_info)
-        yield preemptions
+        yield from (preemptions, drafted, kept)
