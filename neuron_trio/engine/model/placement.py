@@ -9,10 +9,12 @@ row, R real tokens, L attended positions.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
-from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK
+from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK, blocks_for
 
 # Where sliding layers start attending is rounded down to a multiple of this: the native
 # attention's vector lanes then see the same keys as from position 0 (the skipped ones only
@@ -130,3 +132,95 @@ def place_packed(
     cols = torch.arange(at.length, device=dev)
     at.mask = (cols <= pos[:, :, None])[:, None]  # [B, 1, T, L]
     return pos.reshape(-1)
+
+
+def place_rows(
+    start_pos: torch.Tensor,
+    lens: list[int],
+    t: int,
+    tables: torch.Tensor,
+    *,
+    pool_tokens: int,
+    n_kv_heads: int,
+    act: torch.dtype,
+    dev: torch.device,
+) -> tuple[Placement, torch.Tensor]:
+    """One forward's placement, and its query positions (B · T, or R: see `place_packed`):
+    B rows continuing from `start_pos` (host) with `lens` real tokens each, padded to `t`, on
+    the block tables `[B, W]` (host). ValueError if the tables do not reach the last
+    position. Masks: none for one prompt from position 0 (causal), bool for chunks, additive
+    (in `act`) for decode rows of different lengths."""
+    starts = start_pos.tolist()
+    ends = [s + n for s, n in zip(starts, lens, strict=True)]
+    at = Placement()
+    at.b, at.t, at.length = len(lens), t, max(ends)
+    n_blocks = blocks_for(at.length)
+    if tables.shape[1] < n_blocks:
+        raise ValueError(
+            f"position {at.length - 1} needs {n_blocks} KV blocks; the tables have "
+            f"{tables.shape[1]}"
+        )
+    place_blocks(at, tables[:, :n_blocks], starts, ends, pool_tokens, n_kv_heads, dev)
+    if t > 1 and (at.b > 1 or lens[0] != t):  # prompt chunks packed into one batch
+        return at, place_packed(at, start_pos, lens, dev)
+    if at.b == 1:  # one prompt chunk, or one decode row
+        positions = start_pos.to(dev) + torch.arange(t, device=dev)  # [T]
+        if t > 1 and starts[0] == 0:
+            at.causal = True
+        elif t > 1:  # a chunk after a cached prefix: query i sees keys 0 .. start + i
+            cols = torch.arange(at.length, device=dev)
+            at.mask = (cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L]
+        return at, positions
+    if min(ends) != at.length:  # decode rows of different lengths
+        at.row_ends = torch.tensor(ends, dtype=torch.int64)
+        at.mask = _additive(
+            torch.arange(at.length, device=dev)[None, :] < at.row_ends.to(dev)[:, None], act
+        )[:, None, None]  # [B, 1, 1, L]
+    return at, start_pos.to(dev)  # [B]
+
+
+def _additive(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an additive one (0 / -inf in `dtype`): the same scores, without SDPA
+    converting a bool mask in every layer (~4 us a layer at B = 8)."""
+    mask = torch.zeros(attend.shape, dtype=dtype, device=attend.device)
+    return mask.masked_fill_(~attend, float("-inf"))
+
+
+def place_window(
+    at: Placement,
+    positions: torch.Tensor,
+    first_start: int,
+    window: int,
+    additive: torch.dtype | None,
+) -> None:
+    """Sliding layers' keys (`window`), once the attended positions exceed it: no query sees
+    a key before the earliest query's (`first_start`'s) window, so they attend from there on
+    (rounded down to WINDOW_ALIGN: the native attention's lanes then add the same terms in the
+    same order, the same bits as from position 0); each query sees keys pos - W < k <= pos.
+    `additive`: decode rows for the native attention, the mask as 0 / -inf in that dtype."""
+    first = max(0, first_start - window + 1)
+    at.window_start = first - first % WINDOW_ALIGN
+    qpos = positions.view(at.b, -1)  # [B, T] query positions
+    cols = torch.arange(at.window_start, at.length, device=positions.device)
+    inside = (cols <= qpos[..., None]) & (cols > qpos[..., None] - window)
+    at.window_mask = inside[:, None]  # [B, 1, T, L - window_start]
+    if additive is not None:
+        at.window_mask = _additive(at.window_mask, additive)
+
+
+def output_rows(at: Placement, x: torch.Tensor, lens: list[int], all_logits: bool) -> torch.Tensor:
+    """The layers' output `x` (`[B · T, dim]`, or `[R, dim]` for padded chunks) as the rows
+    whose logits are wanted: each row's last real token `[B, dim]`, or with `all_logits`
+    every position `[B, T, dim]` (padding: zeros)."""
+    b, t, dim, dev = at.b, at.t, x.shape[-1], x.device
+    if at.real is None:
+        x = x.view(b, t, dim)
+        if all_logits:
+            return x
+        if all(n == t for n in lens):
+            return x[:, -1]
+        return x[torch.arange(b, device=dev), torch.tensor(lens, device=dev) - 1]
+    if all_logits:  # back to [B, T]
+        return x.new_zeros(b * t, dim).index_copy_(0, at.real, x).view(b, t, dim)
+    # each row's last real token: the real rows are in order, row after row
+    return x[torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1]

@@ -19,7 +19,6 @@ L attended positions, V vocabulary.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Generator
 from typing import Any
 
@@ -27,17 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_trio.engine.block_pool import blocks_for
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model.attention import attend, attend_decode, read_kv
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import Linear
 from neuron_trio.engine.model.native_decode import plan_for
 from neuron_trio.engine.model.placement import (
-    WINDOW_ALIGN,
     Placement,
-    place_blocks,
-    place_packed,
+    output_rows,
+    place_rows,
+    place_window,
 )
 from neuron_trio.engine.model.rope import rope_rows, rope_table, rope_write
 
@@ -317,63 +315,21 @@ class Transformer(nn.Module):
         """
         b, t = input_ids.shape
         c, dev = self.config, self.device
-        starts = start_pos.tolist()
         lens = [t] * b
         if lengths is not None:
             lens = lengths.tolist()
             if not all(1 <= n <= t for n in lens):
                 raise ValueError(f"row lengths must be within 1 .. T = {t}, got {lens}")
-        ends = [s + n for s, n in zip(starts, lens, strict=True)]
-        length = max(ends)
-        n_blocks = blocks_for(length)
-        if tables.shape[1] < n_blocks:
-            raise ValueError(
-                f"position {length - 1} needs {n_blocks} KV blocks; the tables have "
-                f"{tables.shape[1]}"
-            )
-        self.init_rope(length)
-        at = Placement()
-        at.b, at.t, at.length = b, t, length
-        place_blocks(
-            at, tables[:, :n_blocks], starts, ends, kv.layers[0].shape[1], c.n_kv_heads, dev
-        )
-        if t > 1 and (b > 1 or lens[0] != t):  # prompt chunks packed into one batch
-            positions = place_packed(at, start_pos, lens, dev)
-        elif b == 1:  # one prompt chunk, or one decode row
-            positions = start_pos.to(dev) + torch.arange(t, device=dev)  # [T]
-            if t > 1 and starts[0] == 0:
-                at.causal = True
-            elif t > 1:  # a chunk after a cached prefix: query i sees keys 0 .. start + i
-                cols = torch.arange(length, device=dev)
-                at.mask = (cols[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L]
-        else:  # decode rows, one token each
-            positions = start_pos.to(dev)  # [B]
-            if min(ends) != length:
-                cols = torch.arange(length, device=dev)
-                at.row_ends = torch.tensor(ends, dtype=torch.int64)
-                ends_t = at.row_ends.to(dev)
-                # additive (0 / -inf in the activation dtype): the same scores as a bool
-                # mask, without SDPA converting one in every layer (~4 us a layer at B = 8)
-                attend = cols[None, :] < ends_t[:, None]
-                at.mask = torch.zeros(attend.shape, dtype=self.act_dtype, device=dev)
-                at.mask.masked_fill_(~attend, float("-inf"))
-                at.mask = at.mask[:, None, None]  # [B, 1, 1, L]
-        if c.sliding_window and length > c.sliding_window:
-            # No query sees a key before the earliest query's window: sliding layers attend
-            # from there on (rounded down to WINDOW_ALIGN: the native attention's lanes then
-            # add the same terms in the same order, the same bits as from position 0)
-            first = max(0, min(starts) - c.sliding_window + 1)
-            at.window_start = first - first % WINDOW_ALIGN
-            # [B, T] query positions: each query sees keys pos - W < k <= pos (its last W)
-            qpos = positions.view(b, -1)
-            cols = torch.arange(at.window_start, length, device=dev)
-            at.window_mask = (
-                (cols <= qpos[..., None]) & (cols > qpos[..., None] - c.sliding_window)
-            )[:, None]  # [B, 1, T, L - window_start]
-            if t == 1 and self.native_kernel is not None:
-                # decode rows: additive, as at.mask, so that the native attention takes it
-                window = torch.zeros(at.window_mask.shape, dtype=self.act_dtype, device=dev)
-                at.window_mask = window.masked_fill_(~at.window_mask, float("-inf"))
+        pool_tokens, act = kv.layers[0].shape[1], self.act_dtype
+        at, positions = place_rows(
+            start_pos, lens, t, tables, pool_tokens=pool_tokens, n_kv_heads=c.n_kv_heads,
+            act=act, dev=dev,
+        )  # fmt: skip
+        self.init_rope(at.length)
+        if c.sliding_window and at.length > c.sliding_window:
+            additive = t == 1 and self.native_kernel is not None  # decode rows, native
+            first = int(start_pos.min())
+            place_window(at, positions, first, c.sliding_window, act if additive else None)
         ids = input_ids.to(dev).reshape(-1)
         if at.real is not None:  # padded chunks: the layers see the real tokens only
             ids, positions = ids[at.real], positions[at.real]
@@ -402,15 +358,7 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 layer_rope = rope_local if layer.sliding else rope
                 x = yield from layer.steps(x, layer_rope, kv.layers[i], at, act, partial)  # type: ignore[operator]
-        if at.real is None:
-            x = x.view(b, t, c.dim)
-            if not all_logits:  # each row's last real token: [B, dim]
-                last = None if lengths is None else lengths.to(dev) - 1
-                x = x[:, -1] if last is None else x[torch.arange(b, device=dev), last]
-        elif all_logits:  # back to [B, T] (padding rows: zeros)
-            x = x.new_zeros(b * t, c.dim).index_copy_(0, at.real, x).view(b, t, c.dim)
-        else:  # each row's last real token: the real rows are in order, row after row
-            x = x[torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1]
+        x = output_rows(at, x, lens, all_logits)
         logits = self.output(self._final_norm(x).to(act)).float()
         if c.final_softcap:  # gemma2
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK
-from neuron_trio.engine.model import native_decode, packing
+from neuron_trio.engine.model import native_decode, packing, placement
 from neuron_trio.engine.model import transformer as transformer_module
 from neuron_trio.engine.model.linear import Q8Linear
 from neuron_trio.engine.model.loader import load_transformer
@@ -166,7 +166,7 @@ def test_sliding_layers_from_the_window_start_the_bits_of_attending_from_0(
     python, native, counting = decode_both(path, prompts, 3, scattered=True, context=160)
     assert counting.ran == 3 and counting.declined == 0
     assert set(starts) == {0, 128}  # the global layers from 0, the sliding ones from 128
-    monkeypatch.setattr(transformer_module, "WINDOW_ALIGN", 1 << 20)  # every layer from 0
+    monkeypatch.setattr(placement, "WINDOW_ALIGN", 1 << 20)  # every layer from 0
     starts.clear()
     python_0, native_0, _ = decode_both(path, prompts, 3, scattered=True, context=160)
     assert set(starts) == {0}
