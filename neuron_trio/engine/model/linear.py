@@ -401,9 +401,7 @@ def _check_q4_tiles(
 ) -> tuple[int, int]:
     """(out, in) of tile_q4's (and tile_high's) tensors; ValueError unless every one has the
     dtype and shape the kernel reads for them."""
-    if nibbles.dim() != 5:
-        raise ValueError(f"nibbles: {tuple(nibbles.shape)} is not tile_q4's 5-D layout")
-    tiles, groups = int(nibbles.shape[0]), int(nibbles.shape[1])
+    tiles, groups = _tile_grid(nibbles, "nibbles")
     expect(nibbles, "nibbles", torch.uint8, (tiles, groups, 4, packing.Q4_TILE, 4))
     expect(scale, "scale", torch.float16, (tiles, groups, packing.Q4_TILE))
     if minimum is not None:
@@ -411,6 +409,13 @@ def _check_q4_tiles(
     if high is not None:
         expect(high, "high", torch.uint8, (tiles, groups, 8, 4))
     return tiles * packing.Q4_TILE, groups * packing.INT4_GROUP
+
+
+def _tile_grid(t: torch.Tensor, name: str) -> tuple[int, int]:
+    """(tiles, groups) of a tensor in the kernel's 5-D tile layout; ValueError otherwise."""
+    if t.dim() != 5:
+        raise ValueError(f"{name}: {tuple(t.shape)} is not the kernel's 5-D tile layout")
+    return int(t.shape[0]), int(t.shape[1])
 
 
 def _expect_dense(dense: torch.Tensor | None, out_f: int, in_f: int) -> None:
@@ -524,9 +529,7 @@ def _check_q8_tiles(
 ) -> tuple[int, int]:
     """(out, in) of tile_q8's weight with its scales and q8_group_sums; ValueError unless each
     has the dtype and shape the kernel reads."""
-    if weight.dim() != 5:
-        raise ValueError(f"weight: {tuple(weight.shape)} is not tile_q8's 5-D layout")
-    tiles, groups = int(weight.shape[0]), int(weight.shape[1])
+    tiles, groups = _tile_grid(weight, "weight")
     expect(weight, "weight", torch.int8, (tiles, groups, 8, packing.Q4_TILE, 4))
     expect(scale, "scale", torch.float32, (tiles * packing.Q4_TILE,))
     expect(sums, "group_sums", torch.int32, (tiles, groups, packing.Q4_TILE))
