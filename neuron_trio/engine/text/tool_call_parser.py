@@ -150,6 +150,8 @@ class ToolCallParser:
             self._bare = False
             return None
         lead = text[at:]
+        if not final and not lead.rstrip().endswith("}"):
+            return False  # an object ends with "}": no decoding of every prefix (quadratic)
         try:
             value, end = _DECODER.raw_decode(lead)
         except json.JSONDecodeError:
