@@ -30,6 +30,8 @@ from hypercorn.trio.worker_context import EventWrapper, TrioSingleTask
 from neuron_trio import daemon
 from neuron_trio.config import config_from_mapping
 from neuron_trio.http import _hypercorn_fixes as fixes
+from neuron_trio.http import _hypercorn_floods as floods
+from neuron_trio.http import _hypercorn_h2 as h2_fixes
 from neuron_trio.http import body_discard
 from neuron_trio.http.connections import ConnectionTable
 from neuron_trio.http.h2_floods import NodeFloodBudget
@@ -247,7 +249,7 @@ def _flood_config() -> SimpleNamespace:
 @trio_test
 async def test_fix_3_a_ping_flood_gets_enhance_your_calm() -> None:
     proto = _h2_self(config=_flood_config(), _neuron_control_frame=None)
-    proto._neuron_control_frame = lambda event: fixes._control_frame(proto, event)
+    proto._neuron_control_frame = lambda event: floods._control_frame(proto, event)
     original = Calls()
     pings = [h2.events.PingReceived(ping_data=b"12345678") for _ in range(100)]
     await _patched(3, "_handle_events", original)(proto, pings)
@@ -325,10 +327,10 @@ async def test_fix_6_and_7_frames_without_a_write_and_earns_window_credit() -> N
     )
     proto = _h2_self(stream_buffers={1: buffer}, connection=connection, _flush=None)
     proto.priority.insert_stream(1)
-    frame = _patched(7, "_neuron_frame_data", fixes._frame_data)
+    frame = _patched(7, "_neuron_frame_data", h2_fixes._frame_data)
     assert await frame(proto, 1) == 5  # framed; no _flush (None would raise if called)
     assert sent == [b"token"] and proto._neuron_wu_credit == 2
-    classify = _patched(7, "_neuron_control_frame", fixes._control_frame)
+    classify = _patched(7, "_neuron_control_frame", floods._control_frame)
     update = h2.events.WindowUpdated(stream_id=0)
     assert classify(proto, update) is None and classify(proto, update) is None
     assert classify(proto, update) is not None  # the third is counted
