@@ -188,20 +188,26 @@ def trim_blocks(seq: Sequence, pool: BlockPool) -> None:
 def verify(
     runner: Runner, seqs: list[Sequence], drafts: dict[int, list[int]]
 ) -> list[torch.Tensor]:
-    """One forward of each sequence's last token and its draft (rows padded to the longest);
-    each sequence's logits `[1 + len(draft), V]` (position j: the token after draft[:j])."""
-    rows = [[seq.last_token, *drafts[seq.seq_id]] for seq in seqs]
-    sizes = [len(r) for r in rows]
-    width = max(sizes)
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
-    lengths = None
-    if min(sizes) != width:
-        lengths = torch.tensor(sizes, dtype=torch.int64)
+    """One forward of each sequence's last token and its draft; each sequence's logits
+    `[1 + len(draft), V]` (position j: the token after draft[:j]).
+
+    Every token is a decode row of its own (one token at its position, the sequence's block
+    table): the step's layers write all rows' K/V before any row attends, so row j sees the
+    rows before it, and the rows take the decode path (on the CPU, the native kernel's one
+    call for all layers), where k + 1 rows cost little more than one."""
+    ids: list[int] = []
+    starts: list[int] = []
+    tables: list[list[int]] = []
+    sizes: list[int] = []
+    for seq in seqs:
+        row = [seq.last_token, *drafts[seq.seq_id]]
+        ids += row
+        starts += range(seq.decode_pos, seq.decode_pos + len(row))
+        tables += [seq.blocks] * len(row)
+        sizes.append(len(row))
     out = runner.forward(
-        ids.to(runner.device),
-        torch.tensor([seq.decode_pos for seq in seqs], dtype=torch.int64),
-        block_tables([seq.blocks for seq in seqs]),
-        lengths=lengths,
-        all_logits=True,
+        torch.tensor(ids, dtype=torch.int64)[:, None].to(runner.device),
+        torch.tensor(starts, dtype=torch.int64),
+        block_tables(tables),
     )
-    return [out[i, :n] for i, n in enumerate(sizes)]
+    return list(out.split(sizes))
