@@ -50,6 +50,7 @@ from tests.neuron_process import free_port, run_neuron, spawn_neuron, stop_neuro
 KEYS = {"calm": "calm-key-0123456789abcdef", "flood": "flood-key-0123456789abcdef"}
 CHAT = "/v1/chat/completions"
 HUGE_PATTERN = "^((X{100}){100}){100}$"
+FLOOD_KINDS = ("schemas", "patterns", "resets")  # besides the long streams
 
 
 # --- the daemon -----------------------------------------------------------------------------
@@ -314,6 +315,7 @@ class Flood:
     target: Target
     streams: int
     max_tokens: int = 256
+    kinds: tuple[str, ...] = FLOOD_KINDS
     log: TokenLog = field(default_factory=TokenLog)
     stop: threading.Event = field(default_factory=threading.Event)
     codes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -324,8 +326,13 @@ class Flood:
         bucket[str(code)] = bucket.get(str(code), 0) + 1
 
     def start(self) -> None:
+        every = {
+            "schemas": self._slow_schemas,
+            "patterns": self._huge_patterns,
+            "resets": self._resets,
+        }
         jobs: list[Callable[[], None]] = [self._long_streams] * self.streams
-        jobs += [self._slow_schemas, self._huge_patterns, self._resets]
+        jobs += [job for kind, job in every.items() if kind in self.kinds]
         for job in jobs:
             thread = threading.Thread(target=job, daemon=True)
             thread.start()
@@ -446,7 +453,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["prefix cache"] = probe_prefix_cache(calm, flood_target)
         report["kv events"] = probe_kv_events(calm.pid, kv_port, config)
         report["idle"] = idle = phase(calm, args, "idle")
-        flood = Flood(flood_target, args.flood_streams, args.flood_tokens)
+        kinds = tuple(k for k in args.flood.split(",") if k)
+        flood = Flood(flood_target, args.flood_streams, args.flood_tokens, kinds)
         flood.start()
         time.sleep(5)  # the flood fills the slots and the compile queue
         report["flood"] = under = phase(calm, args, "flood")
@@ -494,6 +502,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood-streams", type=int, default=16)
     parser.add_argument("--flood-tokens", type=int, default=128, help="max_tokens of each")
+    parser.add_argument(
+        "--flood",
+        default=",".join(FLOOD_KINDS),
+        help="what the flood adds to its long streams: any of schemas,patterns,resets",
+    )
     parser.add_argument("--seconds", type=float, default=30.0, help="each throughput window")
     parser.add_argument("--ttft-requests", type=int, default=20)
     parser.add_argument("--schemas", type=int, default=5, help="small json_schema requests")
