@@ -230,6 +230,7 @@ def stream_chat(
     with client.stream("POST", CHAT, json={**body, "stream": True}) as r:
         if r.status_code != 200:
             r.read()
+            time.sleep(1.0)  # a 429 or 503 (recovering): back off rather than spin the loop
             return None
         for line in r.iter_lines():
             if stop is not None and stop.is_set():
@@ -361,7 +362,10 @@ class Flood:
                 if self.stop.is_set():
                     return
                 try:
-                    self.count(kind, c.post(CHAT, json=body).status_code)
+                    code = c.post(CHAT, json=body).status_code
+                    self.count(kind, code)
+                    if code in (429, 503):
+                        self.stop.wait(1.0)
                 except httpx.HTTPError as exc:
                     self.count(kind, type(exc).__name__)
 
