@@ -18,9 +18,10 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   younger sequence: prompt + output but the last token, without sampling, then decodes on.
   Prefill chunks never preempt running decodes; they wait. `Engine.validate` refuses a
   request that could not fit in the pool alone, so the oldest sequence always progresses;
-- with tenants (`fair`, engine/fair_share.py), prefills go lightest tenant first (oldest
-  first within a tenant; a heavier tenant's chunk joins a lighter one's step no wider than
-  it, so a flood of long prompts does not pad another tenant's first token), and the pool's
+- with tenants (`fair`, engine/fair_share.py), prefills go first for the tenant holding the
+  fewest sequences (over its weight; oldest first within a tenant), and a busier tenant's
+  chunk joins another's step no wider than it, so a flood of long prompts neither delays nor
+  pads another tenant's first token; the pool's
   shortage is taken from the tenant with the largest virtual token counter: a row may
   preempt any younger sequence, or an older one of a tenant that has received more service
   than its own; among those, the heaviest tenant's youngest (itself, if that is it). One
@@ -173,23 +174,31 @@ class Scheduler:
             width = max(width, end - seq.prefilled)
         return StepPlan(decode, prefill, preempted)
 
-    def _heavier(self, seq: Sequence, than: Sequence) -> bool:
-        """`seq`'s tenant has received more service than `than`'s (another tenant's)."""
-        fair = self.fair
-        return (
-            fair is not None
-            and seq.tenant != than.tenant
-            and fair.counter(seq.tenant) > fair.counter(than.tenant)
-        )
+    def _load(self, tenant: str | None) -> float:
+        """How much of each step `tenant` takes now: its sequences here over its weight.
 
-    def _prefill_order(self) -> list[Sequence]:
-        """The prefilling sequences, oldest first; with tenants, the lightest tenant's first
-        (a flood of long prompts does not hold back another tenant's first token)."""
-        seqs = [s for s in self._active.values() if s.status is SequenceStatus.PREFILLING]
+        Prefills are ordered by this rather than by the counters: a tenant's counter jumps by
+        its prompt at admission, so a newcomer lifted to the flood's counter would look the
+        heavier one exactly while its first prefill waits."""
         fair = self.fair
         if fair is None:
+            return 0.0
+        held = sum(1 for s in self._active.values() if s.tenant == tenant)
+        return held / fair.weight(tenant)
+
+    def _heavier(self, seq: Sequence, than: Sequence) -> bool:
+        """`seq`'s tenant takes more of a step than `than`'s (another tenant's)."""
+        return seq.tenant != than.tenant and self._load(seq.tenant) > self._load(than.tenant)
+
+    def _prefill_order(self) -> list[Sequence]:
+        """The prefilling sequences, oldest first; with tenants, those of the tenant taking
+        least of a step first (a flood of long prompts does not hold back another tenant's
+        first token)."""
+        seqs = [s for s in self._active.values() if s.status is SequenceStatus.PREFILLING]
+        if self.fair is None:
             return seqs
-        return sorted(seqs, key=lambda s: fair.counter(s.tenant))  # stable: oldest first
+        load = {t: self._load(t) for t in {s.tenant for s in seqs}}
+        return sorted(seqs, key=lambda s: load[s.tenant])  # stable: oldest first
 
     def cache_blocks(self, seq: Sequence, written: int) -> None:
         """Positions 0 .. written - 1 of `seq` are in its blocks: register the full ones not

@@ -84,18 +84,18 @@ def _seq(seq_id: int, n_prompt: int, tenant: str | None) -> Sequence:
     return seq
 
 
-def test_prefills_go_lightest_tenant_first_oldest_first_within_one() -> None:
-    sched = Scheduler(max_batch=4, prefill_chunk=8, pool=BlockPool(64 + RESERVED_BLOCKS))
+def test_prefills_go_first_for_the_tenant_holding_fewest_sequences() -> None:
+    sched = Scheduler(max_batch=6, prefill_chunk=8, pool=BlockPool(64 + RESERVED_BLOCKS))
     fair = FairShare()
-    for t in ("heavy", "light"):
+    for t in ("flood", "light"):
         fair.arrive(t)
-    fair.charge("heavy", prompt=1000)
+    fair.charge("light", prompt=1000)  # its counter is no matter: what it holds is
     sched.fair = fair
-    seqs = [_seq(1, 8, "heavy"), _seq(2, 8, "heavy"), _seq(3, 8, "light"), _seq(4, 8, "light")]
+    seqs = [_seq(i, 8, "flood") for i in (1, 2, 3, 4)] + [_seq(5, 8, "light"), _seq(6, 8, "light")]
     for seq in seqs:
         sched.admit(seq)
     plan = sched.schedule()
-    assert [c.seq.seq_id for c in plan.prefill] == [3]  # the light tenant's oldest first
+    assert [c.seq.seq_id for c in plan.prefill] == [5]  # the light tenant's oldest first
     sched.fair = None  # without tenants: oldest first, as before
     assert [c.seq.seq_id for c in sched.schedule().prefill] == [1]
 
@@ -105,8 +105,12 @@ def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -
     fair = FairShare()
     for t in ("heavy", "light"):
         fair.arrive(t)
-    fair.charge("heavy", prompt=1000)
     sched.fair = fair
+    decoding = _seq(3, 16, "heavy")  # the heavy tenant holds two sequences, light one
+    sched.admit(decoding)
+    sched.schedule()
+    decoding.prefilled, decoding.status = 16, SequenceStatus.DECODING
+    decoding.output_ids.append(0)
     long, short = _seq(1, 500, "heavy"), _seq(2, 36, "light")
     for seq in (long, short):
         sched.admit(seq)
