@@ -3,9 +3,9 @@ text, check them all in one forward, keep what the model agrees with.
 
 A sequence whose last few tokens occurred before in its prompt or output proposes the tokens
 that followed them then (the newest such occurrence of the longest suffix, 3 tokens down to
-1: `propose`). The step then runs its last token and the k proposed ones as one row of k + 1
-tokens (`verify`: a small prefill chunk that keeps every position's logits), writing their
-K/V at the sequence's next k + 1 positions. The engine samples position 0's logits exactly as
+1: `propose`). The step then runs its last token and the k proposed ones as k + 1 decode rows
+of one forward (`verify`: each row one token at its position, all on the sequence's blocks),
+writing their K/V at the sequence's next k + 1 positions. The engine samples position 0's logits exactly as
 a plain decode step would; while the token it picks equals the proposal, position 1's logits
 are those of the next step, and so on: the sequence gets 1 to k + 1 tokens from one read of
 the weights. Tokens are picked one at a time with the sequence's own sampler, so greedy
