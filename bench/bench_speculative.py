@@ -4,10 +4,11 @@ with a quote) and a free-form one, alternating the two in one process on the sam
 (a loaded machine slows both alike), and whether the greedy tokens agree.
 
     python bench/bench_speculative.py [--model builtin|qwen|PATH] [--rounds 3]
-        [--max-tokens 160] [--num-tokens 8] [--threads 2]
+        [--max-tokens 160] [--num-tokens 8] [--threads 2] [--streams 1]
 
-Decode rate: the tokens after the first over the time from the first to the last (the
-prompt's prefill is the same either way and left out). Ratio: the median with / without.
+Decode rate: the tokens after the first step's over the time from the first to the last (the
+prompt's prefill is the same either way and left out), over all `--streams` copies of the
+request decoded together. Ratio: the median with / without.
 """
 
 from __future__ import annotations
@@ -85,20 +86,27 @@ def _model(name: str) -> Path:
     return Path(name)
 
 
-def _decode(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Greedy tokens and the decode rate (tokens after the first per second)."""
+def _decode(
+    engine: Engine, prompt: list[int], max_tokens: int, streams: int = 1
+) -> tuple[list[int], float]:
+    """The first stream's greedy tokens and the aggregate decode rate of `streams` copies of
+    the request (tokens after the first step's, per second)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    engine.add(prompt, params, chat=True)
+    ids = [engine.add(prompt, params, chat=True) for _ in range(streams)]
     tokens: list[int] = []
+    count = 0
     first = last = 0.0
     while engine.has_work:
         for event in engine.step():
             if event.token_ids:
                 last = time.perf_counter()
-                if not tokens:
+                if not first:
                     first = last
-                tokens += event.token_ids
-    rate = (len(tokens) - 1) / (last - first) if len(tokens) > 1 and last > first else 0.0
+                else:
+                    count += len(event.token_ids)
+                if event.seq_id == ids[0]:
+                    tokens += event.token_ids
+    rate = count / (last - first) if last > first else 0.0
     return tokens, rate
 
 
@@ -110,11 +118,14 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--streams", type=int, default=1, help="copies decoded together")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine.from_gguf(_model(args.model), max_batch=1, context=2048)
+    engine = Engine.from_gguf(_model(args.model), max_batch=args.streams, context=2048)
     speculator = Speculator(args.num_tokens)
-    print(f"model {args.model}, k = {args.num_tokens}, {args.threads} threads")
+    print(
+        f"model {args.model}, k = {args.num_tokens}, {args.threads} threads, {args.streams} streams"
+    )
     print("| task | tokens | without tok/s | with tok/s | ratio | accepted/proposed | same |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for task in args.tasks.split(","):
@@ -128,7 +139,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for on in (False, True):
                 engine.speculator = speculator if on else None
-                outputs[on], rate = _decode(engine, prompt, args.max_tokens)
+                outputs[on], rate = _decode(engine, prompt, args.max_tokens, args.streams)
                 rates[on].append(rate)
         off, on = statistics.median(rates[False]), statistics.median(rates[True])
         proposed = speculator.counts.proposed - before[0]

@@ -18,8 +18,8 @@ the blocks beyond the sequence's length go back to the pool (`trim_blocks`).
 Adaptive (`DraftState`): k follows the sequence's recent acceptance (one more after a fully
 accepted draft, down to what was accepted plus one after a miss); a sequence whose drafts
 mostly fail stops proposing for a while (a cool-down that doubles each time), and nothing is
-proposed while the batch has more than `max_rows` decode rows, where the weights are
-already read for many tokens at once.
+proposed while the batch has more than `max_rows` decode rows (MAX_ROWS: batch 1), where the
+weights are already read for several tokens at once.
 
 Not speculated: sequences under a grammar (structured output, a tool call in progress),
 whose every token needs its mask first; an `auto` tool call that begins inside an accepted
@@ -50,6 +50,10 @@ ACCEPT_FLOOR = 0.3
 EMA_WEIGHT = 0.3
 COOL_MIN = 4
 COOL_MAX = 256
+# Drafts only while at most this many rows decode: at 4 streams of a rename task, 4 x 9
+# verification rows beside the plain ones gave half the aggregate tokens/s of plain decode
+# (bench_speculative.py --streams 4), while batch 1 gained 1.9-3.6x.
+MAX_ROWS = 1
 
 
 def propose(tokens: np.ndarray, k: int, ngram_max: int = NGRAM_MAX) -> list[int]:
@@ -123,7 +127,7 @@ class Speculator:
     """Drafts for a step's decode rows and their verification forward (`num_tokens`: the
     most tokens a draft has; `max_rows`: no drafts when more decode rows than this run)."""
 
-    def __init__(self, num_tokens: int, *, max_rows: int = 4) -> None:
+    def __init__(self, num_tokens: int, *, max_rows: int = MAX_ROWS) -> None:
         if not 1 <= num_tokens <= MAX_TOKENS:
             raise ValueError(f"num_tokens must be within 1 .. {MAX_TOKENS}, got {num_tokens}")
         self.num_tokens = num_tokens
