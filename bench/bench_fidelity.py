@@ -103,7 +103,7 @@ def make_file(kind: str, maker: str, out: Path, venv: Path, threads: int) -> Pat
     source = builtin_model_path()
     if kind == "Q4_1":
         return source  # the built-in file itself
-    target = out / f"SmolLM2-135M-Instruct.{kind}.{maker}.gguf"
+    target = out / f"SmolLM2-135M-Instruct.{kind}-by-{maker}.gguf"
     if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
         return target
     out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,8 @@ dtype:
 - "bfloat16", "float16": dense weights and activations in that type.
 - "auto": the fastest path measured on the device. CUDA: bfloat16. CPU: weights stay
   quantised, bfloat16 activations and a float32 residual stream. Where the native kernel
-  (`_cpu_kernel.c`, packing.native_kernel) was built: 4-bit groups of 32 (weights stored in 4-bit
-  formats), 5-bit groups (Q5_0/Q5_1 weights, their own codes: exact) and int8 with one scale
+  (`_cpu_kernel.c`, packing.native_kernel) was built: 4- and 5-bit groups of 32 (Q4_0, Q4_1,
+  Q4_K, Q5_0, Q5_1, Q5_K weights: their own codes, see packing_kind) and int8 with one scale
   per row (the output head's coarse pass, and weights in other formats) run in it with int8
   activations, RMSNorm and SwiGLU fused in, and so do RoPE with the K/V write and decode
   attention; elsewhere torch's int4 (groups of 32) and int8 (one scale per row) kernels. The
