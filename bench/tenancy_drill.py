@@ -422,8 +422,13 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "median_s": round(_pct(values, 0.5), 3), "p99_s": round(_pct(values, 0.99), 3)}  # fmt: skip
+def _summary(values: list[float]) -> dict[str, Any]:
+    return {
+        "n": len(values),
+        "median_s": round(_pct(values, 0.5), 3),
+        "p99_s": round(_pct(values, 0.99), 3),
+        "each_s": [round(v, 3) for v in values],
+    }
 
 
 def say(what: str) -> None:
