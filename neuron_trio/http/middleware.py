@@ -158,6 +158,74 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+class _Body:
+    """The request body as the app reads it: counted against `limit` (BodyTooLargeError past
+    it, chunked bodies too), each wait for the next piece bounded by `read_timeout_s` (408)."""
+
+    def __init__(self, receive: Receive, limit: int, read_timeout_s: float) -> None:
+        self._receive = receive
+        self.limit = limit
+        self.read_timeout_s = read_timeout_s
+        self.received = 0
+        self.done = False  # the last piece arrived (or the client left)
+        self.client_gone = False
+
+    async def receive(self) -> Message:
+        if self.done:
+            message = await self._receive()
+        else:
+            with trio.move_on_after(self.read_timeout_s) as waited:
+                message = await self._receive()
+            if waited.cancelled_caught:
+                raise RequestTimeoutError(self.read_timeout_s)
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            self.done = not message.get("more_body", False)
+            if self.received > self.limit:
+                raise BodyTooLargeError(self.limit)
+        elif message["type"] == "http.disconnect":
+            self.done = self.client_gone = True
+        return message
+
+    async def discard_rest(self) -> None:
+        """body_discard.py's first phase: an unread body must not fill hypercorn's queue for
+        the app, which would block the connection's reader and this stream's close."""
+        dropped = 0
+        with trio.move_on_after(body_discard.BEFORE_END_TIMEOUT_S):
+            while not self.done and dropped <= body_discard.BEFORE_END_BYTES:
+                message = await self._receive()
+                dropped += len(message.get("body", b""))
+                self.done = message["type"] == "http.disconnect" or not message.get(
+                    "more_body", False
+                )
+
+
+class _Response:
+    """What the app sends: its status, an error's message for the access log, and its last
+    frame (over HTTP/2 after the rest of the body; shielded, at most FINAL_SEND_TIMEOUT_S)."""
+
+    def __init__(self, send: Send, body: _Body, access: AccessInfo, *, http2: bool) -> None:
+        self._send = send
+        self._body = body
+        self._access = access
+        self._http2 = http2
+        self.status: int | None = None
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            if self.status is not None and self.status >= 400 and self._access.error is None:
+                self._access.error = _error_message(message.get("body", b""))
+            if self._http2:
+                await self._body.discard_rest()
+            with trio.move_on_after(FINAL_SEND_TIMEOUT_S) as scope:
+                scope.shield = True
+                await self._send(message)
+            return
+        await self._send(message)
+
+
 class NeuronMiddleware:
     def __init__(
         self,
@@ -270,102 +338,55 @@ class NeuronMiddleware:
             await self.app(scope, receive, send)
             return
         route = self.route_of(scope)
-        status: int | None = None
-        http2 = scope.get("http_version") == "2"
-
-        limit = self.max_body_bytes
-        received = 0
-        body_done = False
-        client_gone = False
-
-        async def limited_receive() -> Message:
-            nonlocal received, body_done, client_gone
-            if body_done:
-                message = await receive()
-            else:
-                with trio.move_on_after(self.read_timeout_s) as waited:
-                    message = await receive()
-                if waited.cancelled_caught:
-                    raise RequestTimeoutError(self.read_timeout_s)
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                body_done = not message.get("more_body", False)
-                if received > limit:
-                    raise BodyTooLargeError(limit)
-            elif message["type"] == "http.disconnect":
-                body_done = True
-                client_gone = True
-            return message
-
-        async def discard_rest_of_body() -> None:
-            # body_discard.py's first phase: an unread body must not fill hypercorn's queue
-            # for the app, which would block the connection's reader and this stream's close.
-            nonlocal body_done
-            dropped = 0
-            with trio.move_on_after(body_discard.BEFORE_END_TIMEOUT_S):
-                while not body_done and dropped <= body_discard.BEFORE_END_BYTES:
-                    message = await receive()
-                    dropped += len(message.get("body", b""))
-                    body_done = message["type"] == "http.disconnect" or not message.get(
-                        "more_body", False
-                    )
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                if status is not None and status >= 400 and access.error is None:
-                    access.error = _error_message(message.get("body", b""))
-                if http2:
-                    await discard_rest_of_body()
-                with trio.move_on_after(FINAL_SEND_TIMEOUT_S) as scope_:
-                    scope_.shield = True
-                    await send(message)
-                return
-            await send(message)
-
-        self.metrics.in_flight.inc()
-        started = time.perf_counter()
-        access = AccessInfo(started=started)
+        body = _Body(receive, self.max_body_bytes, self.read_timeout_s)
+        access = AccessInfo(started=time.perf_counter())
+        response = _Response(send, body, access, http2=scope.get("http_version") == "2")
         scope[ACCESS_SCOPE_KEY] = access
+        self.metrics.in_flight.inc()
         try:
-            denied = self._auth_status(scope)
-            if denied is not None:
-                body = error_body(denied.message, error_type=denied.error_type, code=denied.code)
-                await self._reply(send_wrapper, denied.status, body, denied.headers)
-            elif (self._content_length(scope) or 0) > limit:
-                await self._reply(
-                    send_wrapper,
-                    413,
-                    error_body(
-                        f"request body is larger than {limit} bytes", code="request_too_large"
-                    ),
-                    {"Connection": "close"} if scope.get("http_version") == "1.1" else None,
-                )
-            else:
-                await self.app(scope, limited_receive, send_wrapper)
+            if not await self._refused(scope, response.send):
+                await self.app(scope, body.receive, response.send)
         except Exception as exc:
-            if client_gone or _is_client_disconnect(exc):
-                # The client reset its stream or closed: not a server error, whatever the app
-                # raised on the way out (a ClientDisconnect inside a task group's exception
-                # group missed its handler and was counted as a 5xx; issue 25, #11).
-                if status is None or status >= 500:
-                    status = None
-                return
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if status is None:
-                await self._reply(
-                    send_wrapper,
-                    500,
-                    error_body("internal error", error_type="server_error", code="internal_error"),
-                )
+            await self._failed(scope, exc, body, response)
         finally:
             ended = time.perf_counter()
-            final_status = status if status is not None else CLIENT_CLOSED_STATUS
+            status = response.status if response.status is not None else CLIENT_CLOSED_STATUS
             self.metrics.in_flight.dec()
-            self.metrics.observe(route, scope.get("method", ""), final_status, ended - started)
-            log_access(scope, route, final_status, ended, access)
+            self.metrics.observe(route, scope.get("method", ""), status, ended - access.started)
+            log_access(scope, route, status, ended, access)
+
+    async def _refused(self, scope: Scope, send: Send) -> bool:
+        """Answer, and say True, a request refused before the app sees it: no valid key, or
+        a body whose Content-Length is over the limit (413 at once)."""
+        denied = self._auth_status(scope)
+        if denied is not None:
+            body = error_body(denied.message, error_type=denied.error_type, code=denied.code)
+            await self._reply(send, denied.status, body, denied.headers)
+            return True
+        limit = self.max_body_bytes
+        if (self._content_length(scope) or 0) <= limit:
+            return False
+        message = f"request body is larger than {limit} bytes"
+        close = {"Connection": "close"} if scope.get("http_version") == "1.1" else None
+        await self._reply(send, 413, error_body(message, code="request_too_large"), close)
+        return True
+
+    async def _failed(self, scope: Scope, exc: Exception, body: _Body, response: _Response) -> None:
+        """What the app raised: a client that left is no server error (499); anything else is
+        logged with its traceback and, if no response has started, answered with a 500."""
+        if body.client_gone or _is_client_disconnect(exc):
+            # The client reset its stream or closed: not a server error, whatever the app
+            # raised on the way out (a ClientDisconnect inside a task group's exception group
+            # missed its handler and was counted as a 5xx; issue 25, #11).
+            if response.status is None or response.status >= 500:
+                response.status = None
+            return
+        log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+        if response.status is None:
+            internal = error_body(
+                "internal error", error_type="server_error", code="internal_error"
+            )
+            await self._reply(response.send, 500, internal)
 
     @staticmethod
     async def _reply(
