@@ -504,7 +504,7 @@ def test_node_info_document(tmp_path: Path) -> None:
         ]  # fmt: skip
         assert list(model) == [
             "name", "state", "source", "path", "dtype", "weights", "tp", "max_batch",
-            "context", "slots_in_use", "slots_total", "kv_cache", "running", "queued",
+            "context", "slots_in_use", "slots_total", "kv_cache", "speculative", "running", "queued",
             "max_queue", "ranks", "devices", "memory", "loaded_at", "steps", "step_failures",
             "last_error", "watchdog",
         ]  # fmt: skip
