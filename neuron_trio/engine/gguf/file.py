@@ -295,6 +295,11 @@ class GGUFFile:
         source = self._fused_source(name)
         return source[0] if source else name
 
+    def is_fused_part(self, name: str) -> bool:
+        """True when logical tensor `name` is some rows of a fused tensor (Phi-3's attn_qkv,
+        its ffn_up holding gate and up), which may even carry `name` itself."""
+        return self._fused_source(name) is not None
+
     def _fused_source(self, name: str) -> tuple[str, int, int] | None:
         """(fused tensor, first row, rows) when `name` is a part of a fused tensor."""
         parts = name.split(".")

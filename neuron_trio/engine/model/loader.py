@@ -110,7 +110,8 @@ _PROJECTIONS = tuple(
 def packing_kind(gf: GGUFFile, name: str, native: bool, sharded: bool) -> str:
     """How "auto" on the CPU packs projection `name` (a key of SCHEME_LABELS)."""
     qtype = gf.tensors[gf.storage_name(name)].qtype
-    codes = native and not sharded and gf.storage_name(name) == name
+    # the file's own codes only for a whole tensor: a fused part's rows are a slice of them
+    codes = native and not sharded and not gf.is_fused_part(name)
     if qtype in quant.AFFINE and codes:
         return "codes4" if qtype in FOUR_BIT else "codes5"
     return "float4" if qtype in FOUR_BIT else "int8"
