@@ -11,10 +11,10 @@ waiting tenant with the smallest virtual token counter (`engine/fair_share.py`),
 table charges with each request's prompt at admission and its output as it is routed; the
 same counters order the engine's prefills and preemptions (`engine.share_fairly`). A
 tenant's own limits (`service/tenant_limits.py`) hold its requests at `max_sequences` and
-refuse them past `max_queued` or `tokens_per_minute`. While a tenant seen before is idle, a
-tenant already running never takes the last free slot: the idle one's next request then
-starts at the next step instead of after a long stream ends. Without tenants (all None) admission is
-first come, first served, as before.
+refuse them past `max_queued` or `tokens_per_minute`. While a tenant seen before runs
+nothing, a tenant already running never takes the last free slot: the other's next request
+then starts at the next step instead of after a long stream ends. Without tenants (all None)
+admission is first come, first served, as before.
 """
 
 from __future__ import annotations
@@ -238,13 +238,15 @@ class RequestTable:
         limit = self.limits.policy(tenant).max_sequences
         if limit is not None and running + n > limit:
             return False
-        # The last free slot is kept while a tenant seen before is idle: its next request
-        # then starts at the next step, not once a long stream of this tenant ends.
-        return free_slots - n >= 1 or not self._someone_idle()
+        # The last free slot is kept while a tenant seen before runs nothing (idle, or its
+        # request waiting: counters alone would give the slot to a flood whose long prompts,
+        # still prefilling, have not been charged for any output yet), so that its request
+        # starts at the next step, not once a long stream of this tenant ends.
+        return free_slots - n >= 1 or not self._someone_runs_nothing()
 
-    def _someone_idle(self) -> bool:
-        """Some tenant seen on this model has nothing queued or running."""
-        return len(self._seen) > 1 and any(not self.fair.active(t) for t in self._seen)
+    def _someone_runs_nothing(self) -> bool:
+        """Some tenant seen on this model has no sequence in the engine."""
+        return len(self._seen) > 1 and any(not self.running(t) for t in self._seen)
 
     def route(self, events: list[SequenceEvent]) -> None:
         """Each event to its request's stream; a request's last event ends it."""

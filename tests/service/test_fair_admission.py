@@ -149,6 +149,28 @@ def test_the_last_slot_is_kept_while_another_tenant_is_idle() -> None:
     _run(main)
 
 
+def test_the_last_slot_goes_to_a_waiting_tenant_that_runs_nothing_whatever_the_counters() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4)
+        node.send("calm", 1, max_tokens=1)
+        node.step()  # calm has been seen; everyone idle again
+        node.send("flood", 10, max_tokens=1000)
+        node.step()
+        assert node.table.running("flood") == 3
+        node.send("calm", 1, prompt=3000, max_tokens=2)  # calm's counter now far above
+        node.step()
+        node.step()  # that request is over: calm runs nothing, its slot is free
+        assert node.table.running("calm") == 0
+        assert node.table.fair.counter("calm") > node.table.fair.counter("flood")
+        node.send("calm", 1, max_tokens=3)
+        node.step()
+        # by counters alone flood (lighter) would take the slot; calm would wait for a
+        # 1000-token stream to end
+        assert node.table.running("calm") == 1 and node.table.running("flood") == 3
+
+    _run(main)
+
+
 def test_past_max_queued_a_tenant_gets_a_429_naming_the_limit() -> None:
     async def main(clock: trio.testing.MockClock) -> None:
         node = Node(max_batch=4, tenants={"t": TenantPolicy(max_sequences=2, max_queued=1)})
