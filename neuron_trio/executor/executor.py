@@ -34,7 +34,7 @@ from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model.load_phases import LoadPhases
 from neuron_trio.engine.model.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
-from neuron_trio.engine.model.sizing import engine_sizing
+from neuron_trio.engine.model.sizing import EngineSizing, engine_sizing
 from neuron_trio.engine.model.transformer import Transformer
 from neuron_trio.engine.model.weight_cache import WeightCache
 from neuron_trio.engine.text.tokenizer import Tokenizer
@@ -295,22 +295,7 @@ def build_executor(
             store = None if weight_cache is None else CachedMerges(weight_cache, phases)
             tokenizer = Tokenizer.from_gguf(gguf, merges_store=store)
     header_memo.MEMO.clear()  # the last of the start's opens of this file (engine.gguf.header_memo)
-    comm: Communicator | None = None
-    factory: CommFactory | None = None
-    runner: Runner
-    if tp == 1:
-        with phases.phase("kv pool"):
-            runner = SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context)
-    else:
-        factory = make_comm_factory(rank_devices, failpoints)
-        comm = factory()
-        try:
-            runner = TPRunner(
-                models, comm, blocks=sizing.kv_blocks, context=sizing.context, config=config
-            )
-        except BaseException:
-            _destroy_quietly(comm)
-            raise
+    runner, comm, factory = _make_runner(models, config, sizing, rank_devices, failpoints, phases)
     with phases.phase("engine"):
         engine = Engine(
             runner,
@@ -335,6 +320,35 @@ def build_executor(
         ranks=_ranks(config, rank_devices),
         failpoints=failpoints,
     )
+
+
+def _make_runner(
+    models: list[Transformer],
+    config: LlamaConfig,
+    sizing: EngineSizing,
+    rank_devices: list[torch.device],
+    failpoints: fp.Failpoints,
+    phases: LoadPhases,
+) -> tuple[Runner, Communicator | None, CommFactory | None]:
+    """The runner over the loaded ranks' models (of the whole model's `config`), with its
+    communicator and the factory that remakes it (both None for tp = 1)."""
+    if len(models) == 1:
+        with phases.phase("kv pool"):
+            return (
+                SingleRunner(models[0], blocks=sizing.kv_blocks, context=sizing.context),
+                None,
+                None,
+            )
+    factory = make_comm_factory(rank_devices, failpoints)
+    comm = factory()
+    try:
+        runner = TPRunner(
+            models, comm, blocks=sizing.kv_blocks, context=sizing.context, config=config
+        )
+    except BaseException:
+        _destroy_quietly(comm)
+        raise
+    return runner, comm, factory
 
 
 def _ranks(config: LlamaConfig, rank_devices: list[torch.device]) -> list[RankInfo]:
