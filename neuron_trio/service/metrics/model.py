@@ -130,6 +130,49 @@ class ModelMetrics:
         self._tpot.observe(max(seconds, 0.0))
 
 
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+# The series with one label (the model): kind, name, help, and how to read it.
+_PER_MODEL: tuple[tuple[_Family, str, str, Callable[[ModelActorStatistics], float]], ...] = (
+    (GaugeMetricFamily, "neuron_model_queue_depth", "Requests waiting for a slot",
+     lambda s: s.queued),
+    (GaugeMetricFamily, "neuron_model_running_sequences", "Sequences in engine slots",
+     lambda s: s.running),
+    (GaugeMetricFamily, "neuron_model_kv_slots_in_use", "KV cache slots in use",
+     lambda s: s.engine.slots_in_use),
+    (GaugeMetricFamily, "neuron_model_kv_slots", "KV cache slots (max_batch)",
+     lambda s: s.slots_total),
+    (CounterMetricFamily, "neuron_model_steps", "Engine steps run", lambda s: s.steps),
+    (CounterMetricFamily, "neuron_model_step_failures",
+     "Steps or probes that failed or wedged (their requests got 503)", lambda s: s.failures),
+    (GaugeMetricFamily, "neuron_model_kv_blocks_used",
+     "KV cache blocks (16 tokens) held by running sequences",
+     lambda s: s.engine.kv_blocks_used),
+    (GaugeMetricFamily, "neuron_model_kv_blocks_cached",
+     "KV cache blocks held only by the prefix cache (evicted when needed)",
+     lambda s: s.engine.kv_blocks_cached),
+    (GaugeMetricFamily, "neuron_model_kv_blocks", "KV cache blocks (16 tokens) in the pool",
+     lambda s: s.engine.kv_blocks_total),
+    (CounterMetricFamily, "neuron_model_prefix_cache_queries_tokens",
+     "Prompt tokens looked up in the prefix cache",
+     lambda s: s.engine.prefix_cache_queries_tokens),
+    (CounterMetricFamily, "neuron_model_prefix_cache_hits_tokens",
+     "Prompt tokens found in the prefix cache (not computed again)",
+     lambda s: s.engine.prefix_cache_hits_tokens),
+    (GaugeMetricFamily, "neuron_model_kv_cache_usage_ratio",
+     "Fraction (0..1) of KV cache blocks held by running sequences",
+     lambda s: s.kv_cache_usage),
+    (CounterMetricFamily, "neuron_model_preemptions",
+     "Sequences paused and recomputed later because the KV cache ran out",
+     lambda s: s.engine.preemptions),
+    (CounterMetricFamily, "neuron_model_speculative_proposed_tokens",
+     "Draft tokens verified by speculative decoding",
+     lambda s: s.engine.speculative_proposed_tokens),
+    (CounterMetricFamily, "neuron_model_speculative_accepted_tokens",
+     "Draft tokens the model agreed with (kept) in speculative decoding",
+     lambda s: s.engine.speculative_accepted_tokens),
+)  # fmt: skip
+
+
 class _ActorCollector(Collector):
     def __init__(self, statistics: Callable[[], Iterable[ModelActorStatistics]]) -> None:
         self._statistics = statistics
@@ -139,98 +182,24 @@ class _ActorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = list(self._statistics())
-        queued = GaugeMetricFamily(
-            "neuron_model_queue_depth", "Requests waiting for a slot", labels=["model"]
-        )
-        running = GaugeMetricFamily(
-            "neuron_model_running_sequences", "Sequences in engine slots", labels=["model"]
-        )
-        in_use = GaugeMetricFamily(
-            "neuron_model_kv_slots_in_use", "KV cache slots in use", labels=["model"]
-        )
-        total = GaugeMetricFamily(
-            "neuron_model_kv_slots", "KV cache slots (max_batch)", labels=["model"]
-        )
+        for family, name, documentation, value in _PER_MODEL:
+            metric = family(name, documentation, labels=["model"])
+            for s in stats:
+                metric.add_metric([s.name], value(s))
+            yield metric
         state = GaugeMetricFamily(
             "neuron_model_state", "1 for the model's current state", labels=["model", "state"]
         )
-        blocks_used = GaugeMetricFamily(
-            "neuron_model_kv_blocks_used",
-            "KV cache blocks (16 tokens) held by running sequences",
-            labels=["model"],
-        )
-        blocks_cached = GaugeMetricFamily(
-            "neuron_model_kv_blocks_cached",
-            "KV cache blocks held only by the prefix cache (evicted when needed)",
-            labels=["model"],
-        )
-        blocks_total = GaugeMetricFamily(
-            "neuron_model_kv_blocks", "KV cache blocks (16 tokens) in the pool", labels=["model"]
-        )
         # The Gateway API Inference Extension's model-server protocol (README, "Routers"): the
-        # KV-cache usage as a fraction, and the cache's shape as labels its picker reads.
-        usage = GaugeMetricFamily(
-            "neuron_model_kv_cache_usage_ratio",
-            "Fraction (0..1) of KV cache blocks held by running sequences",
-            labels=["model"],
-        )
+        # cache's shape as labels its picker reads (and the usage ratio, in _PER_MODEL).
         cache_info = GaugeMetricFamily(
             "neuron_model_kv_cache_config_info",
             "The KV cache's shape: tokens a block (block_size) and blocks (num_gpu_blocks)",
             labels=["model", "block_size", "num_gpu_blocks"],
         )
-        prefix_queries = CounterMetricFamily(
-            "neuron_model_prefix_cache_queries_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            labels=["model"],
-        )
-        prefix_hits = CounterMetricFamily(
-            "neuron_model_prefix_cache_hits_tokens",
-            "Prompt tokens found in the prefix cache (not computed again)",
-            labels=["model"],
-        )
-        preemptions = CounterMetricFamily(
-            "neuron_model_preemptions",
-            "Sequences paused and recomputed later because the KV cache ran out",
-            labels=["model"],
-        )
-        drafted = CounterMetricFamily(
-            "neuron_model_speculative_proposed_tokens",
-            "Draft tokens verified by speculative decoding",
-            labels=["model"],
-        )
-        kept = CounterMetricFamily(
-            "neuron_model_speculative_accepted_tokens",
-            "Draft tokens the model agreed with (kept) in speculative decoding",
-            labels=["model"],
-        )
-        steps = CounterMetricFamily("neuron_model_steps", "Engine steps run", labels=["model"])
-        failures = CounterMetricFamily(
-            "neuron_model_step_failures",
-            "Steps or probes that failed or wedged (their requests got 503)",
-            labels=["model"],
-        )
         for s in stats:
-            e = s.engine
-            queued.add_metric([s.name], s.queued)
-            running.add_metric([s.name], s.running)
-            in_use.add_metric([s.name], e.slots_in_use)
-            total.add_metric([s.name], s.slots_total)
             for st in MODEL_STATES:
                 state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
-            steps.add_metric([s.name], s.steps)
-            failures.add_metric([s.name], s.failures)
-            blocks_used.add_metric([s.name], e.kv_blocks_used)
-            blocks_cached.add_metric([s.name], e.kv_blocks_cached)
-            blocks_total.add_metric([s.name], e.kv_blocks_total)
-            usage.add_metric([s.name], s.kv_cache_usage)
-            cache_info.add_metric([s.name, str(BLOCK_TOKENS), str(e.kv_blocks_total)], 1.0)
-            prefix_queries.add_metric([s.name], e.prefix_cache_queries_tokens)
-            prefix_hits.add_metric([s.name], e.prefix_cache_hits_tokens)
-            preemptions.add_metric([s.name], e.preemptions)
-            drafted.add_metric([s.name], e.speculative_proposed_tokens)
-            kept.add_metric([s.name], e.speculative_accepted_tokens)
-        yield from (queued, running, in_use, total, state, steps, failures)
-        yield from (blocks_used, blocks_cached, blocks_total, prefix_queries, prefix_hits)
-        yield from (usage, cache_info)
-        yield from (preemptions, drafted, kept)
+            blocks = str(s.engine.kv_blocks_total)
+            cache_info.add_metric([s.name, str(BLOCK_TOKENS), blocks], 1.0)
+        yield from (state, cache_info)
