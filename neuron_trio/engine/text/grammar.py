@@ -45,6 +45,7 @@ from neuron_trio.engine.text.schema_limits import (
     schema_bytes,
 )
 from neuron_trio.engine.text.schema_prep import close_objects, one_line, refuse_remote_refs
+from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.text.tool_call_format import (
     MAX_PARALLEL_TOOL_CALLS,
     ToolCallFormat,
@@ -305,6 +306,21 @@ def _short(error: str) -> str:
     return one_line(error)
 
 
+def _gil_free_encode(tokenizer: _TokenizerLike) -> Any | None:
+    """The HF tokenizers call that gives `Tokenizer.encode`'s ids (no special tokens added)
+    without holding the GIL, where `tokenizer` is ours; None for any other tokenizer.
+
+    Why (issue 47): llguidance calls the wrapper back, holding the GIL, to tokenize the text a
+    grammar forces next, at a matcher's first mask. A 1,999-key `const` schema forces ~24 KB:
+    `Tokenizer.encode` (HF's `encode`, which keeps the GIL) then took 20 ms on an idle core and
+    ~0.16 s on a loaded one, on the compile thread, and every engine step waited for it.
+    `encode_batch_fast` gives the same ids (no offsets) and releases the GIL while it runs.
+    """
+    if not isinstance(tokenizer, Tokenizer):
+        return None
+    return getattr(tokenizer.backend, "encode_batch_fast", None)
+
+
 class _Wrapper:
     """The tokenizer as llguidance's TokenizerWrapper reads it."""
 
@@ -316,6 +332,7 @@ class _Wrapper:
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = sorted(tokenizer.special_ids)
         self._tokenizer = tokenizer
+        self._encode_without_gil = _gil_free_encode(tokenizer)
         # SentencePiece-style vocabularies put a space in front of the text they encode
         self._space_prefix = bool(getattr(tokenizer, "strip_leading_space", False))
         self._ids_of: dict[bytes, int] | None = None
@@ -323,7 +340,10 @@ class _Wrapper:
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        if self._encode_without_gil is not None:
+            ids = self._encode_without_gil([text], add_special_tokens=False)[0].ids
+        else:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
         if self._space_prefix and ids and not text.startswith(" "):
             ids = self._without_space_prefix(ids)
         return ids
