@@ -23,7 +23,7 @@ from neuron_trio.service.node import Node
 from neuron_trio.status import NodeStatus, default_url, parse_metrics, render
 from tests.http.http_harness import serving_node
 from tests.neuron_process import free_port
-from tests.service.test_node import World, collect, job, make_config
+from tests.service.node_world import World, collect, job, make_config
 
 KEY = "s3cret-key"
 

@@ -30,8 +30,8 @@ from tests.deploy.promql_names import (
     recorded_names,
     rules_exprs,
 )
-from tests.service.test_model_actor import FakeDeadman
-from tests.service.test_node import Identity, World, collect, job, make_config, run_world
+from tests.service.fakes import FakeDeadman
+from tests.service.node_world import Identity, World, collect, job, make_config, run_world
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "neuron.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from tests.service.test_node import World, collect, job, make_config, run_world
+from tests.service.node_world import World, collect, job, make_config, run_world
 
 
 def test_the_jobs_cache_salt_is_given_to_the_engine(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from neuron_trio.errors import RequestError
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.grammar_compiles import GrammarCompiles
 
-from .test_model_actor import Harness, run_actor
+from .actor_harness import Harness, run_actor
 
 
 class HeldThreads:

@@ -13,9 +13,9 @@ from neuron_trio.engine.types import EngineStatistics
 from neuron_trio.service.node_document import KVCacheInfo, ModelInfo, NodeInfo
 from neuron_trio.service.wedge.records import InflightRequest, LastWedge, WatchdogStatistics
 
-from .test_model_actor import Harness, job, run_actor, settle
-from .test_node import World, collect, make_config, run_world
-from .test_node import job as node_job
+from .actor_harness import Harness, job, run_actor, settle
+from .node_world import World, collect, make_config, run_world
+from .node_world import job as node_job
 
 # Every figure different, so that a figure lost (or two swapped) on the way shows.
 ENGINE = EngineStatistics(

@@ -20,7 +20,7 @@ from neuron_trio.service.load_report import IDLE, LoadReport, model_load, node_l
 from neuron_trio.service.metrics.model import ModelActorStatistics
 from neuron_trio.service.node import Node
 
-from .test_node import World, job, make_config, run_world
+from .node_world import World, job, make_config, run_world
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

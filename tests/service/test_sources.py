@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import os
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
@@ -25,60 +20,7 @@ from neuron_trio.service.sources import (
     resolve_source,
 )
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-# A small file that starts like a GGUF file; the hub path never parses it.
-GGUF_BYTES = b"GGUF" + (3).to_bytes(4, "little") + bytes(range(256)) * 64
-
-
-class _HubHandler(http.server.BaseHTTPRequestHandler):
-    """Stands in for the hub: HEAD/GET /{owner}/{repo}/resolve/{revision}/{file}."""
-
-    files: ClassVar[dict[str, bytes]] = {}
-    requests: ClassVar[list[tuple[str, str]]] = []
-
-    def _answer(self, with_body: bool) -> None:
-        type(self).requests.append((self.command, self.path))
-        parts = self.path.split("?")[0].strip("/").split("/")
-        body = None
-        if len(parts) >= 5 and parts[2] == "resolve":
-            body = self.files.get(f"{parts[0]}/{parts[1]}/{'/'.join(parts[4:])}")
-        if body is None:
-            self.send_response(404)
-            self.send_header("X-Error-Code", "EntryNotFound")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        self.send_response(200)
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Content-Type", "application/octet-stream")
-        self.end_headers()
-        if with_body:
-            self.wfile.write(body)
-
-    def do_HEAD(self) -> None:
-        self._answer(with_body=False)
-
-    def do_GET(self) -> None:
-        self._answer(with_body=True)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def hub() -> Iterator[str]:
-    _HubHandler.files = {"acme/tiny/tiny.Q4_0.gguf": GGUF_BYTES}
-    _HubHandler.requests = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HubHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+from .hub_server import GGUF_BYTES, HubHandler
 
 
 def _resolve_in_subprocess(
@@ -111,13 +53,13 @@ def test_hub_download_into_hf_home_then_offline(hub: str, tmp_path: Path) -> Non
     path = Path(done.stdout.strip().splitlines()[-1])
     assert path.read_bytes() == GGUF_BYTES
     assert path.is_relative_to(tmp_path / "hf" / "hub")
-    assert ("GET", "/acme/tiny/resolve/main/tiny.Q4_0.gguf") in _HubHandler.requests
+    assert ("GET", "/acme/tiny/resolve/main/tiny.Q4_0.gguf") in HubHandler.requests
 
     # Offline: served from the cache, the server is not asked again.
-    _HubHandler.requests.clear()
+    HubHandler.requests.clear()
     done = _resolve_in_subprocess("hf:acme/tiny/tiny.Q4_0.gguf", {**env, "HF_HUB_OFFLINE": "1"})
     assert Path(done.stdout.strip().splitlines()[-1]) == path
-    assert _HubHandler.requests == []
+    assert HubHandler.requests == []
 
     done = _resolve_in_subprocess("hf:acme/tiny/other.gguf", {**env, "HF_HUB_OFFLINE": "1"})
     assert "SourceError:" in done.stdout and "HF_HUB_OFFLINE" in done.stdout
@@ -130,12 +72,12 @@ def test_runtime_limits_are_checked_before_downloading(hub: str, tmp_path: Path)
     # A repo that is not allowed: the hub is not even asked.
     done = _resolve_in_subprocess(source, env, "HubLimits(('other/*',), 1 << 30)")
     assert "SourceError:" in done.stdout and "node.hf_allow_repos: other/*" in done.stdout
-    assert not [p for _, p in _HubHandler.requests if "/resolve/" in p]
+    assert not [p for _, p in HubHandler.requests if "/resolve/" in p]
     # Allowed, but larger than the cap: only a HEAD, no GET, nothing in the cache.
     done = _resolve_in_subprocess(source, env, f"HubLimits(('acme/*',), {size - 1})")
     assert "SourceError:" in done.stdout and f"is {size} bytes" in done.stdout, done.stdout
-    file_requests = {m for m, path in _HubHandler.requests if "/resolve/" in path}
-    assert file_requests == {"HEAD"}, _HubHandler.requests
+    file_requests = {m for m, path in HubHandler.requests if "/resolve/" in path}
+    assert file_requests == {"HEAD"}, HubHandler.requests
     assert not list((tmp_path / "hf").rglob("*.gguf"))
     # Within the cap: downloaded.
     done = _resolve_in_subprocess(source, env, f"HubLimits(('acme/tiny',), {size})")
@@ -157,7 +99,7 @@ def test_unwritable_cache_is_reported_before_any_download(hub: str, tmp_path: Pa
     )
     assert "SourceError: hub cache directory" in done.stdout, done.stdout + done.stderr
     assert str(blocker / "hub") in done.stdout
-    assert _HubHandler.requests == []
+    assert HubHandler.requests == []
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")

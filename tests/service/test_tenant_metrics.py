@@ -15,7 +15,7 @@ from neuron_trio.service.metrics.tenant import (
     OTHER_LABEL,
     tenant_metrics,
 )
-from tests.service.test_model_actor import Harness, job, run_actor, settle
+from tests.service.actor_harness import Harness, job, run_actor, settle
 
 
 def test_each_tenants_requests_tokens_and_queue_time_are_counted() -> None:

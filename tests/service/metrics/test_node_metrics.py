@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from neuron_trio.service.metrics.node import TOKEN_RATE_SAMPLE_S, RateWindow
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
-from tests.service.test_node import World, collect, job, make_config, run_world
+from tests.service.node_world import World, collect, job, make_config, run_world
 
 
 def sample(text: str, line_start: str) -> float:

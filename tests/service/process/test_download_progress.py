@@ -18,10 +18,8 @@ from neuron_trio.service.process.download_progress import (
     reporting_tqdm,
 )
 from neuron_trio.service.process.notifier import Notifier
-from tests.service import test_sources
-from tests.service.test_node import FakeNotifier, World, make_config, run_world
-
-hub = test_sources.hub  # the stand-in hub server (a fixture)
+from tests.service.hub_server import GGUF_BYTES
+from tests.service.node_world import FakeNotifier, World, make_config, run_world
 
 
 class Clock:
@@ -110,7 +108,7 @@ def test_a_hub_download_reports_to_systemd(hub: str, tmp_path: Path) -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 0, done.stderr
-        assert Path(done.stdout.strip()).read_bytes() == test_sources.GGUF_BYTES
+        assert Path(done.stdout.strip()).read_bytes() == GGUF_BYTES
         listener.setblocking(False)
         messages = []
         while True:
@@ -120,7 +118,7 @@ def test_a_hub_download_reports_to_systemd(hub: str, tmp_path: Path) -> None:
                 break
     finally:
         listener.close()
-    size = len(test_sources.GGUF_BYTES)
+    size = len(GGUF_BYTES)
     assert messages, "no report"
     assert all(m.startswith("STATUS=downloading tiny: ") for m in messages)
     assert all(m.endswith("\nEXTEND_TIMEOUT_USEC=300000000") for m in messages)
