@@ -552,10 +552,12 @@ class Engine:
         return event
 
     def _begin_call(self, seq: Sequence, start: Any) -> Any:
-        """The grammar for the rest of an `auto` tool call whose marker `seq` just emitted."""
+        """The grammar for the rest of an `auto` tool call whose marker `seq` just emitted
+        (compiled grammars are shared only within its prefix-cache salt: `Constraint.scope`)."""
         params = seq.params
+        compiler = self.grammar.scoped(seq.cache_root)
         return begin_call_grammar(
-            self.grammar, self.tool_format, params.tools, params.parallel_tool_calls, start
+            compiler, self.tool_format, params.tools, params.parallel_tool_calls, start
         )
 
     def probe(self) -> None:

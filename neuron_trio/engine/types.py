@@ -40,6 +40,10 @@ class Constraint:
     tools: tuple[ToolFunction, ...] = ()
     parallel: bool = False
     strict: bool = False  # "json": OpenAI's strict mode (objects closed unless they say not)
+    # Whose compiled grammar this is (the job's prefix-cache salt: its tenant or tenant group,
+    # and the client's cache_salt): the grammar cache shares a compile only within one scope,
+    # so a fast hit never tells a tenant that another sent the same schema (issue 47).
+    scope: bytes | None = None
 
 
 @dataclass(frozen=True)

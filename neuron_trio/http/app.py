@@ -211,7 +211,8 @@ class _Routes:
         """`job` checked and salted as every generating route needs: at most
         `server.max_messages` messages, its tenant's name and its prefix-cache salt (the
         client's `cache_salt` and, unless `prefix_cache_isolation = "none"`, the tenant's or
-        its group's name: http/tenancy.py).
+        its group's name: http/tenancy.py), which also scopes its constraint's compiled
+        grammar (`Constraint.scope`: no grammar-cache hit across tenants).
         Chat, completions and the Responses API pass their jobs through here."""
         count = len(job.messages or ())
         if count > self.max_messages:
@@ -224,6 +225,11 @@ class _Routes:
         name = tenant_name_of(request.scope)
         tenant = self.tenants.cache_identity(name) if self.isolate_tenants else None
         salt = job_cache_salt(tenant, job.cache_salt)
+        constraint = job.params.constraint
+        if constraint is not None and constraint.scope != salt:  # grammars shared per salt
+            job = replace(
+                job, params=replace(job.params, constraint=replace(constraint, scope=salt))
+            )
         if salt == job.cache_salt and name == job.tenant:
             return job
         return replace(job, cache_salt=salt, tenant=name)

@@ -20,7 +20,10 @@ the grammar of its calls, is `tool_call_format`.
 
 Compilation (`GrammarCompiler.compile`) parses the grammar once per distinct constraint and
 caches the resulting matcher in its initial state (`grammar_cache`: bounded in entries and in
-estimated bytes); each sequence gets a deep copy (µs). Before the compiler sees a schema, its
+measured bytes, node-wide); each sequence gets a deep copy (µs). A constraint carries its
+`scope` (the job's prefix-cache salt: its tenant or tenant group): a compile is shared only
+within one scope, so that a cache hit's speed never tells a tenant that another tenant sent
+the same schema (issue 47); Lark grammars of auto tool calls are scoped the same way. Before the compiler sees a schema, its
 size and shape are bounded (`schema_limits`) and client conventions made explicit
 (`schema_prep`: strict mode, `$ref`s inside a tool call); a Rust panic in the compiler is a
 400. The service layer runs compiles on the model's own compile thread (`compile_threads`,
@@ -62,6 +65,7 @@ __all__ = [
     "MAX_PARALLEL_TOOL_CALLS",
     "GrammarCompiler",
     "GrammarState",
+    "ScopedCompiler",
     "ToolCallFormat",
     "allowed_tokens",
     "apply_masks",
@@ -229,10 +233,12 @@ class GrammarCompiler:
             self.cache.put(constraint, template, weight)
         return GrammarState(template.deep_copy())
 
-    def compile_lark(self, lark: str) -> GrammarState:
+    def compile_lark(self, lark: str, *, scope: bytes | None = None) -> GrammarState:
         """A fresh state for a Lark grammar neuron wrote itself (an auto tool call's rest,
-        `tool_call_start`); ValueError if llguidance refuses it. Cached like `compile`."""
-        template = self.cache.get(lark)
+        `tool_call_start`); ValueError if llguidance refuses it. Cached like `compile`, and
+        shared only within `scope` (the sequence's prefix-cache root, as `Constraint.scope`)."""
+        key = ("lark", scope, lark)
+        template = self.cache.get(key)
         if template is None:
             # the tools' schemas passed `prepare_parameters`' bounds as the grammar was written
             weight = (4 << 20) + 256 * len(lark)
@@ -250,8 +256,12 @@ class GrammarCompiler:
             if matcher.is_error():
                 raise ValueError(one_line(matcher.get_error()))
             template = matcher
-            self.cache.put(lark, template, weight)
+            self.cache.put(key, template, weight)
         return GrammarState(template.deep_copy())
+
+    def scoped(self, scope: bytes | None) -> ScopedCompiler:
+        """`compile_lark` for one scope, as `tool_call_start.begin_call_grammar` calls it."""
+        return ScopedCompiler(self, scope)
 
     def _build(self, constraint: Constraint) -> tuple[Any, int]:
         param = _param_of(constraint)
@@ -293,6 +303,17 @@ class GrammarCompiler:
         it (grammar_cache.HeapMeter) and the engine's first step does not pay for it."""
         words = (self.vocab_size + 31) // 32
         GrammarState(matcher.deep_copy()).fill(torch.empty((1, words), dtype=torch.int32), 0)
+
+
+class ScopedCompiler:
+    """A `GrammarCompiler`'s Lark grammars of one scope (a sequence's prefix-cache root)."""
+
+    def __init__(self, compiler: GrammarCompiler, scope: bytes | None) -> None:
+        self._compiler = compiler
+        self._scope = scope
+
+    def compile_lark(self, lark: str) -> GrammarState:
+        return self._compiler.compile_lark(lark, scope=self._scope)
 
 
 def is_rust_panic(exc: BaseException) -> bool:
