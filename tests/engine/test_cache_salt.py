@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, BlockPool, block_key, salt_root
 from tests.engine.drain import drain as _run
-from tests.engine.test_scheduler import _engine, _greedy, _prompt
+from tests.engine.fake_runner import _engine, _greedy, _prompt
 
 
 def test_salt_roots_are_one_way_and_apart_from_the_shared_chain() -> None:

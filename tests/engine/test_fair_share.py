@@ -12,7 +12,7 @@ from neuron_trio.engine.fair_share import OUTPUT_COST, PROMPT_COST, FairShare
 from neuron_trio.engine.scheduler import Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
-from tests.engine.test_scheduler import _alone, _engine, _greedy, _prompt
+from tests.engine.fake_runner import _alone, _engine, _greedy, _prompt
 
 
 def test_service_is_counted_per_weight() -> None:

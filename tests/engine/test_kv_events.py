@@ -15,7 +15,7 @@ from neuron_trio.engine.kv_events import (
 )
 from neuron_trio.engine.types import SamplingParams
 from tests.engine.drain import drain as _run
-from tests.engine.test_scheduler import _engine, _prompt
+from tests.engine.fake_runner import _engine, _prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 

@@ -31,7 +31,7 @@ from neuron_trio.service.kv_events_publisher import (
     is_bind_endpoint,
 )
 from tests.engine.drain import drain as _run
-from tests.engine.test_scheduler import _engine, _prompt
+from tests.engine.fake_runner import _engine, _prompt
 
 
 # --- vLLM's schema, as a subscriber defines it ---------------------------------------------
