@@ -16,7 +16,7 @@ from neuron_trio.engine.text.schema_prep import close_objects, one_line, rebase_
 from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
-from tests.engine.text.test_grammar import EOS, IM_END, VOCAB, _allowed, _compiler
+from tests.engine.text.char_vocab import EOS, IM_END, VOCAB, _allowed, _compiler
 
 
 class Address(BaseModel):

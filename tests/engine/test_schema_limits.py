@@ -198,7 +198,7 @@ def test_the_byte_limit_counts_utf8_bytes_not_characters() -> None:
     """40 000 four-byte characters are 160 KB, over the 128 KB limit, though 40 000
     characters are under it: the limit counted characters."""
     from neuron_trio.engine.types import Constraint, ToolFunction
-    from tests.engine.text.test_grammar import _compiler
+    from tests.engine.text.char_vocab import _compiler
 
     schema = json.dumps(
         {"type": "string", "description": "\U0001f600" * 40_000}, ensure_ascii=False
@@ -217,7 +217,7 @@ def test_the_cache_charges_an_entry_what_the_heap_grew_by(
     """A grammar estimated at 4 MB kept 175 MB: the cache now charges the measure."""
     from neuron_trio.engine.text import grammar
     from neuron_trio.engine.types import Constraint
-    from tests.engine.text.test_grammar import _compiler
+    from tests.engine.text.char_vocab import _compiler
 
     class Grew:
         def __init__(self) -> None:

@@ -10,7 +10,6 @@ import torch
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.text.grammar import (
     MAX_PARALLEL_TOOL_CALLS,
-    GrammarCompiler,
     ToolCallFormat,
     allowed_tokens,
     apply_masks,
@@ -19,36 +18,15 @@ from neuron_trio.engine.text.grammar import (
 )
 from neuron_trio.engine.types import Constraint, SamplingParams, ToolFunction
 from neuron_trio.errors import RequestError
-
-# A vocabulary of single characters, a few multi-character tokens, and specials.
-SPECIALS = ["<eos>", "<|im_end|>"]
-CHARS = list('{}[]":, -.0123456789abcdefghijklmnopqrstuvwxyz_<>/\n')
-MULTI = ['{"', '":', '","', "true", "false", "null", "name", "<tool_call>", "</tool_call>"]
-VOCAB = SPECIALS + CHARS + MULTI
-EOS, IM_END = 0, 1
-V = len(VOCAB) + 5  # the model's logits are wider than the vocabulary (padding rows)
-
-
-class CharTokenizer:
-    def __init__(self) -> None:
-        self.token_bytes = [t.encode() for t in VOCAB]
-        self.special_ids = frozenset({EOS, IM_END})
-        self.eos_id: int | None = EOS
-        self.bos_id: int | None = None
-
-    def token_to_id(self, text: str) -> int | None:
-        return VOCAB.index(text) if text in VOCAB else None
-
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return [VOCAB.index(c) for c in text]
-
-
-def _compiler() -> GrammarCompiler:
-    tok = CharTokenizer()
-    return GrammarCompiler(
-        tok, stop_ids=[EOS, IM_END], vocab_size=V, tool_format=detect_tool_format(tok, None)
-    )
-
+from tests.engine.text.char_vocab import (
+    EOS,
+    IM_END,
+    VOCAB,
+    CharTokenizer,
+    V,
+    _allowed,
+    _compiler,
+)
 
 PERSON = json.dumps(
     {
@@ -62,14 +40,6 @@ PERSON = json.dumps(
         "additionalProperties": False,
     }
 )
-
-
-def _allowed(state, vocab: int = V) -> set[int]:
-    mask = fill_masks([state], vocab)
-    assert mask is not None
-    return set(
-        torch.nonzero(allowed_tokens(mask, vocab, torch.device("cpu"))[0]).flatten().tolist()
-    )
 
 
 def test_unpacking_matches_bit_arithmetic() -> None:
