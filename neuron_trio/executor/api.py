@@ -6,27 +6,87 @@ protocol's type). Tests pass fakes that satisfy it too. No torch here: the servi
 imports this module at start-up.
 
 The executor's methods block (NCCL calls, forwards): call them on worker threads only.
+
+It is also the engine's one face to the service (tests/test_layers.py forbids service/ every
+other engine or executor module): the engine's plain vocabulary re-exported below, and small
+functions that import the heavy parts (torch, the loader) only when called.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from neuron_trio import failpoints as fp
+from neuron_trio.config import ModelConfig
+from neuron_trio.engine.block_pool import BLOCK_TOKENS
+from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.fair_share import FairShare
-from neuron_trio.engine.kv_events import KVEventLog
-from neuron_trio.engine.prompt import PromptEngine
+from neuron_trio.engine.gguf import header_memo
+from neuron_trio.engine.kv_events import (
+    DEFAULT_CAPACITY,
+    AllClearedRecord,
+    BlockRemovedRecord,
+    BlockStoredRecord,
+    KVEventLog,
+    KVEventRecord,
+)
+from neuron_trio.engine.prompt import PreparedPrompt, PromptEngine, prepare_prompt
+from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
+from neuron_trio.engine.text.compile_threads import CompileJob, CompileThreads
+from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.types import (
+    GOOD_FINISH_REASONS,
     Constraint,
     EngineStatistics,
     SamplingParams,
     SequenceEvent,
+    TokenLogprob,
+    ToolCall,
+    ToolFunction,
 )
 
 if TYPE_CHECKING:
+    import torch
+
+    from neuron_trio.engine.model.weight_cache import WeightCache
     from neuron_trio.engine.text.tokenizer import Tokenizer
     from neuron_trio.executor.comm import Communicator
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "DEFAULT_CAPACITY",
+    "GOOD_FINISH_REASONS",
+    "AllClearedRecord",
+    "BlockRemovedRecord",
+    "BlockStoredRecord",
+    "CompileJob",
+    "CompileThreads",
+    "Constraint",
+    "EngineStatistics",
+    "FairShare",
+    "KVEventLog",
+    "KVEventRecord",
+    "ModelExecutor",
+    "PreparedPrompt",
+    "RankInfo",
+    "SamplingParams",
+    "SequenceEvent",
+    "ServingEngine",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolFunction",
+    "build_executor",
+    "builtin_model_path",
+    "estimate_gguf_bytes",
+    "panics_as_model_file_errors",
+    "prepare_prompt",
+    "probe_gguf_chat_template",
+    "use_gguf_header_store",
+    "weight_cache",
+]
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -99,3 +159,59 @@ class ModelExecutor(Protocol):
     def abort_comm(self) -> None: ...
     def recreate_comm(self) -> None: ...
     def close(self) -> None: ...
+
+
+# The heavy parts (torch, the loader, the packed-weight cache), imported when called: the
+# service imports this module at start-up and must not pay for torch there.
+
+
+def weight_cache(directory: Path, max_bytes: int, *, min_file_bytes: int) -> WeightCache:
+    """The packed-weight cache (`engine.model.weight_cache.WeightCache`) for `build_executor`."""
+    from neuron_trio.engine.model.weight_cache import WeightCache
+
+    return WeightCache(directory, max_bytes, min_file_bytes=min_file_bytes)
+
+
+def build_executor(
+    spec: ModelConfig,
+    path: Path,
+    devices: list[torch.device],
+    *,
+    failpoints: fp.Failpoints,
+    weight_cache: WeightCache | None,
+) -> ModelExecutor:
+    """`executor.executor.build_executor`: load the model and build its engine (slow,
+    blocking: call it on a worker thread)."""
+    from neuron_trio.executor import executor
+
+    return executor.build_executor(
+        spec, path, devices, failpoints=failpoints, weight_cache=weight_cache
+    )
+
+
+def estimate_gguf_bytes(
+    path: Path, dtype: str, device: str, *, kv_cache_mb: int, max_batch: int, context: int
+) -> tuple[int, int]:
+    """(weights, KV pool) bytes of the GGUF file at `path` on a `device` ("cuda", "cpu") as
+    the loader would store them (`engine.model.sizing`). Reads the header and tensor table
+    only. ConfigError if the KV budget holds no block; ModelLoadError for an unusable file."""
+    from neuron_trio.engine.gguf.file import GGUFFile
+    from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
+
+    with GGUFFile(path) as gguf:
+        weights = estimate_weight_bytes(gguf, dtype, device)
+        kv = estimate_kv_bytes(
+            gguf.config,
+            dtype,
+            device,
+            kv_cache_mb=kv_cache_mb,
+            max_batch=max_batch,
+            context=context,
+        )
+    return weights, kv
+
+
+def use_gguf_header_store(directory: Path | None) -> None:
+    """Keep parsed GGUF headers between starts in `directory` (None: nowhere);
+    `engine.gguf.header_memo.STORE`."""
+    header_memo.STORE.use(directory)

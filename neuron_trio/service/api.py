@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 from prometheus_client import CollectorRegistry
 
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.types import (
+from neuron_trio.executor.api import (
     GOOD_FINISH_REASONS,
     Constraint,
     SamplingParams,

@@ -11,7 +11,7 @@ from collections import deque
 
 import trio
 
-from neuron_trio.engine.types import SequenceEvent
+from neuron_trio.executor.api import SequenceEvent
 
 
 def merge_events(a: SequenceEvent, b: SequenceEvent) -> SequenceEvent:

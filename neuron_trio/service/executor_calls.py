@@ -17,10 +17,8 @@ from typing import TypeVar
 
 import trio
 
-from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
-from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.errors import ModelLoadError
-from neuron_trio.executor.api import ModelExecutor
+from neuron_trio.executor.api import ModelExecutor, SequenceEvent, panics_as_model_file_errors
 from neuron_trio.service.wedge.watchdog import InflightFn, Watchdog
 
 log = logging.getLogger(__name__)

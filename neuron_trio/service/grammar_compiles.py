@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import trio
 
-from neuron_trio.engine.text.compile_threads import CompileJob, CompileThreads
-from neuron_trio.engine.types import Constraint
+from neuron_trio.executor.api import CompileJob, CompileThreads, Constraint
 
 __all__ = ["GrammarCompileStatistics", "GrammarCompiles"]
 

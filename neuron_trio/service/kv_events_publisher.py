@@ -31,8 +31,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from neuron_trio.config import KvEventsConfig, is_loopback_host
-from neuron_trio.engine.kv_events import DEFAULT_CAPACITY, KVEventLog
 from neuron_trio.errors import ConfigError
+from neuron_trio.executor.api import DEFAULT_CAPACITY, KVEventLog
 from neuron_trio.service.kv_events_wire import KVEventBatch, wire_events
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.engine.kv_events import (
+from neuron_trio.executor.api import (
+    BLOCK_TOKENS,
     AllClearedRecord,
     BlockRemovedRecord,
     BlockStoredRecord,

@@ -22,8 +22,6 @@ from typing import TypeVar
 import trio
 
 from neuron_trio.config import ModelConfig, WatchdogConfig
-from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
-from neuron_trio.engine.types import EngineStatistics, SequenceEvent
 from neuron_trio.errors import (
     ConfigError,
     ModelLoadError,
@@ -32,7 +30,13 @@ from neuron_trio.errors import (
     StepTimeoutError,
     UnavailableError,
 )
-from neuron_trio.executor.api import ModelExecutor, ServingEngine
+from neuron_trio.executor.api import (
+    EngineStatistics,
+    ModelExecutor,
+    SequenceEvent,
+    ServingEngine,
+    panics_as_model_file_errors,
+)
 from neuron_trio.service.api import GenerationJob, Tokenized, TokenizeJob, with_default_max_tokens
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.executor_calls import ExecutorCalls

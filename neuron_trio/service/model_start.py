@@ -23,10 +23,14 @@ import trio
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig, NeuronConfig
-from neuron_trio.engine.gguf import header_memo
-from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
 from neuron_trio.errors import ApiError, ConfigError, ModelFileError, ModelLoadError
-from neuron_trio.executor.api import ModelExecutor
+from neuron_trio.executor.api import (
+    ModelExecutor,
+    build_executor,
+    probe_gguf_chat_template,
+    use_gguf_header_store,
+    weight_cache,
+)
 from neuron_trio.service.fingerprint import model_fingerprint
 from neuron_trio.service.node_document import ModelMemory
 from neuron_trio.service.placement import (
@@ -63,11 +67,8 @@ def default_factory(
     config: NeuronConfig,
 ) -> ModelExecutor:
     """The real executor, with the node's packed-weight cache (`[node] weight_cache*`)."""
-    from neuron_trio.engine.model.weight_cache import WeightCache
-    from neuron_trio.executor.executor import build_executor
-
     node = config.node
-    cache = WeightCache(
+    cache = weight_cache(
         config.weight_cache_path,
         node.weight_cache_max_mb << 20,
         min_file_bytes=node.weight_cache_min_mb << 20,
@@ -82,11 +83,11 @@ def default_factory(
 
 
 def use_header_store(config: NeuronConfig) -> None:
-    """Keep parsed GGUF headers between starts (engine.gguf.header_memo.STORE) in the
+    """Keep parsed GGUF headers between starts (`executor.api.use_gguf_header_store`) in the
     packed-weight cache's directory (`headers/`), where `[node] weight_cache` keeps those.
     The daemon calls it once, before its node reads any header."""
     directory = config.weight_cache_path / "headers" if config.node.weight_cache else None
-    header_memo.STORE.use(directory)
+    use_gguf_header_store(directory)
 
 
 def default_estimator(spec: ModelConfig, path: Path, on_gpu: bool) -> ModelEstimate:

@@ -21,9 +21,7 @@ from typing import Any
 
 import msgspec
 
-from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.engine.types import EngineStatistics
-from neuron_trio.executor.api import RankInfo
+from neuron_trio.executor.api import BLOCK_TOKENS, EngineStatistics, RankInfo
 from neuron_trio.service.wedge.forensics import LastForensics
 from neuron_trio.service.wedge.records import WatchdogStatistics
 

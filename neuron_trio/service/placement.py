@@ -18,6 +18,7 @@ import torch
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.errors import ConfigError, PlacementError
+from neuron_trio.executor.api import estimate_gguf_bytes
 
 log = logging.getLogger(__name__)
 
@@ -195,21 +196,15 @@ def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) 
     GGUF header and tensor table (memory-mapped; ~0.2 s for the built-in model). Raises
     ModelLoadError (UnsupportedModelError) if the file is not a usable GGUF model.
     """
-    from neuron_trio.engine.gguf.file import GGUFFile
-    from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
-
-    device = torch.device("cuda" if on_gpu else "cpu")
-    with GGUFFile(path) as gguf:
-        weights = estimate_weight_bytes(gguf, spec.dtype, device)
-        try:
-            kv = estimate_kv_bytes(
-                gguf.config,
-                spec.dtype,
-                device,
-                kv_cache_mb=spec.kv_cache_mb,
-                max_batch=spec.max_batch,
-                context=spec.context,
-            )
-        except ConfigError as exc:
-            raise PlacementError(f"model {spec.name!r}: {exc}") from None
+    try:
+        weights, kv = estimate_gguf_bytes(
+            path,
+            spec.dtype,
+            "cuda" if on_gpu else "cpu",
+            kv_cache_mb=spec.kv_cache_mb,
+            max_batch=spec.max_batch,
+            context=spec.context,
+        )
+    except ConfigError as exc:  # the KV budget holds no block (weights raise ModelLoadError)
+        raise PlacementError(f"model {spec.name!r}: {exc}") from None
     return ModelEstimate(weights_bytes=weights, kv_cache_bytes=kv)

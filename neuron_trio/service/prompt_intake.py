@@ -13,9 +13,8 @@ from collections.abc import Callable
 import trio
 
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.prompt import PreparedPrompt, prepare_prompt
 from neuron_trio.errors import ContextLengthError
-from neuron_trio.executor.api import ServingEngine
+from neuron_trio.executor.api import PreparedPrompt, ServingEngine, prepare_prompt
 from neuron_trio.service.api import GenerationJob, template_message
 from neuron_trio.service.grammar_compiles import GrammarCompiles
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import trio
 
-from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.errors import NeuronError, UnavailableError
-from neuron_trio.executor.api import FairShare, ServingEngine
+from neuron_trio.executor.api import FairShare, SequenceEvent, ServingEngine
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.metrics.model import ModelMetrics

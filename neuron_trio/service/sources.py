@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuron_trio.config import NeuronConfig
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
+from neuron_trio.executor.api import builtin_model_path
 from neuron_trio.service.process.download_progress import ByteProgress, reporting_tqdm
 
 log = logging.getLogger(__name__)

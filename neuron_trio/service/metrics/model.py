@@ -14,8 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.engine.types import EngineStatistics
+from neuron_trio.executor.api import BLOCK_TOKENS, EngineStatistics
 from neuron_trio.service.metrics.tenant import tenant_metrics
 from neuron_trio.service.model_state import MODEL_STATES
 
