@@ -22,7 +22,7 @@ from neuron_trio.executor.executor import CachedMerges, Executor, build_executor
 from neuron_trio.executor.tp.inprocess import InProcessCommunicator
 from tests.engine.tiny_families import write_tiny_family
 from tests.engine.tiny_gguf import write_tiny_llama
-from tests.executor.tp.test_communicators import TIMEOUT, SignallingFailpoints, Worker
+from tests.executor.tp.threaded import TIMEOUT, SignallingFailpoints, Worker
 
 CPU = [torch.device("cpu")]
 PROMPTS = [[5, 70, 80, 90, 100], [7, 8, 9]]

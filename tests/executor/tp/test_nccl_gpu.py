@@ -12,7 +12,7 @@ from neuron_trio import failpoints as fp
 from neuron_trio.errors import CommAbortedError
 from neuron_trio.executor.tp.nccl_comm import NcclCommunicator
 from neuron_trio.executor.tp.nccl_lib import load_nccl
-from tests.executor.tp.test_communicators import TIMEOUT, SignallingFailpoints, Worker
+from tests.executor.tp.threaded import TIMEOUT, SignallingFailpoints, Worker
 
 pytestmark = pytest.mark.gpu
 

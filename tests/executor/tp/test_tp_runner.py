@@ -12,7 +12,7 @@ from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.errors import CommAbortedError, FailpointError
 from neuron_trio.executor.tp.inprocess import InProcessCommunicator
 from neuron_trio.executor.tp.runner import TPRunner
-from tests.executor.tp.test_communicators import TIMEOUT, SignallingFailpoints, Worker
+from tests.executor.tp.threaded import TIMEOUT, SignallingFailpoints, Worker
 
 TOY = LlamaConfig(
     n_layers=2,
