@@ -47,10 +47,12 @@ from neuron_trio.engine.model.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.model.sizing import engine_sizing
 from neuron_trio.engine.prompt import (
-    answer_room,
+    PreparedPrompt,
+    PromptLimits,
     chat_template_for,
-    check_request,
+    check_prompt,
     encode_text,
+    prepare_prompt,
     render_messages,
 )
 from neuron_trio.engine.prompt_logprobs import collect_prompt_logprobs, start_prompt_logprobs
@@ -205,15 +207,35 @@ class Engine:
         del chat  # a rendered chat template carries its own specials, BOS included or not
         return encode_text(self.tokenizer, text)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse, before any work, a request that cannot run (`prompt.check_request`)."""
-        check_request(
-            prompt_ids,
+    @property
+    def limits(self) -> PromptLimits:
+        """What a request is checked against here (`prompt.check_request`)."""
+        return PromptLimits(self.vocab_size, self.max_batch, self.context, self.pool.total)
+
+    def prepare(
+        self,
+        params: SamplingParams,
+        *,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        ids: Seq[int] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        default_max_tokens: int = 0,
+    ) -> PreparedPrompt:
+        """A request's prompt ready for `add`, in one pass: templated, tokenised and checked
+        (`prompt.prepare_prompt`; RequestError, ContextLengthError if it cannot run). It reads
+        only the tokenizer and template: thread-safe beside a step. The constraint is not
+        compiled here (`compile_constraint`, or `add`)."""
+        return prepare_prompt(
+            self.chat_template,
+            self.tokenizer,
+            self.limits,
             params,
-            vocab_size=self.vocab_size,
-            max_batch=self.max_batch,
-            context=self.context,
-            pool_blocks=self.pool.total,
+            text=text,
+            messages=messages,
+            ids=ids,
+            template_kwargs=template_kwargs,
+            default_max_tokens=default_max_tokens,
         )
 
     @property
@@ -241,10 +263,10 @@ class Engine:
 
     def add(
         self,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        prompt: PreparedPrompt | Seq[int],
+        params: SamplingParams | None = None,
         *,
-        chat: bool,
+        chat: bool = False,
         cache_salt: bytes | None = None,
         tenant: str | None = None,
     ) -> int:
@@ -253,12 +275,15 @@ class Engine:
         (queue, retry); `can_admit` says whether to add now. With `cache_salt`, its prompt
         shares cached prefix blocks only with requests of the same salt. `tenant` is whose
         request it is, for the scheduler's fair share (`share_fairly`).
+
+        A PreparedPrompt (`prepare`) was checked and is trusted; token ids with `params` and
+        `chat` (tools, tests, warm-up) are checked here first (`prompt.check_prompt`).
         """
+        if not isinstance(prompt, PreparedPrompt):
+            assert params is not None, "token ids need their SamplingParams"
+            prompt = check_prompt(prompt, params, chat=chat, limits=self.limits)
+        prompt_ids, params, chat = prompt.ids, prompt.params, prompt.chat
         root = salt_root(cache_salt)
-        self.validate(prompt_ids, params)
-        if params.max_tokens is None:  # to the end of the context
-            room = self.answer_room(len(prompt_ids))
-            params = replace(params, max_tokens=room)
         if self.scheduler.free_slots < params.n:
             raise NoFreeSlotError(f"{params.n} slots needed, {self.scheduler.free_slots} free")
         group: list[Sequence] = []
@@ -347,12 +372,6 @@ class Engine:
         `n` of max_batch are free and the pool has the blocks of its prompt (cached prefixes
         not counted). Admitting only then keeps preemption for growth, not for arrivals."""
         return self.free_slots >= n and self.pool.available >= blocks_for(prompt_tokens) + n - 1
-
-    def answer_room(self, prompt_tokens: int) -> int:
-        """The most tokens an answer to a `prompt_tokens` prompt may have here: to the end of
-        the effective context (`context`: the configured one capped by the model's own) or
-        of the KV pool, whichever is nearer. The service caps a default max_tokens by it."""
-        return answer_room(prompt_tokens, context=self.context, pool_blocks=self.pool.total)
 
     @property
     def has_work(self) -> bool:

@@ -1,85 +1,126 @@
-"""A request's prompt made ready for `Engine.add`, in one call: template, tokenise, grammar,
-validate.
+"""A request's prompt made ready for `Engine.add`, in one pass: template, tokenise, check.
 
-`prepare_prompt` touches only the tokenizer, the chat template and the grammar cache (never
-the engine's sequences or blocks), so the service layer may run it on another thread beside a
-step; the result is the token ids `add` takes, and whether they are a chat's.
+`prepare_prompt` touches only the tokenizer and the chat template (never the engine's
+sequences or blocks), so the service layer may run it (`Engine.prepare`) on another thread
+beside a step. Its result is a `PreparedPrompt`: the token ids, whether they are a chat's, and
+the sampling parameters with `max_tokens` resolved. Only `check_prompt` makes one, so a
+prompt `add` is given has passed the request's rules (`check_request`) against the engine's
+limits exactly once, and `add` trusts it.
 
-The steps themselves, which `Engine`'s methods of the same purpose call with its state:
-the chat template for a tokenizer, a chat rendered (tools as text where the template knows
-none), text encoded, and the rules a request must pass before any work (`check_request`).
+A constraint's grammar is not compiled here: the service compiles it first on a thread of its
+own (`service/grammar_compiles.py`), a tool or test by `Engine.compile_constraint` or at
+`add` (the grammar cache holds it from then on).
+
+The steps, each a function of the engine's parts: the chat template for a tokenizer, a chat
+rendered (tools as text where the template knows none), text encoded, the rules checked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, blocks_for
 from neuron_trio.engine.text.chat import ChatTemplate
 from neuron_trio.engine.text.chat_literals import ChatPrompt
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.text.tool_calls import render_tools_as_text, template_tools
-from neuron_trio.engine.types import Constraint, SamplingParams, ToolFunction
+from neuron_trio.engine.types import SamplingParams, ToolFunction
 from neuron_trio.errors import ContextLengthError, RequestError
 
-
-class PromptEngine(Protocol):
-    """What prompt preparation needs of an engine (`engine.Engine` has it)."""
-
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        tools: Sequence[ToolFunction] = (),
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str: ...
-    def compile_constraint(self, constraint: Constraint) -> object: ...
-    def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
+# Held by `check_prompt` alone: a PreparedPrompt made anywhere else is refused (TypeError).
+_CHECKED = object()
 
 
 @dataclass(frozen=True)
+class PromptLimits:
+    """What a request is checked against: an engine's vocabulary, slots (`max_batch`),
+    effective context and KV pool (in blocks of BLOCK_TOKENS)."""
+
+    vocab_size: int
+    max_batch: int
+    context: int
+    pool_blocks: int
+
+
+@dataclass(frozen=True, eq=False)
 class PreparedPrompt:
-    ids: list[int]
-    chat: bool  # rendered by the chat template (its end-of-turn tokens then stop it)
+    """A prompt that passed `check_prompt`: its token ids, whether a chat template rendered
+    them (its end-of-turn tokens then stop the answer) and its sampling parameters, with
+    `max_tokens` resolved (never None). Made by `check_prompt` only; `Engine.add` trusts it."""
+
+    ids: tuple[int, ...]
+    chat: bool
+    params: SamplingParams
+    _checked: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._checked is not _CHECKED:
+            raise TypeError("a PreparedPrompt is made by check_prompt (Engine.prepare) only")
 
 
 def prepare_prompt(
-    engine: PromptEngine,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    limits: PromptLimits,
     params: SamplingParams,
     *,
     text: str | None = None,
     messages: list[dict[str, Any]] | None = None,
     ids: Sequence[int] | None = None,
-    compile_constraint: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    default_max_tokens: int = 0,
 ) -> PreparedPrompt:
-    """The token ids of one request's prompt, given as exactly one of `ids` (used as they
-    are), `messages` (a chat, rendered with the model's template and `params.tools`) or
-    `text` (a raw completion; None is the empty prompt).
+    """One request's prompt, given as exactly one of `ids` (used as they are), `messages` (a
+    chat, rendered with `template` and `params.tools`, and `template_kwargs`: the request's
+    `chat_template_kwargs`) or `text` (a raw completion; None is the empty prompt), encoded
+    and checked (`check_prompt`, which `default_max_tokens` goes to).
 
-    A request's constraint is compiled here (then cached, so `add` finds it), except with
-    `ids`, which `add` compiles, and unless `compile_constraint` is False (the model actor
-    compiles on a thread of its own first, `service/grammar_compiles.py`). Raises RequestError (ContextLengthError) if the request
-    cannot run: a template that refuses the messages, an invalid schema, a prompt too long.
-    `template_kwargs`: more names for the chat template (`chat_template_kwargs`).
+    Raises RequestError (ContextLengthError) if the request cannot run: a template that
+    refuses the messages, a token id outside the vocabulary, a prompt too long.
     """
     if ids is not None:
-        prepared = PreparedPrompt(list(ids), chat=False)
+        prompt_ids, chat = list(ids), False
+    elif messages is not None:
+        rendered = render_messages(template, messages, params.tools, template_kwargs)
+        prompt_ids, chat = encode_text(tokenizer, rendered), True
     else:
-        if params.constraint is not None and compile_constraint:
-            engine.compile_constraint(params.constraint)  # cached for `add`
-        if messages is not None:
-            if template_kwargs:
-                rendered = engine.render_chat(messages, params.tools, template_kwargs)
-            else:
-                rendered = engine.render_chat(messages, params.tools)
-            prepared = PreparedPrompt(engine.encode_prompt(rendered, chat=True), chat=True)
-        else:
-            prepared = PreparedPrompt(engine.encode_prompt(text or "", chat=False), chat=False)
-    engine.validate(prepared.ids, params)
-    return prepared
+        prompt_ids, chat = encode_text(tokenizer, text or ""), False
+    return check_prompt(
+        prompt_ids, params, chat=chat, limits=limits, default_max_tokens=default_max_tokens
+    )
+
+
+def check_prompt(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    chat: bool,
+    limits: PromptLimits,
+    default_max_tokens: int = 0,
+) -> PreparedPrompt:
+    """`prompt_ids` checked against `limits` (`check_request`), as a PreparedPrompt.
+
+    A `max_tokens` of None becomes `default_max_tokens` (the model's configured default; 0:
+    none) cut to the room the prompt leaves an answer, or that room itself: to the end of the
+    effective context or of the KV pool, whichever is nearer (`answer_room`). Either fits,
+    since the check found room for at least one token.
+    """
+    ids = list(prompt_ids)
+    check_request(
+        ids,
+        params,
+        vocab_size=limits.vocab_size,
+        max_batch=limits.max_batch,
+        context=limits.context,
+        pool_blocks=limits.pool_blocks,
+    )
+    if params.max_tokens is None:
+        room = answer_room(len(ids), context=limits.context, pool_blocks=limits.pool_blocks)
+        max_tokens = min(default_max_tokens, room) if default_max_tokens > 0 else room
+        params = replace(params, max_tokens=max_tokens)
+    return PreparedPrompt(tuple(ids), chat, params, _CHECKED)
 
 
 def chat_template_for(tokenizer: Tokenizer, source: str | None) -> ChatTemplate:

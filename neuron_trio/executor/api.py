@@ -14,8 +14,9 @@ functions that import the heavy parts (torch, the loader) only when called.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -33,7 +34,7 @@ from neuron_trio.engine.kv_events import (
     KVEventLog,
     KVEventRecord,
 )
-from neuron_trio.engine.prompt import PreparedPrompt, PromptEngine, prepare_prompt
+from neuron_trio.engine.prompt import PreparedPrompt
 from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
 from neuron_trio.engine.text.compile_threads import CompileJob, CompileThreads
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
@@ -82,7 +83,6 @@ __all__ = [
     "builtin_model_path",
     "estimate_gguf_bytes",
     "panics_as_model_file_errors",
-    "prepare_prompt",
     "probe_gguf_chat_template",
     "use_gguf_header_store",
     "weight_cache",
@@ -97,9 +97,11 @@ class RankInfo(msgspec.Struct, frozen=True):
     kv_heads: int
 
 
-class ServingEngine(PromptEngine, Protocol):
-    """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe): prompt
-    preparation (`engine.prompt.prepare_prompt`), then sequences and steps."""
+class ServingEngine(Protocol):
+    """What the model actor needs of `engine.engine.Engine` (sync, not thread-safe, but for
+    the prompt calls, which read only the tokenizer, template and grammar cache): a prompt
+    prepared and checked once (`prepare`), then sequences (`add` trusts the prepared prompt)
+    and steps."""
 
     tokenizer: Tokenizer  # /tokenize, /detokenize (service/tokenize.py): thread-safe reads
 
@@ -107,20 +109,35 @@ class ServingEngine(PromptEngine, Protocol):
     # /v1/models and /v1/node show once the model is loaded.
     context: int
 
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[ToolFunction] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]: ...
+    def prepare(
+        self,
+        params: SamplingParams,
+        *,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        ids: Sequence[int] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        default_max_tokens: int = 0,
+    ) -> PreparedPrompt: ...
+    def compile_constraint(self, constraint: Constraint) -> object: ...
     def constraint_compiled(self, constraint: Constraint) -> bool: ...
     def add(
         self,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        prompt: PreparedPrompt,
         *,
-        chat: bool,
         cache_salt: bytes | None = None,
         tenant: str | None = None,
     ) -> int: ...
     def cancel(self, seq_id: int) -> None: ...
     def cancel_all(self) -> list[int]: ...
     def can_admit(self, prompt_tokens: int, n: int = 1) -> bool: ...
-    def answer_room(self, prompt_tokens: int) -> int: ...
     @property
     def free_slots(self) -> int: ...
     @property
@@ -179,13 +196,19 @@ def build_executor(
     *,
     failpoints: fp.Failpoints,
     weight_cache: WeightCache | None,
+    draft_path: Path | None = None,
 ) -> ModelExecutor:
     """`executor.executor.build_executor`: load the model and build its engine (slow,
-    blocking: call it on a worker thread)."""
+    blocking: call it on a worker thread). `draft_path`: the speculative draft's file."""
     from neuron_trio.executor import executor
 
     return executor.build_executor(
-        spec, path, devices, failpoints=failpoints, weight_cache=weight_cache
+        spec,
+        path,
+        devices,
+        failpoints=failpoints,
+        weight_cache=weight_cache,
+        draft_path=draft_path,
     )
 
 

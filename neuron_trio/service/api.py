@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -43,7 +43,6 @@ __all__ = [
     "ToolCall",
     "ToolFunction",
     "template_message",
-    "with_default_max_tokens",
 ]
 
 HealthStatus = Literal["starting", "ok", "draining", "recovering", "wedged"]
@@ -101,20 +100,6 @@ class GenerationJob:
     # More names for the chat template (`chat_template_kwargs`, `reasoning_effort`), bounded
     # by the HTTP layer: a few scalars.
     template_kwargs: tuple[tuple[str, str | int | float | bool | None], ...] = ()
-
-
-def with_default_max_tokens(
-    job: GenerationJob, default_max_tokens: int, room: int
-) -> GenerationJob:
-    """`job` with the model's `default_max_tokens` where the client gave no max_tokens (a
-    chat), cut to `room`: what the engine leaves an answer after the prompt
-    (`ServingEngine.answer_room`: its effective context, not the configured one, and its KV
-    pool). Without a configured default (0), `max_tokens` stays None: the engine runs the
-    answer to the end of the context."""
-    if job.params.max_tokens is not None or not default_max_tokens:
-        return job
-    params = replace(job.params, max_tokens=min(default_max_tokens, max(1, room)))
-    return replace(job, params=params)
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,12 @@ from neuron_trio.errors import (
 from neuron_trio.executor.api import (
     EngineStatistics,
     ModelExecutor,
+    PreparedPrompt,
     SequenceEvent,
     ServingEngine,
     panics_as_model_file_errors,
 )
-from neuron_trio.service.api import GenerationJob, Tokenized, TokenizeJob, with_default_max_tokens
+from neuron_trio.service.api import GenerationJob, Tokenized, TokenizeJob
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.executor_calls import ExecutorCalls
 from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
@@ -255,18 +256,19 @@ class ModelActor:
             f"model {self.name!r} is {state}", code=f"model_{state}", retry_after_s=5
         )
 
-    async def _encode(self, job: GenerationJob) -> tuple[list[int], bool]:
-        """Token ids and the chat flag of `job`; RequestError (400) if it cannot run."""
-        assert self.executor is not None
+    async def _prepare(self, job: GenerationJob) -> PreparedPrompt | None:
+        """`job`'s prompt, checked (`prompt_intake`); RequestError (400) if it cannot run. None
+        without an engine (the loop has ended): `generate` refuses the request then."""
+        if self.executor is None:
+            return None
         engine: ServingEngine = self.executor.engine
         try:
-            prepared = await prepare_job_prompt(
+            return await prepare_job_prompt(
                 engine, job, self.spec, lambda: self._grammar_compiles(engine)
             )
         except RequestError:
             self._requests.count("rejected_invalid", job.tenant)
             raise
-        return prepared.ids, prepared.chat
 
     async def tokenize(self, job: TokenizeJob) -> Tokenized:
         """See NodeService.tokenize (the node has resolved `job.model` to this model)."""
@@ -299,16 +301,15 @@ class ModelActor:
     async def generate(self, job: GenerationJob) -> AsyncIterator[EventStream]:
         """Queue `job`; the context's value iterates its events. See NodeService.generate.
 
-        Tokenizes and validates on the trio thread (fast) so that a bad request is refused
-        before it waits. Leaving the context before the last event cancels the sequence at
-        the next step boundary (or drops it from the queue at once).
+        The prompt is prepared and checked first, so that a bad request is refused (400)
+        before it waits. Then the model's state is checked, once, where the request queues:
+        no await lies between that check and `enqueue`, so a request never joins a queue the
+        loop has stopped serving. Leaving the context before the last event cancels the
+        sequence at the next step boundary (or drops it from the queue at once).
         """
+        prepared = await self._prepare(job)
         self._refuse_unless_accepting(job.tenant)
-        ids, chat = await self._encode(job)
-        self._refuse_unless_accepting(job.tenant)  # the state may have changed while encoding
-        assert self.executor is not None
-        room = self.executor.engine.answer_room(len(ids))
-        job = with_default_max_tokens(job, self.spec.default_max_tokens, room)
+        assert prepared is not None  # accepting: the engine is loaded (`run`)
         try:
             self._requests.check_limits(job.tenant, self.spec.max_batch)
         except TenantLimitError:
@@ -322,8 +323,7 @@ class ModelActor:
             )
         request = ActorRequest(
             job,
-            ids,
-            chat,
+            prepared,
             EventStream(self._stream_capacity),
             enqueued_at=trio.current_time(),
             enqueued_wall=time.time(),

@@ -1,9 +1,10 @@
 """A request's prompt made ready for the engine as it arrives, before it waits anywhere.
 
 `prepare_job_prompt` bounds the prompt's size, compiles its constraint on the model's compile
-thread, then templates, tokenizes and validates it (`engine.prompt.prepare_prompt`): on the
-trio thread when that is quick, on a worker thread when it is not. A bad request gets its 400
-(RequestError) here, before it takes a place in the queue.
+thread, then has the engine template, tokenize and check it in one pass (`engine.prepare`): on
+the trio thread when that is quick, on a worker thread when it is not. A bad request gets its
+400 (RequestError) here, before it takes a place in the queue; the `PreparedPrompt` it yields
+is what `engine.add` takes, unchecked again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import trio
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.errors import ContextLengthError
-from neuron_trio.executor.api import PreparedPrompt, ServingEngine, prepare_prompt
+from neuron_trio.executor.api import PreparedPrompt, ServingEngine
 from neuron_trio.service.api import GenerationJob, template_message
 from neuron_trio.service.grammar_compiles import GrammarCompiles
 
@@ -30,7 +31,8 @@ async def prepare_job_prompt(
     spec: ModelConfig,
     compiles: Callable[[], GrammarCompiles],
 ) -> PreparedPrompt:
-    """The token ids and chat flag of `job`; RequestError (400) if it cannot run.
+    """`job`'s prompt, checked, with the model's `default_max_tokens` (`spec`) where the
+    client gave no max_tokens; RequestError (400) if it cannot run.
 
     Tokenizing touches only the tokenizer and template (never the engine's state), so it
     may run beside a step. Small prompts run on the trio thread (microseconds); long
@@ -46,18 +48,18 @@ async def prepare_job_prompt(
         )
 
     def prepare() -> PreparedPrompt:
-        return prepare_prompt(
-            engine,
+        return engine.prepare(
             job.params,
             text=job.prompt,
             messages=None if job.messages is None else [template_message(m) for m in job.messages],
             ids=job.prompt_ids,
-            compile_constraint=False,  # done first, on the compile thread (below)
             template_kwargs=dict(job.template_kwargs),
+            default_max_tokens=spec.default_max_tokens,
         )
 
     if job.params.constraint is not None:
-        # cached for `add`, on the model's compile thread (grammar_compiles)
+        # an invalid schema's 400 first; compiled on the model's compile thread
+        # (grammar_compiles) and cached for `add`
         await compiles().compile(job.params.constraint, job.tenant)
     # Tools are rendered into the prompt as JSON of any size. A chat template is the
     # model file's code: it renders on a thread, under its own deadline and size

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import trio
 
-from neuron_trio.errors import NeuronError, UnavailableError
-from neuron_trio.executor.api import FairShare, SequenceEvent, ServingEngine
+from neuron_trio.errors import UnavailableError
+from neuron_trio.executor.api import FairShare, PreparedPrompt, SequenceEvent, ServingEngine
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.metrics.model import ModelMetrics
@@ -44,8 +44,7 @@ class ActorRequest:
     """One request from `ModelActor.generate` until its stream ends."""
 
     job: GenerationJob
-    prompt_ids: list[int]
-    chat: bool
+    prompt: PreparedPrompt  # checked once, on arrival (`prompt_intake`): `engine.add` trusts it
     stream: EventStream
     enqueued_at: float  # trio clock (metrics)
     enqueued_wall: float = 0.0  # time.time() (forensics, read from other threads)
@@ -191,23 +190,13 @@ class RequestTable:
         # A request of n choices takes n of max_batch at once (its prompt is prefilled once,
         # shared), and waits until the KV pool has its prompt's blocks.
         while (request := self._next_admission(engine.free_slots)) is not None:
-            tokens = len(request.prompt_ids)
+            tokens = len(request.prompt.ids)
             if not engine.can_admit(tokens, request.job.params.n):
                 return
             self.queue.remove(request)
             tenant = request.job.tenant
-            try:
-                seq_id = engine.add(
-                    request.prompt_ids,
-                    request.job.params,
-                    chat=request.chat,
-                    cache_salt=request.job.cache_salt,
-                    tenant=tenant,
-                )
-            except NeuronError as exc:  # validated on arrival: should not happen
-                request.stream.fail(exc)
-                self.finish(request, "error")
-                continue
+            # can_admit found its n slots; the prompt was checked on arrival
+            seq_id = engine.add(request.prompt, cache_salt=request.job.cache_salt, tenant=tenant)
             request.seq_id = seq_id
             self.active[seq_id] = request
             self.fair.charge(tenant, prompt=tokens)
@@ -282,7 +271,7 @@ class RequestTable:
                 seq_id=r.seq_id,
                 state="queued" if r.seq_id is None else "running",
                 age_s=round(now - r.enqueued_wall, 3),
-                prompt_tokens=len(r.prompt_ids),
+                prompt_tokens=len(r.prompt.ids),
                 generated_tokens=r.tokens,
             )
             for r in [*list(self.active.values()), *list(self.queue)]

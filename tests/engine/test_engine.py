@@ -257,7 +257,7 @@ def test_logit_bias_is_checked_against_the_vocabulary_and_steers_greedy(tiny_pat
     engine = _engine(tiny_path)
     prompt = engine.tokenizer.encode("hello world", add_special_tokens=False)
     with pytest.raises(RequestError) as bad:
-        engine.validate(prompt, replace(GREEDY, logit_bias=((engine.vocab_size, 1.0),)))
+        engine.prepare(replace(GREEDY, logit_bias=((engine.vocab_size, 1.0),)), ids=prompt)
     assert bad.value.param == "logit_bias"
     free = _tokens(_run_one(engine, prompt, GREEDY))
     banned = replace(GREEDY, logit_bias=((free[0], -100.0),))
@@ -273,4 +273,4 @@ def test_without_max_tokens_an_answer_may_run_to_the_end_of_the_context(tiny_pat
     assert len(_tokens(events)) == 128 - len(prompt)
     assert events[-1].finish_reason == "length"
     with pytest.raises(ContextLengthError):
-        engine.validate([5] * 128, replace(GREEDY, max_tokens=None))
+        engine.prepare(replace(GREEDY, max_tokens=None), ids=[5] * 128)

@@ -229,7 +229,7 @@ def test_validation_refuses_before_any_work() -> None:
     engine, runner = _engine(context=16)
     with pytest.raises(ContextLengthError):
         engine.add(_prompt(10), SamplingParams(max_tokens=7), chat=False)
-    engine.validate(_prompt(10), SamplingParams(max_tokens=6))
+    engine.prepare(SamplingParams(max_tokens=6), ids=_prompt(10))
     with pytest.raises(RequestError):
         engine.add([], GREEDY, chat=False)
     with pytest.raises(RequestError):
@@ -514,7 +514,7 @@ def test_a_preempted_sequence_resumes_without_sampling_again() -> None:
 
 def test_a_request_that_cannot_fit_the_pool_alone_is_refused_up_front() -> None:
     engine, runner = _engine(context=64, blocks=2)
-    engine.validate(_prompt(20), _greedy(12))  # 32 tokens: two blocks
+    engine.prepare(_greedy(12), ids=_prompt(20))  # 32 tokens: two blocks
     with pytest.raises(ContextLengthError, match=r"KV cache .* holds 32 tokens"):
         engine.add(_prompt(20), _greedy(13), chat=False)
     assert runner.calls == []

@@ -1,9 +1,8 @@
-"""The parts of an engine step alone: prompt preparation (`engine/prompt.py`), the batch
-tensors (`engine/batch.py`) and the stop-token rule (`engine/finish.py`), without a model."""
+"""The parts of an engine step alone: the batch tensors (`engine/batch.py`) and the
+stop-token rule (`engine/finish.py`), without a model (prompt preparation: test_prompt.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -11,50 +10,11 @@ import torch
 from neuron_trio.engine.batch import block_tables, decode_inputs, prefill_inputs, sampled_rows
 from neuron_trio.engine.block_pool import NULL_BLOCK
 from neuron_trio.engine.finish import is_stop_token
-from neuron_trio.engine.prompt import prepare_prompt
 from neuron_trio.engine.scheduler import PrefillChunk, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
-from neuron_trio.engine.types import Constraint, SamplingParams, ToolFunction
+from neuron_trio.engine.types import SamplingParams
 
 CPU = torch.device("cpu")
-
-
-class RecordingEngine:
-    """A PromptEngine that records what prompt preparation asked of it."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: Seq[ToolFunction] = ()) -> str:
-        self.calls.append("render")
-        return "|".join(m["content"] for m in messages)
-
-    def compile_constraint(self, constraint: Constraint) -> object:
-        self.calls.append("compile")
-        return object()
-
-    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
-        self.calls.append(f"encode chat={chat}")
-        return [len(part) for part in text.split("|")]
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.calls.append(f"validate {prompt_ids}")
-
-
-def test_a_chat_is_compiled_rendered_encoded_and_validated_in_one_call() -> None:
-    engine = RecordingEngine()
-    params = SamplingParams(constraint=Constraint("json"))
-    got = prepare_prompt(engine, params, messages=[{"role": "user", "content": "abc"}])
-    assert (got.ids, got.chat) == ([3], True)
-    assert engine.calls == ["compile", "render", "encode chat=True", "validate [3]"]
-
-
-def test_token_ids_are_used_as_they_are_and_still_validated() -> None:
-    engine = RecordingEngine()
-    params = SamplingParams(constraint=Constraint("json"))
-    got = prepare_prompt(engine, params, ids=(5, 6))
-    assert (got.ids, got.chat) == ([5, 6], False)
-    assert engine.calls == ["validate [5, 6]"]  # `add` compiles the constraint
 
 
 def _seq(seq_id: int, prompt: list[int], blocks: list[int], **params: Any) -> Sequence:

@@ -18,8 +18,10 @@ from typing import Any, NoReturn
 
 import trio
 
+from neuron_trio.engine.block_pool import BLOCK_TOKENS
+from neuron_trio.engine.prompt import PreparedPrompt, PromptLimits, check_prompt
 from neuron_trio.engine.types import EngineStatistics, SamplingParams, SequenceEvent
-from neuron_trio.errors import CommAbortedError, CommError, ContextLengthError, RequestError
+from neuron_trio.errors import CommAbortedError, CommError
 from neuron_trio.executor.api import RankInfo
 from neuron_trio.service.wedge.deadman import DeadmanExit
 
@@ -110,6 +112,7 @@ class FakeEngine:
         self.batches: list[int] = []  # sequences in each step
         self.rendered_on: list[bool] = []  # True: on the trio (main) thread
         self.kv_log: Any = None  # what a KV events publisher attached (record_kv_events)
+        self.prepared = 0  # prompts prepared (and so checked): one per request
 
     def render_chat(self, messages: list[dict[str, Any]], tools: Any = ()) -> str:
         self.rendered_on.append(threading.current_thread() is threading.main_thread())
@@ -130,26 +133,47 @@ class FakeEngine:
     def share_fairly(self, fair: Any) -> None:
         self.fair = fair
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        room = self.answer_room(len(prompt_ids))  # max_tokens None: to the end (Engine.add)
-        if len(prompt_ids) + (params.max_tokens or room) > self.context:
-            raise ContextLengthError("too long")
+    def prepare(
+        self,
+        params: SamplingParams,
+        *,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        ids: Any = None,
+        template_kwargs: Any = None,
+        default_max_tokens: int = 0,
+    ) -> PreparedPrompt:
+        """As Engine.prepare: rendered, encoded and checked (`prompt.check_prompt`, the one
+        maker of a PreparedPrompt) against this fake's limits; each call counted."""
+        self.prepared += 1
+        if ids is not None:
+            prompt, chat = list(ids), False
+        elif messages is not None:
+            prompt, chat = self.encode_prompt(self.render_chat(messages), chat=True), True
+        else:
+            prompt, chat = self.encode_prompt(text or "", chat=False), False
+        limits = PromptLimits(
+            vocab_size=0x110000,  # the fake's tokens are characters
+            max_batch=self.max_batch,
+            context=self.context,
+            pool_blocks=self.kv_tokens // BLOCK_TOKENS,
+        )
+        return check_prompt(
+            prompt, params, chat=chat, limits=limits, default_max_tokens=default_max_tokens
+        )
 
     def add(
         self,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        prompt: PreparedPrompt,
         *,
-        chat: bool,
         cache_salt: bytes | None = None,
         tenant: str | None = None,
     ) -> int:
         assert self.free_slots > 0
+        assert isinstance(prompt, PreparedPrompt)
         seq_id, self.next_id = self.next_id, self.next_id + 1
-        self.seqs[seq_id] = [params, 0, len(prompt_ids)]
-        self.added.append(list(prompt_ids))
+        self.seqs[seq_id] = [prompt.params, 0, len(prompt.ids)]
+        self.added.append(list(prompt.ids))
         self.salts.append(cache_salt)
         self.tenants.append(tenant)
         return seq_id
@@ -166,9 +190,6 @@ class FakeEngine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self.seqs)
-
-    def answer_room(self, prompt_tokens: int) -> int:
-        return min(self.context, self.kv_tokens) - prompt_tokens
 
     def can_admit(self, prompt_tokens: int, n: int = 1) -> bool:
         used = sum(prompt_len + produced for _, produced, prompt_len in self.seqs.values())

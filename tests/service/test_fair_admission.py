@@ -37,7 +37,8 @@ def _request(tenant: str | None, *, prompt: int = 4, max_tokens: int = 3) -> Act
     job = GenerationJob(
         model="m", params=SamplingParams(max_tokens=max_tokens), prompt="x", tenant=tenant
     )
-    return ActorRequest(job, [7] * prompt, False, EventStream(1024), trio.current_time())
+    prepared = FakeEngine(1, context=100_000).prepare(job.params, ids=[7] * prompt)
+    return ActorRequest(job, prepared, EventStream(1024), trio.current_time())
 
 
 def _table(tenants: dict[str, TenantPolicy] | None = None) -> RequestTable:
@@ -96,7 +97,7 @@ def test_without_tenants_admission_is_first_come_first_served() -> None:
         sent = node.send(None, 6, max_tokens=2)
         while node.table.queue or node.table.active:
             node.step()
-        assert node.engine.added == [r.prompt_ids for r in sent]
+        assert node.engine.added == [list(r.prompt.ids) for r in sent]
         assert [r.seq_id for r in sent] == sorted(r.seq_id for r in sent if r.seq_id)
 
     _run(main)

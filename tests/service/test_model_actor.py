@@ -60,6 +60,38 @@ def test_a_request_streams_its_events_to_the_end() -> None:
     run_actor(test)
 
 
+def test_each_request_is_checked_once_and_added_as_prepared() -> None:
+    # The prompt is prepared (templated, tokenized, checked) on arrival; the engine's add
+    # takes that PreparedPrompt (the fake refuses anything else) and checks nothing again.
+    async def test(h: Harness) -> None:
+        results = [h.consume(job(max_tokens=2)) for _ in range(3)]
+        await settle()
+        assert all(r["done"] and r["error"] is None for r in results)
+        assert h.engine.prepared == 3 and len(h.engine.added) == 3
+
+    run_actor(test)
+
+
+def test_a_request_prepared_while_the_model_unloads_is_refused_not_queued() -> None:
+    # The state is checked once, where the request queues: one whose prompt was still being
+    # prepared when the unload began gets its 503 instead of joining a queue no loop serves.
+    async def test(h: Harness) -> None:
+        prepare = h.engine.prepare
+
+        def prepare_during_unload(*args: object, **kw: object) -> object:
+            h.actor._stopping = True  # as `unload()` sets it while the prompt is prepared
+            return prepare(*args, **kw)  # type: ignore[arg-type]
+
+        h.engine.prepare = prepare_during_unload  # type: ignore[method-assign]
+        with pytest.raises(UnavailableError, match="unloading"):
+            async with h.actor.generate(job(max_tokens=2)):
+                pass
+        assert h.engine.prepared == 1 and h.actor.queued == 0 and h.engine.added == []
+        assert h.metric("neuron_model_requests_total", outcome="rejected_unavailable") == 1
+
+    run_actor(test)
+
+
 def test_chat_messages_go_through_the_template() -> None:
     async def test(h: Harness) -> None:
         messages = (ChatMessage("system", "s"), ChatMessage("user", "u"))
