@@ -19,8 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.test_model_file_hardening import write_with_vocab
-from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
+from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama, write_with_vocab
 from tests.neuron_process import free_port, spawn_neuron
 from tests.neuron_process import write_config as neuron_config
 

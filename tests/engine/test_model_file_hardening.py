@@ -8,7 +8,6 @@ and tests/engine/hostile_gguf.py (byte by byte).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +24,7 @@ from neuron_trio.engine.warm_up import warm_up
 from neuron_trio.errors import ModelFileError
 from tests.engine.hostile_gguf import kv, kv_str, kv_u32, llama_kvs, llama_tensors, raw_gguf
 from tests.engine.native_panic import long_token_tokenizer, make_panic
-
-
-def write_with_vocab(
-    path: Path, edit: Callable[[list[str], list[int], list[str]], None], **kw: Any
-) -> Path:
-    """A tiny llama whose vocabulary (tokens, types, merges) `edit` changes in place."""
-    return tiny.write_tiny_llama(path, edit_vocab=edit, **kw)
-
-
-def write_with_weights(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> Path:
-    return tiny.write_tiny_llama(path, edit_weights=edit)
+from tests.engine.tiny_gguf import write_with_vocab, write_with_weights
 
 
 def refused(path: Path, match: str) -> str:

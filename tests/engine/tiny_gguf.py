@@ -4,7 +4,8 @@
 like the built-in model: llama metadata, random weights (Q/K stored permuted as llama.cpp's
 converter does), and a real tokenizer: a byte-level BPE vocabulary (3 control tokens, the
 256 byte symbols of GPT-2's byte encoder, and merged tokens), merges, token types, BOS/EOS
-ids and a ChatML chat template. Deterministic for a given seed.
+ids and a ChatML chat template. Deterministic for a given seed. `write_with_vocab` and
+`write_with_weights` write one whose vocabulary or weights a test has edited.
 """
 
 from __future__ import annotations
@@ -248,3 +249,14 @@ def write_tiny_llama(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_with_vocab(
+    path: Path, edit: Callable[[list[str], list[int], list[str]], None], **kw: Any
+) -> Path:
+    """A tiny llama whose vocabulary (tokens, types, merges) `edit` changes in place."""
+    return write_tiny_llama(path, edit_vocab=edit, **kw)
+
+
+def write_with_weights(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> Path:
+    return write_tiny_llama(path, edit_weights=edit)

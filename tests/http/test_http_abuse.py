@@ -30,8 +30,8 @@ from neuron_trio.http.h2_floods import (
 from neuron_trio.http.metrics import http_metrics
 from neuron_trio.http.middleware import NeuronMiddleware
 from tests.http.fake_node import FakeNode
+from tests.http.h2_frames import Frames
 from tests.http.http_harness import chat_body, h2_client, make_config, run, serving
-from tests.http.test_http_hardening import Frames
 
 BIG = 3_000_000  # a chat body three times server.max_body_bytes
 

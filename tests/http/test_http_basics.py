@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,21 +18,9 @@ from neuron_trio.errors import (
     UnsupportedModelError,
 )
 from neuron_trio.http import create_app
+from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h1_client, h2_client, make_config, run, serving
-
-
-def assert_error(
-    response: httpx.Response, status: int, *, param: str | None = None
-) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "code", "param"}
-    assert error["message"] and "Traceback" not in error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 @pytest.mark.parametrize("status", ["ok", "starting", "draining", "recovering", "wedged"])

@@ -8,9 +8,9 @@ import pytest
 
 from neuron_trio.config import NeuronConfig, config_from_mapping
 from neuron_trio.errors import ConfigError
+from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h1_client, h2_client, make_config, run, serving
-from tests.http.test_http_basics import assert_error
 
 PAGE = "https://chat.example.com"
 PREFLIGHT = {

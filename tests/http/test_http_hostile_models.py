@@ -11,10 +11,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tests.engine.test_model_file_hardening import write_with_vocab, write_with_weights
-from tests.engine.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
+from tests.engine.tiny_gguf import (
+    CHATML_TEMPLATE,
+    write_tiny_llama,
+    write_with_vocab,
+    write_with_weights,
+)
 from tests.http.http_harness import run
-from tests.http.test_http_model_files import bare_node
+from tests.http.real_node import bare_node
 
 LOOP = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
 

@@ -7,32 +7,13 @@ weight is touched, so these tests are fast. Files are written by tests/engine/ho
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from neuron_trio.config import NeuronConfig, NodeConfig, ServerConfig
 from tests.engine.hostile_gguf import kv_str, llama_kvs, llama_tensors, raw_gguf
-from tests.http.http_harness import run, serving_node
-
-
-@asynccontextmanager
-async def bare_node(
-    models: Path, host_memory: int | None = None, **node: Any
-) -> AsyncIterator[str]:
-    from neuron_trio.service.node import Node
-
-    config = NeuronConfig(
-        server=ServerConfig(listen=["127.0.0.1:0"], drain_timeout_s=2.0),
-        node=NodeConfig(state_dir=str(models.parent), model_dirs=[str(models)], **node),
-        default_models=[],
-    )
-    n = Node(config, host_memory=None if host_memory is None else lambda: host_memory)
-    async with serving_node(n, config) as url:
-        yield url
+from tests.http.http_harness import run
+from tests.http.real_node import bare_node
 
 
 def test_hostile_files_are_422_naming_the_problem_not_the_resolved_path(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ import pytest
 from neuron_trio.http.openai import parse_chat_request
 from neuron_trio.http.openai.completion_batch import parse_completion_batch
 from neuron_trio.service.api import ChatMessage
+from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, run, serving, sse_events
-from tests.http.test_http_basics import assert_error
 
 
 def test_chat_request_becomes_a_job() -> None:

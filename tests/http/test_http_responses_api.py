@@ -12,9 +12,9 @@ import pytest
 
 from neuron_trio.http.response_store import ResponseNotFoundError, ResponseStore
 from neuron_trio.service.api import SequenceEvent, ToolCall
+from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import h2_client, run, serving
-from tests.http.test_http_basics import assert_error
 
 
 def _client(url: str) -> openai.AsyncOpenAI:

@@ -9,9 +9,9 @@ node; once a token has gone out, the failure is an error event, as before.
 from __future__ import annotations
 
 from neuron_trio.service.api import SequenceEvent
+from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, run, serving, sse_events
-from tests.http.test_http_basics import assert_error
 
 
 def test_a_stream_that_fails_before_its_first_event_is_a_retryable_503() -> None:

