@@ -21,14 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.neuron_process import free_port, spawn_neuron, write_config
+from tests.neuron_process import BUSY_READY_S, free_port, spawn_neuron, write_config
 
 pytestmark = pytest.mark.slow
 
 MODEL = "drill"
 STEP_S = 10.0  # generous: on 2 shared, busy cores a tp = 3 step must not time out by accident
 ABORT_S = 5.0
-READY_S = 360.0  # start-up on 2 shared, busy cores at tp = 3 (the contract: 60 s, tp = 1, idle)
 EXIT_SLACK_S = 10.0  # "within step timeout + abort deadline + a few seconds"
 RECOVER_SLACK_S = 30.0
 
@@ -71,7 +70,7 @@ class Daemon:
             h = self.health()
             return h is not None and h[0] == 200
 
-        self.wait_until("ready (/health 200)", ready, READY_S)
+        self.wait_until("ready (/health 200)", ready, BUSY_READY_S)
 
     def complete(self, timeout_s: float = 60.0) -> httpx.Response:
         return httpx.post(

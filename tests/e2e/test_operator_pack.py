@@ -38,8 +38,7 @@ from tests.deploy.promql_names import (
     rules_exprs,
     with_grafana_variables,
 )
-from tests.e2e.test_drills import READY_S
-from tests.neuron_process import free_port, run_neuron, spawn_neuron, write_config
+from tests.neuron_process import BUSY_READY_S, free_port, run_neuron, spawn_neuron, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +120,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
             return False
 
     try:
-        wait_for("ready (/health 200)", ready, READY_S, node.log)
+        wait_for("ready (/health 200)", ready, BUSY_READY_S, node.log)
         yield node
     finally:
         proc.kill()

@@ -15,7 +15,7 @@ import zmq
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.http.orca_envoy import HEADER, parse_orca_headers
 from tests.neuron_process import free_port, spawn_neuron, wait_ready, write_config
-from tests.service.test_kv_events_publisher import DECODER, END_SEQ, BlockStored
+from tests.service.vllm_kv_events import DECODER, END_SEQ, BlockStored
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,8 @@
 """KV events on a real ZeroMQ socket, decoded as a vLLM subscriber (llm-d's indexer) would.
 
-The schema below is written here from vLLM's (vllm/distributed/kv_events.py and its
-examples/online_serving/kv_events_subscriber.py), independently of neuron's structs: msgspec
-Structs, array-like, tagged by class name, block hashes as bytes or int. A second decode with
-the plain `msgpack` package checks the raw arrays llm-d's Go decoder reads field by field.
+The schema (tests/service/vllm_kv_events.py) is written from vLLM's, independently of neuron's
+structs. A second decode with the plain `msgpack` package checks the raw arrays llm-d's Go
+decoder reads field by field.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import msgspec
 import pytest
 import trio
 import zmq
@@ -33,43 +31,13 @@ from neuron_trio.service.kv_events_publisher import (
 from tests.engine.drain import drain as _run
 from tests.engine.fake_runner import _engine, _prompt
 
+from .vllm_kv_events import (
+    DECODER,
+    END_SEQ,
+    AllBlocksCleared,
+    BlockStored,
+)
 
-# --- vLLM's schema, as a subscriber defines it ---------------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 WAIT_S = 10.0  # the most any message may take to arrive (never a timing assertion)
 
 

@@ -9,33 +9,19 @@ to depend on the order in which tasks woken at the same instant run.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import trio
 import trio.testing
-from trio._core import _run as trio_run_internals
 
 from neuron_trio.errors import CommError
 from neuron_trio.service.wedge.records import ReturnOutcome
 from neuron_trio.service.wedge.threads import CallReturn, wait_for_return
+from tests.service.wedge.trio_seed import trio_seed
 
 DEADLINE_S = 60.0
 REPEATS = 100
-
-
-@contextmanager
-def trio_seed(seed: int) -> Iterator[None]:
-    """Seed trio's scheduler randomness for one run; restore it afterwards."""
-    rng: random.Random = trio_run_internals._r
-    state = rng.getstate()
-    rng.seed(seed)
-    try:
-        yield
-    finally:
-        rng.setstate(state)
 
 
 def decide(

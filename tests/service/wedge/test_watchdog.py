@@ -20,6 +20,7 @@ from neuron_trio.service.wedge.deadman import Deadman, DeadmanExit
 from neuron_trio.service.wedge.records import InflightRequest
 from neuron_trio.service.wedge.watchdog import InflightFn, Watchdog
 from tests.service.fakes import FakeDeadman, FakeThreads, ScriptedExecutor
+from tests.service.wedge.trio_seed import trio_seed
 
 STEP_S = 2.0
 ABORT_S = 3.0
@@ -157,7 +158,6 @@ def test_tp3_abort_hangs_deadman_fires_at_the_deadline() -> None:
 @pytest.mark.parametrize("margin", [1e-9, 0.0])
 def test_tp3_abort_landing_at_the_last_instant_is_a_recovery(margin: float) -> None:
     for seed in range(20):
-        from tests.service.wedge.test_wait_for_return import trio_seed
 
         def lands(executor: ScriptedExecutor) -> float:
             # The same arithmetic as the watchdog's deadline: detected + abort_deadline_s.
