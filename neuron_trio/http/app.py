@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 UNMATCHED_ROUTE = "<unmatched>"
 
 P = TypeVar("P")
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -234,9 +235,18 @@ class _Routes:
             return job
         return replace(job, cache_salt=salt, tenant=name)
 
-    def _refuse_while_draining(self) -> None:
-        if self.node.draining:
-            raise UnavailableError("the node is draining; try another node", code="draining")
+    def unless_draining(self, handler: Handler) -> Handler:
+        """`handler` for a route that starts new work (a generation, a model load): while the
+        node drains it is refused (503) here, before its body is read or parsed. The route
+        table is the one place the HTTP layer checks; the node checks again for itself
+        (`Node.generate`), for a drain that began while the body was parsed."""
+
+        async def refused_while_draining(request: Request) -> Response:
+            if self.node.draining:
+                raise UnavailableError("the node is draining; try another node", code="draining")
+            return await handler(request)
+
+        return refused_while_draining
 
     async def health(self, request: Request) -> Response:
         snap = self.node.health()
@@ -269,7 +279,7 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         if request.method == "POST":
-            return await self.load_model(request)
+            return await self.unless_draining(self.load_model)(request)
         return await self.list_models(request)
 
     async def list_models(self, request: Request) -> Response:
@@ -291,7 +301,6 @@ class _Routes:
         return found.fingerprint or None if found is not None else None
 
     async def load_model(self, request: Request) -> Response:
-        self._refuse_while_draining()
         spec = decode_struct(await request.body(), ModelConfig)
         info = await self.node.load_model(spec)
         return JSONResponse(info, status_code=201)
@@ -302,12 +311,10 @@ class _Routes:
         return JSONResponse({"id": name, "object": "model", "deleted": True})
 
     async def chat_completions(self, request: Request) -> Response:
-        self._refuse_while_draining()
         parsed = await _off_loop_if_large(parse_chat_request, await request.body())
         return await self._generate(request, parsed)
 
     async def completions(self, request: Request) -> Response:
-        self._refuse_while_draining()
         batch = await _off_loop_if_large(parse_completion_batch, await request.body())
         if len(batch.parts) > 1 or batch.echo is not None:
             return await self._generate_batch(request, batch)
@@ -366,15 +373,16 @@ def create_app(node: NodeService, config: NeuronConfig) -> ASGIApp:
         tenants=tenants,
         isolate_tenants=config.server.prefix_cache_isolation != "none",
     )
+    work = r.unless_draining  # routes that start new work
     routes = [
         Route("/health", r.health, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),
         Route("/v1/node", r.node_info, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET", "POST"]),
         Route("/v1/models/{name}", r.model, methods=["GET", "DELETE"]),
-        Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
-        Route("/v1/completions", r.completions, methods=["POST"]),
-        Route("/v1/responses", r.responses.create, methods=["POST"]),
+        Route("/v1/chat/completions", work(r.chat_completions), methods=["POST"]),
+        Route("/v1/completions", work(r.completions), methods=["POST"]),
+        Route("/v1/responses", work(r.responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", r.responses.retrieve, methods=["GET", "DELETE"]),
         # llama.cpp's and vLLM's paths, outside /v1 (keyed as /v1 is: middleware.py)
         Route("/tokenize", r.tokens.tokenize, methods=["POST"]),

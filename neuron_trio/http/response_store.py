@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from neuron_trio.errors import RequestError
+from neuron_trio.http.openai.request_schemas import InputMessage
 
 __all__ = ["ResponseNotFoundError", "ResponseStore", "StoredResponse"]
 
@@ -43,7 +44,7 @@ class ResponseNotFoundError(RequestError):
 
 @dataclass(frozen=True)
 class StoredResponse:
-    history: tuple[dict[str, Any], ...]  # the conversation, answer included, as chat messages
+    history: tuple[InputMessage, ...]  # the conversation, answer included, as chat messages
     document: dict[str, Any]  # the final `response` object
     size: int  # bytes, as JSON
 
@@ -77,7 +78,7 @@ class ResponseStore:
     def put(
         self,
         response_id: str,
-        history: tuple[dict[str, Any], ...],
+        history: tuple[InputMessage, ...],
         doc: dict[str, Any],
         *,
         owner: str | None = None,

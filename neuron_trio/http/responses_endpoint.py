@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Send
 
-from neuron_trio.errors import ApiError, UnavailableError
+from neuron_trio.errors import ApiError
 from neuron_trio.http.access_log import AccessInfo, access_info
 from neuron_trio.http.generation import (
     ClientGone,
@@ -69,8 +69,7 @@ class ResponsesEndpoint:
         self._admit = admit
 
     async def create(self, request: Request) -> Response:
-        if self.node.draining:
-            raise UnavailableError("the node is draining; try another node", code="draining")
+        """`POST /v1/responses` (the app's route table refuses it while the node drains)."""
         body = await request.body()
         try:
             previous_id = msgspec.json.decode(body, type=_PreviousId).previous_response_id

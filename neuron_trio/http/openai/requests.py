@@ -51,6 +51,7 @@ __all__ = [
     "CompletionRequest",
     "ParsedRequest",
     "RequestKind",
+    "chat_parsed",
     "completion_parsed",
     "completion_prompts",
     "decode_completion_request",
@@ -284,7 +285,12 @@ def _include_usage(req: CommonFields) -> bool:
 
 def parse_chat_request(body: bytes) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body; RequestError names the offending field."""
-    req = decode_struct(body, ChatCompletionRequest)
+    return chat_parsed(decode_struct(body, ChatCompletionRequest))
+
+
+def chat_parsed(req: ChatCompletionRequest) -> ParsedRequest:
+    """A decoded chat request validated into its job (the Responses API builds its request
+    as a `ChatCompletionRequest` and comes here too); RequestError names the field."""
     _refuse_unsupported_chat(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(

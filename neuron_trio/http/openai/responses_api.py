@@ -4,9 +4,10 @@
 A Responses request is a chat in another shape: `instructions` is a system message, `input`
 a string (one user message) or a list of items (messages, the model's earlier
 `function_call`s and their `function_call_output`s), `tools` are functions written flat
-(`{"type": "function", "name", "parameters"}`). `responses_chat_body` rewrites it as a
-`/v1/chat/completions` body, so that every chat rule (templates, tool calls, schemas, limits,
-each field's 400) applies unchanged. What neuron cannot honour is a 400 naming it: built-in
+(`{"type": "function", "name", "parameters"}`). `parse_responses_request` builds it as a
+`ChatCompletionRequest` (the Structs a chat body decodes into, no JSON in between) and
+validates that as chat does (`requests.chat_parsed`), so that every chat rule (templates,
+tool calls, schemas, limits, each field's 400) applies unchanged. What neuron cannot honour is a 400 naming it: built-in
 tools (web search, files, …), images, `truncation: "auto"`, `include` items, `background`.
 
 The answer is a list of output items: one `message` (its `output_text`), then one
@@ -24,13 +25,23 @@ import msgspec
 from neuron_trio.errors import RequestError
 from neuron_trio.http.openai.body_decode import decode_struct
 from neuron_trio.http.openai.request_schemas import (
+    ChatCompletionRequest,
+    FunctionCallIn,
+    FunctionDef,
     FunctionName,
+    InputMessage,
+    JsonSchemaFormat,
     MaxTokens,
     ModelId,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
     Temperature,
+    ToolCallIn,
+    ToolDef,
     TopP,
 )
-from neuron_trio.http.openai.requests import ParsedRequest, parse_chat_request
+from neuron_trio.http.openai.requests import ParsedRequest, chat_parsed
 from neuron_trio.http.openai.responses import ChoiceTranscript, Transcript
 
 __all__ = [
@@ -119,7 +130,7 @@ class ParsedResponsesRequest:
     chat: ParsedRequest
     # the conversation so far, as chat messages (without `instructions`): what a later
     # request naming this one as `previous_response_id` continues from
-    history: tuple[dict[str, Any], ...]
+    history: tuple[InputMessage, ...]
 
     @property
     def stream(self) -> bool:
@@ -159,9 +170,9 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _input_messages(items: list[dict[str, Any]]) -> list[InputMessage]:
     """The chat messages for a list of input items (consecutive calls: one assistant turn)."""
-    messages: list[dict[str, Any]] = []
+    messages: list[InputMessage] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -173,29 +184,25 @@ def _input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     param=f"{where}.role",
                 )
             text = _text_of(item.get("content"), f"{where}.content")
-            messages.append({"role": role, "content": text})
+            messages.append(InputMessage(role=role, content=text))
         elif kind == "function_call":
-            call = {
-                "id": _string(item, "call_id", where),
-                "type": "function",
-                "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
-                },
-            }
+            function = FunctionCallIn(
+                name=_string(item, "name", where), arguments=_string(item, "arguments", where)
+            )
+            call = ToolCallIn(id=_string(item, "call_id", where), function=function)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last.role == "assistant" and last.tool_calls is not None:
+                last.tool_calls.append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(InputMessage(role="assistant", tool_calls=[call]))
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _string(item, "call_id", where),
-                    "content": _text_of(output, f"{where}.output"),
-                }
+                InputMessage(
+                    role="tool",
+                    tool_call_id=_string(item, "call_id", where),
+                    content=_text_of(output, f"{where}.output"),
+                )
             )
         elif kind == "reasoning":
             continue  # a reasoning item sent back: templates drop past thinking anyway
@@ -204,7 +211,7 @@ def _input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]] | None:
+def _chat_tools(tools: list[ResponsesTool] | None) -> list[ToolDef] | None:
     if tools is None:
         return None
     out = []
@@ -215,21 +222,22 @@ def _chat_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]] | Non
             raise RequestError(
                 f"tools[{i}].name: required", param=f"tools[{i}].name", code="missing_field"
             )
-        function: dict[str, Any] = {"name": tool.name}
-        for key in ("description", "parameters", "strict"):
-            value = getattr(tool, key)
-            if value is not None:
-                function[key] = value
-        out.append({"type": "function", "function": function})
+        function = FunctionDef(
+            name=tool.name,
+            description=tool.description,
+            parameters=tool.parameters,
+            strict=tool.strict,
+        )
+        out.append(ToolDef(type="function", function=function))
     return out
 
 
-def _response_format(text: ResponsesText | None) -> dict[str, Any] | None:
+def _response_format(text: ResponsesText | None) -> ResponseFormat | None:
     fmt = text.format if text is not None else None
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return {"type": "json_object"}
+        return ResponseFormat(type="json_object")
     if fmt.name is None:
         raise RequestError(
             "text.format.name: required with type json_schema",
@@ -242,12 +250,20 @@ def _response_format(text: ResponsesText | None) -> dict[str, Any] | None:
             param="text.format.schema",
             code="missing_field",
         )
-    schema = {"name": fmt.name, "schema": fmt.schema, "strict": fmt.strict}
-    return {"type": "json_schema", "json_schema": schema}
+    schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema, strict=fmt.strict)
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def _tool_choice(
+    choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None,
+) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
+    if isinstance(choice, NamedFunctionChoice):
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return choice
 
 
 def parse_responses_request(
-    body: bytes, previous: tuple[dict[str, Any], ...] | None = None
+    body: bytes, previous: tuple[InputMessage, ...] | None = None
 ) -> ParsedResponsesRequest:
     """Validate a `/v1/responses` body; `previous` is the history of the response named by
     its `previous_response_id` (looked up by the caller). RequestError names the field."""
@@ -263,32 +279,28 @@ def parse_responses_request(
             "previous_response_id: needs the earlier response", param="previous_response_id"
         )
     if isinstance(req.input, str):
-        new = [{"role": "user", "content": req.input}]
+        new = [InputMessage(role="user", content=req.input)]
     else:
         new = _input_messages(req.input)
     history = (*(previous or ()), *new)
     if not history:
         raise RequestError("input: no input items", param="input")
-    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    chat: dict[str, Any] = {
-        "model": req.model,
-        "messages": [*system, *history],
-        "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "tools": _chat_tools(req.tools),
-        "parallel_tool_calls": req.parallel_tool_calls,
-        "response_format": _response_format(req.text),
-        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
-    }
-    choice = req.tool_choice
-    if isinstance(choice, NamedFunctionChoice):
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-    elif choice is not None:
-        chat["tool_choice"] = choice
-    chat = {k: v for k, v in chat.items() if v is not None}
-    parsed = parse_chat_request(msgspec.json.encode(chat))
-    return ParsedResponsesRequest(req, parsed, history)
+    system = [InputMessage(role="system", content=req.instructions)] if req.instructions else []
+    # Every value below was decoded into a field of the same bound as chat's (ModelId,
+    # MaxTokens, FunctionName, ...), so the Struct holds what a chat body could.
+    chat = ChatCompletionRequest(
+        model=req.model,
+        messages=[*system, *history],
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tools=_chat_tools(req.tools),
+        tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=_response_format(req.text),
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
+    )
+    return ParsedResponsesRequest(req, chat_parsed(chat), history)
 
 
 # --- the response object -----------------------------------------------------------------
@@ -346,7 +358,7 @@ def output_items(choice: ChoiceTranscript) -> list[dict[str, Any]]:
     return items
 
 
-def history_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def history_of(output: list[dict[str, Any]]) -> list[InputMessage]:
     """The answer as chat messages, for the next turn's `previous_response_id`."""
     return _input_messages(
         [
