@@ -13,33 +13,12 @@ from typing import Any
 
 import pytest
 
-from neuron_trio.config import NeuronConfig, TenantConfig, config_from_mapping
+from neuron_trio.config import NeuronConfig, config_from_mapping
 from neuron_trio.errors import ConfigError
 from neuron_trio.http.tenancy import TenantDirectory, job_cache_salt, key_tenant_name
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, make_config, run, serving
-
-
-def _auth(key: str, tenant: str | None = None) -> dict[str, str]:
-    headers = {"Authorization": f"Bearer {key}"}
-    if tenant is not None:
-        headers["X-Neuron-Tenant"] = tenant
-    return headers
-
-
-def _tenants_config(tmp_path: Path, **server: Any) -> NeuronConfig:
-    (tmp_path / "alpha").write_text("alpha-1\nalpha-2\n")
-    (tmp_path / "beta").write_text("beta-1\n")
-    (tmp_path / "gamma").write_text("gamma-1\n")
-    (tmp_path / "admin").write_text("the-admin\n")
-    config = make_config(admin_key_file=str(tmp_path / "admin"), **server)
-    tenants = [
-        TenantConfig(name="alpha", keys_file=str(tmp_path / "alpha"), weight=2.0),
-        TenantConfig(name="beta", keys_file=str(tmp_path / "beta"), prefix_cache_group="shared"),
-        TenantConfig(name="gamma", keys_file=str(tmp_path / "gamma"), prefix_cache_group="shared"),
-        TenantConfig(name="routed"),  # no keys: reached through an admin key's header
-    ]
-    return NeuronConfig(server=config.server, tenants=tenants)
+from tests.http.tenant_keys import _auth, _tenants_config
 
 
 async def _post(client: Any, headers: dict[str, str]) -> Any:

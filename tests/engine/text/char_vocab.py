@@ -1,8 +1,11 @@
 """A vocabulary of single characters, a few multi-character tokens and two specials, its tokenizer,
 and a GrammarCompiler over it (`_compiler`), for the grammar and schema tests; `_allowed` reads
-the token ids a grammar state allows."""
+the token ids a grammar state allows; `PERSON`, a JSON schema with bounded strings, integers and
+arrays."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -49,3 +52,17 @@ def _allowed(state, vocab: int = V) -> set[int]:
     return set(
         torch.nonzero(allowed_tokens(mask, vocab, torch.device("cpu"))[0]).flatten().tolist()
     )
+
+
+PERSON = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
+)

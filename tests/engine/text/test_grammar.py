@@ -21,24 +21,12 @@ from neuron_trio.errors import RequestError
 from tests.engine.text.char_vocab import (
     EOS,
     IM_END,
+    PERSON,
     VOCAB,
     CharTokenizer,
     V,
     _allowed,
     _compiler,
-)
-
-PERSON = json.dumps(
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 6},
-            "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        },
-        "required": ["name", "age", "tags"],
-        "additionalProperties": False,
-    }
 )
 
 

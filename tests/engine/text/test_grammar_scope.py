@@ -11,10 +11,10 @@ from pathlib import Path
 
 from neuron_trio.engine.text.grammar_cache import GrammarCache
 from neuron_trio.engine.types import Constraint
-from tests.engine.text.test_grammar import PERSON, _compiler
+from tests.engine.text.char_vocab import PERSON, _compiler
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, run, serving
-from tests.http.test_http_tenants import _auth, _tenants_config
+from tests.http.tenant_keys import _auth, _tenants_config
 
 
 class _CountingCache(GrammarCache):
