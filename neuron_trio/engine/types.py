@@ -50,8 +50,8 @@ class Constraint:
 class SamplingParams:
     """How to pick tokens. Defaults are OpenAI's: temperature 1, top_p 1, no penalties."""
 
-    # None: to the end of the context (Engine.add resolves it); the model actor first applies
-    # the model's configured `default_max_tokens`, if any
+    # None: the model's configured `default_max_tokens`, if any, else to the end of the
+    # context (`Engine.prepare` resolves it: prompt.check_prompt)
     max_tokens: int | None = 256
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0

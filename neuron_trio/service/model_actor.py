@@ -1,7 +1,8 @@
 """One trio actor per loaded model: a bounded queue in front of the engine's slots.
 
-Requests are tokenized and validated on the trio thread when they arrive (fast, and a bad
-request gets its 400 before it waits anywhere), then wait in a bounded queue. The actor's
+Each request's prompt is prepared when it arrives, templated, tokenized and checked once
+(`service/prompt_intake.py`, `Engine.prepare`: a bad request gets its 400 before it waits
+anywhere), then waits in a bounded queue; `engine.add` trusts the `PreparedPrompt`. The actor's
 loop is the only code that touches the engine's mutable state: between steps it admits queued
 requests into free slots and applies cancellations; while the engine has work it runs
 `executor.step()` on a worker thread (through the watchdog, which bounds it) and routes each

@@ -118,7 +118,7 @@ def _sampling(
 
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias` (token ids as strings) as (id, bias) pairs; ids are checked
-    against the model's vocabulary when the request reaches it (Engine.validate)."""
+    against the model's vocabulary when the request reaches it (Engine.prepare)."""
     pairs: list[tuple[int, float]] = []
     for key, bias in (raw or {}).items():
         if not key.isascii() or not key.isdigit() or len(key) > 9:
