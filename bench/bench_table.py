@@ -57,9 +57,9 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import llamacpp_peer, table_format  # noqa: E402
+from bench import llamacpp_peer, table_format, table_lookup  # noqa: E402
 from bench.daemon_harness import rss_bytes, running_daemon  # noqa: E402
-from bench.prompts import PROMPTS  # noqa: E402
+from bench.prompts import PROMPTS, TASKS  # noqa: E402
 from bench.roofline import gguf_decode_bytes, stream_bandwidth  # noqa: E402
 from bench.table_models import MODELS, BenchModel  # noqa: E402
 from bench.table_worker import Worker, WorkerError  # noqa: E402
@@ -84,6 +84,9 @@ class Settings:
         self.threads = args.threads
         self.venv = args.llamacpp_venv
         self.logs = Path(tempfile.mkdtemp(prefix="bench-table-"))
+        self.spec_rounds = args.spec_rounds or (1 if args.quick else 3)
+        self.spec_tokens = 48 if args.quick else args.spec_tokens
+        self.lookup_tokens = args.lookup_tokens
 
 
 # ---- one measure on one side ---------------------------------------------------------------
@@ -170,8 +173,69 @@ def measure_model(model: BenchModel, path: Path, s: Settings, out: dict[str, Any
         out["prompt_tokens"] = {k: len(v) for k, v in prompts.items() if k != "streams"}
         out["prompt_tokens"]["streams"] = [len(p) for p in prompts["streams"]]
         out["ttft_prompt"] = neuron.call("encode", texts=[TTFT_TEXT])["ids"][0]
+        measure_speculation(model, path, s, out, neuron)
     finally:
         neuron.close()
+        if peer is not None:
+            peer.close()
+
+
+# ---- speculation: batch-1 decode on the tasks, with and without prompt lookup -------------
+
+
+def speculate(worker: Worker, prompt: list[int], s: Settings, lookup: int) -> dict[str, Any]:
+    """One greedy answer's tokens and decode rate (tok/s after its first token)."""
+    answer = worker.call(
+        "speculate", CALL_TIMEOUT_S, prompt=prompt, max_tokens=s.spec_tokens, lookup=lookup
+    )
+    answer["rate"] = answer["count"] / max(answer["seconds"], 1e-9)
+    return answer
+
+
+def measure_speculation(
+    model: BenchModel, path: Path, s: Settings, out: dict[str, Any], neuron: Worker
+) -> None:
+    """Each task's chat prompt (neuron's template and ids, given to both), answered by each
+    engine with and without its prompt lookup, the four arms alternated (reversed every
+    round); fills out["spec"] (rates) and out["spec_answers"] (the last answer's tokens)."""
+    prompts = dict(zip(TASKS, neuron.call("chat", texts=list(TASKS.values()))["ids"], strict=True))
+    out["spec_prompt_tokens"] = {task: len(p) for task, p in prompts.items()}
+    spec = out["spec"] = {t: {a: [] for a in table_format.SPEC_ARMS} for t in TASKS}
+    answers: dict[str, dict[str, list[int]]] = {t: {} for t in TASKS}
+    out["spec_answers"] = answers
+    peer: Worker | None = None
+    try:
+        log = s.logs / f"{model.key}-lookup.log"
+        peer = table_lookup.spawn(s.venv, path, log, threads=s.threads, context=MEASURE_CONTEXT)
+        peer.wait_ready(600)
+    except (FileNotFoundError, WorkerError) as exc:
+        out["errors"].append(f"llama.cpp lookup: {exc}")
+        if peer is not None:
+            peer.close()
+        peer = None
+    arms = [
+        (arm, neuron if arm.startswith("neuron") else peer, s.lookup_tokens if lookup else 0)
+        for arm, lookup in zip(table_format.SPEC_ARMS, (0, 1, 0, 1), strict=True)
+    ]
+    try:
+        for r in range(s.spec_rounds):
+            for task, prompt in prompts.items():
+                for arm, worker, lookup in arms if r % 2 == 0 else arms[::-1]:
+                    if worker is None:
+                        continue
+                    try:
+                        got = speculate(worker, prompt, s, lookup)
+                    except WorkerError as exc:
+                        out["errors"].append(f"{arm} {task}: {exc}")
+                        continue
+                    spec[task][arm].append(got["rate"])
+                    answers[task][arm] = got["tokens"]
+                    print(
+                        f"  round {r + 1} {task:>9} {arm:>15}: {got['rate']:7.1f} tok/s "
+                        f"({got['count'] + 1} tokens)",
+                        flush=True,
+                    )
+    finally:
         if peer is not None:
             peer.close()
 
@@ -351,10 +415,46 @@ def render(result: dict[str, Any]) -> str:
             "llrrrr",
         ),
     ]
+    lines += speculation_section(result, best)
     errors = [f"{k}: {e}" for k, m in result["models"].items() for e in m["errors"]]
     if errors:
         lines += ["", "Failures during this run:", *[f"- {e.splitlines()[0]}" for e in errors]]
     return "\n".join(lines) + "\n"
+
+
+def speculation_section(result: dict[str, Any], best: float | None) -> list[str]:
+    """The speculation table's lines (none when no model has its runs)."""
+    meta, models = result["meta"], result["models"]
+    spec = {k: m["spec"] for k, m in models.items() if m.get("spec")}
+    if not spec:
+        return []
+    answers = {k: m.get("spec_answers", {}) for k, m in models.items()}
+    limits = {
+        k: table_format.roofline_limit(best, m["bytes_per_token"].get("neuron"))
+        for k, m in models.items()
+    }
+    labels = {k: MODELS[k].label if k in MODELS else k for k in spec}
+    return [
+        "",
+        "Speculation: decode at batch 1 (tok/s after the first token; the prefill left out) of "
+        f"one greedy chat answer of up to {meta['spec_tokens']} tokens, median of "
+        f"{meta['spec_rounds']} rounds, the four arms alternated. Tasks (bench/prompts.py): "
+        "rename a variable in a 60-line Python function, extract fields from a JSON "
+        "document, quote sentences of a given text, and a free-form story. neuron + lookup: "
+        f"its prompt-lookup speculation (adaptive, up to {meta['lookup_tokens']} tokens a "
+        "draft, at batch 1 only); llama.cpp + lookup: llama-cpp-python's "
+        "`LlamaPromptLookupDecoding` (max_ngram_size 2, "
+        f"{meta['llamacpp_lookup_tokens']} tokens a draft) on its high-level `Llama`, and "
+        "llama.cpp alone is the same `Llama` without it. Both get neuron's prompt token ids. "
+        "The share is of neuron's roofline limit above; same greedy tokens: neuron's answer "
+        "with the lookup against without.",
+        "",
+        table_format.markdown_table(
+            table_format.SPEC_HEADER,
+            table_format.speculation_rows(spec, answers, limits, labels),
+            table_format.SPEC_ALIGN,
+        ),
+    ]
 
 
 def regenerate_args(argv: list[str]) -> list[str]:
@@ -390,6 +490,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-venv", type=Path, default=llamacpp_peer.default_venv())
     parser.add_argument("--json", type=Path, help="raw runs (bench/results/bench-table.json)")
     parser.add_argument("--note", default="", help="a line printed under the table's header")
+    parser.add_argument("--spec-rounds", type=int, default=0, help="default 3 (quick: 1)")
+    parser.add_argument("--spec-tokens", type=int, default=160, help="an answer's most tokens")
+    parser.add_argument("--lookup-tokens", type=int, default=8, help="neuron's draft length")
     parser.add_argument("--write-readme", action="store_true")
     args = parser.parse_args()
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
@@ -418,6 +521,10 @@ def main() -> None:
             "note": args.note,
             "decode_tokens": s.decode_tokens,
             "stream_tokens": s.stream_tokens,
+            "spec_rounds": s.spec_rounds,
+            "spec_tokens": s.spec_tokens,
+            "lookup_tokens": s.lookup_tokens,
+            "llamacpp_lookup_tokens": table_lookup.NUM_PRED,
         },
         "bandwidth": bandwidth,
         "models": {},

@@ -176,3 +176,77 @@ def replace_section(text: str, section: str) -> str:
         raise ValueError(f"{README_END} comes before {README_START}")
     _, tail = rest.split(README_END)
     return f"{head}{README_START}\n{section.strip()}\n{README_END}{tail}"
+
+
+# ---- speculation rows: decode at batch 1 on one task, with and without prompt lookup ------
+
+# the arms of a task's runs: each engine without speculation and with its prompt lookup
+SPEC_ARMS = ("neuron", "neuron_lookup", "llamacpp", "llamacpp_lookup")
+SPEC_HEADER = (
+    "Model",
+    "Task",
+    "neuron",
+    "neuron + lookup",
+    "speed-up",
+    "llama.cpp",
+    "llama.cpp + lookup",
+    "speed-up",
+    "neuron + lookup ÷ llama.cpp + lookup",
+    "share of neuron's limit (+ lookup)",
+    "same greedy tokens",
+)
+SPEC_ALIGN = "llrrrrrrrrl"
+
+
+def ratio(top: float | None, bottom: float | None) -> float | None:
+    """top / bottom; None when either is missing or bottom is not positive."""
+    if top is None or bottom is None or bottom <= 0:
+        return None
+    return top / bottom
+
+
+def same_tokens(with_lookup: Sequence[int] | None, without: Sequence[int] | None) -> str:
+    """Whether the greedy answers agree: "yes", "NO (from token i)", or "—" if one is missing."""
+    if with_lookup is None or without is None:
+        return "—"
+    if list(with_lookup) == list(without):
+        return "yes"
+    first = next(
+        (i for i, (a, b) in enumerate(zip(with_lookup, without, strict=False)) if a != b),
+        min(len(with_lookup), len(without)),
+    )
+    return f"NO (from token {first})"
+
+
+def speculation_rows(
+    spec: Mapping[str, Mapping[str, Mapping[str, Sequence[float]]]],
+    answers: Mapping[str, Mapping[str, Mapping[str, Sequence[int]]]],
+    limits: Mapping[str, float | None],
+    labels: Mapping[str, str],
+) -> list[list[str]]:
+    """One row per model and task: `spec[model][task][arm]` are the decode rates (tok/s) of
+    the runs, `answers[model][task][arm]` an answer's tokens, `limits[model]` neuron's
+    roofline limit (tok/s). Cells: each arm's median, each engine's speed-up from its
+    lookup, neuron's lookup over llama.cpp's, neuron's lookup as a share of its limit, and
+    whether neuron's greedy tokens are the same with the lookup as without."""
+    rows: list[list[str]] = []
+    for model, tasks in spec.items():
+        for task, runs in tasks.items():
+            m = {arm: median(runs.get(arm, ())) for arm in SPEC_ARMS}
+            said = answers.get(model, {}).get(task, {})
+            rows.append(
+                [
+                    labels.get(model, model),
+                    task,
+                    fmt_number(m["neuron"], 1),
+                    fmt_number(m["neuron_lookup"], 1),
+                    fmt_ratio(ratio(m["neuron_lookup"], m["neuron"])),
+                    fmt_number(m["llamacpp"], 1),
+                    fmt_number(m["llamacpp_lookup"], 1),
+                    fmt_ratio(ratio(m["llamacpp_lookup"], m["llamacpp"])),
+                    fmt_ratio(ratio(m["neuron_lookup"], m["llamacpp_lookup"])),
+                    share(m["neuron_lookup"], limits.get(model)),
+                    same_tokens(said.get("neuron_lookup"), said.get("neuron")),
+                ]
+            )
+    return rows

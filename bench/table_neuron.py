@@ -6,7 +6,9 @@ chunked prefill, sampler; greedy, EOS ignored), with the prefix cache off so a p
 again is computed again. Ops: `encode` (token ids of texts: both engines get these ids),
 `filler` (a prompt of exactly N tokens), `decode` (T(n) and T(1) of one sequence), `streams`
 (8 sequences decoded together), `prefill` (a prompt's time to its first token), `info`
-(weights' bytes read per decode step, the scheme).
+(weights' bytes read per decode step, the scheme), `chat` (a chat prompt's ids, rendered by the
+model's template) and `speculate` (one greedy chat answer at batch 1, stopping at its end, with
+prompt-lookup speculation or without: its tokens and decode time).
 
     python bench/table_neuron.py MODEL.gguf --threads 2 --context 2304 --seqs 8
 """
@@ -29,6 +31,7 @@ if str(REPO) not in sys.path:
 from bench.roofline import decode_weight_bytes  # noqa: E402
 from bench.table_worker import serve  # noqa: E402
 from neuron_trio.engine.engine import Engine  # noqa: E402
+from neuron_trio.engine.speculative import Speculator  # noqa: E402
 from neuron_trio.engine.types import SamplingParams  # noqa: E402
 
 # Filler prompts for prefill: plain English words in a seeded order (any text costs the same
@@ -97,6 +100,32 @@ class NeuronSide:
     def prefill(self, prompt: list[int]) -> dict[str, Any]:
         return {"tokens": len(prompt), "seconds": self._run(prompt, 1)}
 
+    def chat(self, texts: list[str]) -> dict[str, Any]:
+        engine = self.engine
+        rendered = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+        return {"ids": [engine.encode_prompt(r, chat=True) for r in rendered]}
+
+    def speculate(self, prompt: list[int], max_tokens: int, lookup: int) -> dict[str, Any]:
+        """One greedy answer to a chat prompt, to its end or `max_tokens`, drafting up to
+        `lookup` tokens by prompt lookup (0: no speculation). `count`: the tokens after the
+        first step's; `seconds`: from the first step's tokens to the last (the prefill is
+        left out: it is the same either way)."""
+        engine = self.engine
+        engine.speculator = Speculator(lookup) if lookup else None
+        try:
+            engine.add(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), chat=True)
+            tokens: list[int] = []
+            first = last = 0.0
+            while engine.has_work:
+                for event in engine.step():
+                    if event.token_ids:
+                        last = time.perf_counter()
+                        first = first or last
+                        tokens += event.token_ids
+            return {"tokens": tokens, "count": len(tokens) - 1, "seconds": last - first}
+        finally:
+            engine.speculator = None
+
     def info(self) -> dict[str, Any]:
         model = self.engine.runner.model  # type: ignore[attr-defined]
         return {
@@ -124,6 +153,8 @@ def main() -> None:
         "streams": side.streams,
         "prefill": side.prefill,
         "info": side.info,
+        "chat": side.chat,
+        "speculate": side.speculate,
     }
     serve(handlers, {})
 

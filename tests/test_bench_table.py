@@ -264,3 +264,89 @@ def test_cold_starts_leave_the_logs_but_not_the_weights_cache(
     assert out["runs"]["ready_s"]["neuron"] == [1.0, 1.0]
     assert not (state / "cache").exists()
     assert (state / "starts").exists()
+
+
+def test_same_tokens_says_where_the_answers_part() -> None:
+    assert tf.same_tokens([1, 2, 3], [1, 2, 3]) == "yes"
+    assert tf.same_tokens([1, 2, 4], [1, 2, 3]) == "NO (from token 2)"
+    assert tf.same_tokens([1, 2], [1, 2, 3]) == "NO (from token 2)"  # one ends early
+    assert tf.same_tokens(None, [1]) == "—"
+
+
+def test_speculation_rows_show_each_arm_its_speed_ups_and_the_share() -> None:
+    spec = {
+        "m": {
+            "rename": {
+                "neuron": [40.0, 50.0, 45.0],
+                "neuron_lookup": [90.0, 100.0, 80.0],
+                "llamacpp": [30.0],
+                "llamacpp_lookup": [45.0],
+            },
+            "free-form": {"neuron": [50.0], "neuron_lookup": [49.0], "llamacpp": []},
+        }
+    }
+    answers = {"m": {"rename": {"neuron": [1, 2], "neuron_lookup": [1, 2]}}}
+    rows = tf.speculation_rows(spec, answers, {"m": 200.0}, {"m": "Model M"})
+    assert rows[0] == [
+        "Model M",
+        "rename",
+        "45.0",
+        "90.0",
+        "2.00×",
+        "30.0",
+        "45.0",
+        "1.50×",
+        "2.00×",
+        "45%",
+        "yes",
+    ]
+    assert rows[1][2:] == ["50.0", "49.0", "0.98×", "—", "—", "—", "—", "24%", "—"]
+    assert len(rows[0]) == len(tf.SPEC_HEADER) == len(tf.SPEC_ALIGN)
+
+
+def test_render_adds_the_speculation_table_only_when_measured() -> None:
+    from bench.bench_table import render
+
+    meta = {
+        "date": "d",
+        "cpu": "c",
+        "cores": 2,
+        "memory_gib": 1.0,
+        "threads": 2,
+        "rounds": 1,
+        "cold_rounds": 1,
+        "neuron_commit": "x",
+        "torch": "t",
+        "llamacpp": "l",
+        "command": "python bench/bench_table.py",
+        "spec_rounds": 3,
+        "spec_tokens": 160,
+        "lookup_tokens": 8,
+        "llamacpp_lookup_tokens": 10,
+    }
+    model = {"runs": {}, "bytes_per_token": {"neuron": 100e6}, "errors": []}
+    result = {"meta": meta, "bandwidth": {"2": 20e9}, "models": {"smollm2": model}}
+    assert "Speculation:" not in render(result)
+    model["spec"] = {"quote": {"neuron": [50.0], "neuron_lookup": [100.0]}}
+    model["spec_answers"] = {"quote": {"neuron": [7], "neuron_lookup": [8]}}
+    text = render(result)
+    assert "up to 160 tokens, median of 3 rounds" in text
+    # the limit: 20 GB/s over 100 MB = 200 tok/s
+    assert "| quote | 50.0 | 100.0 | 2.00× | — | — | — | — | 50% | NO (from token 0) |" in text
+
+
+@pytest.mark.slow
+def test_speculation_parity_on_the_builtin_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_speculative.py --parity on the built-in model: on every prompt of the parity set
+    (the 8 throughput prompts and the 4 speculation tasks), the greedy answer with prompt-lookup
+    speculation is the answer without it."""
+    from bench.bench_speculative import parity
+    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.engine import Engine
+
+    path = builtin_model_path()
+    engine = Engine.from_gguf(path, max_batch=1, context=2048)
+    differ = parity(engine, path, num_tokens=8, max_tokens=64)
+    printed = capsys.readouterr().out
+    assert differ == 0, printed
+    assert "0 of 12 prompts differ" in printed
