@@ -171,65 +171,99 @@ def load_transformer(
     """
     phases = LoadPhases() if phases is None else phases
     if isinstance(source, GGUFFile):
-        return _load(source, dtype, torch.device(device), shard, tp, weight_cache, phases)
+        return _Load(source, dtype, torch.device(device), shard, tp, weight_cache, phases).run()
     with phases.phase("parse"):
         gf = GGUFFile(source)
     with gf:
-        return _load(gf, dtype, torch.device(device), shard, tp, weight_cache, phases)
+        return _Load(gf, dtype, torch.device(device), shard, tp, weight_cache, phases).run()
 
 
-def _load(
-    gf: GGUFFile,
-    dtype: str,
-    device: torch.device,
-    shard: ShardFn | None,
-    tp: int,
-    weight_cache: WeightCache | None,
-    phases: LoadPhases,
-) -> Transformer:
-    if tp > 1 and shard is None:
-        raise ModelLoadError(f"tp = {tp} needs a shard function")
-    scheme = resolve_dtype(dtype, device)
-    act, residual = scheme_dtypes(scheme)
-    full = gf.config
-    local = full.shard(tp) if tp > 1 else full
-    model = Transformer(local, partial_sums=tp > 1, act_dtype=act, residual_dtype=residual)
-    model.scheme = scheme
-    cached = cached_load.open_slots(
-        gf,
-        weight_cache if scheme == "cpu-int" and device.type == "cpu" and shard is None else None,
-        scheme,
-        device,
-        f"int4_head={AUTO_INT4_HEAD}; refine={HEAD_REFINE}",
-        phases,
-    )
+class _Load:
+    """One model's load: the file, where its weights go, and the named steps that build its
+    parts (`block`, `linear`, `tables`, `head`, …), each reading the state kept here.
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        with phases.phase("dequantize"):  # with the un-permutation and the shard's slice
-            w = gf.weight(name)
-        if shard is not None:
-            w = shard(name, w)
+    Tensor parallelism (`shard`): each weight sliced for this rank after dequantising. The
+    native kernel ("auto" on the CPU) takes the projections, decode attention (see Block)
+    and the head's coarse pass."""
+
+    def __init__(
+        self,
+        gf: GGUFFile,
+        dtype: str,
+        device: torch.device,
+        shard: ShardFn | None,
+        tp: int,
+        weight_cache: WeightCache | None,
+        phases: LoadPhases,
+    ) -> None:
+        if tp > 1 and shard is None:
+            raise ModelLoadError(f"tp = {tp} needs a shard function")
+        self.gf, self.device, self.shard, self.tp, self.phases = gf, device, shard, tp, phases
+        self.scheme = resolve_dtype(dtype, device)
+        self.act, self.residual = scheme_dtypes(self.scheme)
+        self.config = gf.config.shard(tp) if tp > 1 else gf.config  # this rank's shapes
+        native = self.scheme == "cpu-int" and device.type == "cpu"
+        self.kernel = packing.native_kernel() if native else None
+        self.cached = cached_load.open_slots(
+            gf,
+            weight_cache if native and shard is None else None,
+            self.scheme,
+            device,
+            f"int4_head={AUTO_INT4_HEAD}; refine={HEAD_REFINE}",
+            phases,
+        )
+        self.projections: list[str] = []  # every projection's logical name, for scheme_note
+
+    def run(self) -> Transformer:
+        """The steps in order: the blocks, the final norm, the tables, the arena, the cache."""
+        c, kernel = self.config, self.kernel
+        model = Transformer(
+            c, partial_sums=self.tp > 1, act_dtype=self.act, residual_dtype=self.residual
+        )
+        model.scheme = self.scheme
+        for i, layer in enumerate(model.layers):
+            self.block(layer, f"blk.{i}.")
+            cast(Block, layer).attend_kernel = kernel
+        if self.scheme == "cpu-int":  # the start-up log says how each format of the file is kept
+            sharded = self.shard is not None
+            self.phases.note(scheme_note(self.gf, self.projections, kernel is not None, sharded))
+        model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
+        model.norm = self.vector("output_norm.weight")
+        self.tables(model)
+        if kernel is not None and not self.cached.hit:  # a hit reads its file's memory, in order
+            with self.phases.phase("arena"):
+                self.cached.moved(arena.gather(arena.decode_order(model)))
+        self.cached.finish()
+        model.init_rope(min(self.gf.config.context_length, 4096))
+        model.eval()
+        return model
+
+    # ---- reading the file ----------------------------------------------------------------
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Weight `name` as float32, this rank's slice, checked against `shape`."""
+        with self.phases.phase("dequantize"):  # with the un-permutation and the shard's slice
+            w = self.gf.weight(name)
+        if self.shard is not None:
+            w = self.shard(name, w)
         if tuple(w.shape) != shape:
             raise ModelLoadError(
-                f"{gf.path}: tensor {name} has shape {tuple(w.shape)} for this rank, "
+                f"{self.gf.path}: tensor {name} has shape {tuple(w.shape)} for this rank, "
                 f"expected {shape}"
             )
         return w
 
-    def vector(name: str) -> torch.Tensor:
-        return get(name, (local.dim,)).to(device=device, dtype=residual)
+    def vector(self, name: str) -> torch.Tensor:
+        return self.get(name, (self.config.dim,)).to(device=self.device, dtype=self.residual)
 
-    # the native kernel ("auto" on the CPU): its layers, decode attention (see Block), the head
-    kernel = packing.native_kernel() if scheme == "cpu-int" and device.type == "cpu" else None
+    def kind(self, name: str) -> str:
+        return packing_kind(self.gf, name, self.kernel is not None, self.shard is not None)
 
-    projections: list[str] = []  # every projection's logical name, for scheme_note
-
-    def kind(name: str) -> str:
-        return packing_kind(gf, name, kernel is not None, shard is not None)
-
-    def codes(name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        info = gf.tensors[name]  # its shape checked when the file was opened (check_llama_shapes)
-        parts = quant.affine_codes(gf.raw(name), quant.QType(info.qtype), shape)
+    def codes(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """A whole tensor's own codes (quant.affine_codes), rows as `weight`'s."""
+        gf, c = self.gf, self.config
+        qtype = quant.QType(gf.tensors[name].qtype)  # shape checked at open: check_llama_shapes
+        parts = quant.affine_codes(gf.raw(name), qtype, shape)
         if gf.config.arch in families.PERMUTED_QK and name.endswith(
             (".attn_q.weight", ".attn_k.weight")
         ):
@@ -237,170 +271,167 @@ def _load(
             return tuple(unpermute_qk(part, heads) for part in parts)  # the rows, as `weight`
         return parts
 
-    def one_format(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
-        kinds = {kind(n) for n in names}
+    # ---- the steps -----------------------------------------------------------------------
+
+    def block(self, layer: torch.nn.Module, p: str) -> None:
+        """Block `p` ("blk.N."): its norms, projections and biases."""
+        c, hd, device, act = self.config, self.config.head_dim, self.device, self.act
+        qkv_shapes = [
+            (c.n_heads * hd, c.dim),
+            (c.n_kv_heads * hd, c.dim),
+            (c.n_kv_heads * hd, c.dim),
+        ]
+        layer.attn_norm = self.vector(p + "attn_norm.weight")
+        layer.ffn_norm = self.vector(p + "ffn_norm.weight")
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        layer.wqkv = self.linear(qkv, qkv_shapes)
+        if c.qkv_bias:  # qwen2
+            biases = [
+                self.get(n.replace(".weight", ".bias"), (s[0],))
+                for n, s in zip(qkv, qkv_shapes, strict=True)
+            ]
+            layer.qkv_bias = torch.cat(biases).to(device=device, dtype=act)
+        if c.qk_norm:  # one weight per head dim, the same for every head: [H + KV, D]
+            q_norm = self.get(p + "attn_q_norm.weight", (hd,)).expand(c.n_heads, hd)
+            k_norm = self.get(p + "attn_k_norm.weight", (hd,)).expand(c.n_kv_heads, hd)
+            layer.qk_norm = torch.cat((q_norm, k_norm)).to(device=device, dtype=act)
+        if c.post_norms:  # gemma
+            layer.post_attn_norm = self.vector(p + "post_attention_norm.weight")
+            layer.post_ffn_norm = self.vector(p + "post_ffw_norm.weight")
+        layer.wo = self.linear([p + "attn_output.weight"], [(c.dim, c.n_heads * hd)])
+        layer.w_gate_up = self.linear(
+            [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
+        )
+        layer.w_down = self.linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
+
+    def linear(self, names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+        """One projection over the rows of `names` (from the cache when it has it)."""
+        self.projections.extend(names)
+        return self.cached.slot("+".join(names), lambda: self.build_linear(names, shapes))
+
+    def build_linear(self, names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+        """One layer per run of a packing kind (StackedLinear where the runs are several)."""
+        runs: list[tuple[list[str], list[tuple[int, int]]]] = []
+        for name, shape in zip(names, shapes, strict=True):
+            if runs and self.kind(runs[-1][0][-1]) == self.kind(name):
+                runs[-1][0].append(name)
+                runs[-1][1].append(shape)
+            else:
+                runs.append(([name], [shape]))
+        if len(runs) == 1 or self.kernel is None:
+            return self.one_format(names, shapes)
+        return StackedLinear([cast(LinearLayer, self.one_format(*run)) for run in runs])
+
+    def one_format(self, names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
+        """A layer over tensors of one packing kind: from the file's own codes where the kind
+        keeps them, else from the float32 weights."""
+        kinds = {self.kind(n) for n in names}
+        scheme, device, gf = self.scheme, self.device, self.gf
         if kinds not in ({"codes4"}, {"codes5"}):
-            w = torch.cat([get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
-            with phases.phase("pack"):
+            w = torch.cat([self.get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
+            with self.phases.phase("pack"):
                 return make_linear(w, scheme, device, four_bit=kinds == {"float4"})
 
         def weight() -> torch.Tensor:  # only where the layer needs it (a dense copy): rare
             return torch.cat([gf.weight(n) for n in names], dim=0)
 
-        with phases.phase("pack"):
-            per_tensor = [codes(n, s) for n, s in zip(names, shapes, strict=True)]
+        with self.phases.phase("pack"):
+            per_tensor = [self.codes(n, s) for n, s in zip(names, shapes, strict=True)]
             q, scale, minimum = (torch.cat(col, dim=0) for col in zip(*per_tensor, strict=True))
             return make_linear(weight, scheme, device, four_bit=False, codes=(q, scale, minimum))
 
-    def linear(names: list[str], shapes: list[tuple[int, int]]) -> torch.nn.Module:
-        """One projection over the rows of `names`; one layer per run of a packing kind."""
-        projections.extend(names)
+    def tables(self, model: Transformer) -> None:
+        """The token embedding and the output head (from the cache when it has them)."""
+        c = self.config
+        head_name = "token_embd.weight" if c.tied_output else "output.weight"
+        # The head's exact rows stay the file's Q8_0 blocks where the native refine reads them
+        # (RefinedHead's q8_dim): a quarter of a float32 table, the same values.
+        q8_table = self.kernel is not None and q8_0_rows(self.gf, head_name, c.dim)
+        self.embedding(model, q8_table)
+        if c.tied_output and self.scheme != "cpu-int":
+            model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
+            return
+        model.output = self.cached.slot("output", lambda: self.head(model, head_name, q8_table))
 
-        def build() -> torch.nn.Module:
-            runs: list[tuple[list[str], list[tuple[int, int]]]] = []
-            for name, shape in zip(names, shapes, strict=True):
-                if runs and kind(runs[-1][0][-1]) == kind(name):
-                    runs[-1][0].append(name)
-                    runs[-1][1].append(shape)
-                else:
-                    runs.append(([name], [shape]))
-            if len(runs) == 1 or kernel is None:
-                return one_format(names, shapes)
-            return StackedLinear([cast(LinearLayer, one_format(*run)) for run in runs])
-
-        return cached.slot("+".join(names), build)
-
-    c, hd = local, local.head_dim
-    qkv_shapes = [(c.n_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim), (c.n_kv_heads * hd, c.dim)]
-    for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        layer.attn_norm = vector(p + "attn_norm.weight")
-        layer.ffn_norm = vector(p + "ffn_norm.weight")
-        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-        layer.wqkv = linear(qkv, qkv_shapes)
-        if c.qkv_bias:  # qwen2
-            biases = [
-                get(n.replace(".weight", ".bias"), (s[0],))
-                for n, s in zip(qkv, qkv_shapes, strict=True)
-            ]
-            layer.qkv_bias = torch.cat(biases).to(device=device, dtype=act)
-        if c.qk_norm:  # one weight per head dim, the same for every head: [H + KV, D]
-            q_norm = get(p + "attn_q_norm.weight", (hd,)).expand(c.n_heads, hd)
-            k_norm = get(p + "attn_k_norm.weight", (hd,)).expand(c.n_kv_heads, hd)
-            layer.qk_norm = torch.cat((q_norm, k_norm)).to(device=device, dtype=act)
-        if c.post_norms:  # gemma
-            layer.post_attn_norm = vector(p + "post_attention_norm.weight")
-            layer.post_ffn_norm = vector(p + "post_ffw_norm.weight")
-        layer.wo = linear([p + "attn_output.weight"], [(c.dim, c.n_heads * hd)])
-        layer.w_gate_up = linear(
-            [p + "ffn_gate.weight", p + "ffn_up.weight"], [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim)]
-        )
-        layer.w_down = linear([p + "ffn_down.weight"], [(c.dim, c.ffn_dim)])
-    if scheme == "cpu-int":  # the start-up log says how each format of the file is kept
-        phases.note(scheme_note(gf, projections, kernel is not None, shard is not None))
-    for layer in model.layers:
-        cast(Block, layer).attend_kernel = kernel
-    model.native_kernel = kernel  # RoPE and the K/V write (Transformer.forward_steps)
-    model.norm = vector("output_norm.weight")
-    _load_tables(model, gf, scheme, device, act, kernel, get, cached, phases)
-    if kernel is not None and not cached.hit:  # a hit reads its file's mapping, in this order
-        with phases.phase("arena"):
-            cached.moved(arena.gather(arena.decode_order(model)))
-    cached.finish()
-    model.init_rope(min(full.context_length, 4096))
-    model.eval()
-    return model
-
-
-def _load_tables(
-    model: Transformer,
-    gf: GGUFFile,
-    scheme: str,
-    device: torch.device,
-    act: torch.dtype,
-    kernel: object,
-    get: Callable[[str, tuple[int, ...]], torch.Tensor],
-    cached: cached_load.Slots,
-    phases: LoadPhases,
-) -> None:
-    """The token embedding and the output head (from `cached` when it has them)."""
-    c = model.config
-    head_name = "token_embd.weight" if c.tied_output else "output.weight"
-    # The head's exact rows stay the file's Q8_0 blocks where the native refine reads them
-    # (RefinedHead's q8_dim): a quarter of a float32 table, the same values.
-    q8_table = scheme == "cpu-int" and kernel is not None and q8_0_rows(gf, head_name, c.dim)
-    if scheme == "cpu-int" and (not c.tied_output or q8_table) and quantized_rows_fit(gf, c.dim):
-        # only looked up (and, tied, read by the refinement): the file's blocks, rows
-        # dequantised per step (embedding.py)
-        with phases.phase("tables"):
-            model.embedding = cached.slot("token_embd", lambda: _rows(gf))
-        model.tok_embeddings = torch.empty(0, c.dim, device=device)
-    else:
+    def embedding(self, model: Transformer, q8_table: bool) -> None:
+        c, scheme = self.config, self.scheme
+        if (
+            scheme == "cpu-int"
+            and (not c.tied_output or q8_table)
+            and quantized_rows_fit(self.gf, c.dim)
+        ):
+            # only looked up (and, tied, read by the refinement): the file's blocks, rows
+            # dequantised per step (embedding.py)
+            with self.phases.phase("tables"):
+                model.embedding = self.cached.slot("token_embd", lambda: _rows(self.gf))
+            model.tok_embeddings = torch.empty(0, c.dim, device=self.device)
+            return
 
         def table() -> torch.Tensor:
-            embed = get("token_embd.weight", (c.vocab_size, c.dim))
+            embed = self.get("token_embd.weight", (c.vocab_size, c.dim))
             # The embedding table keeps float32 unless the whole model is a dense half type.
-            table_dtype = act if scheme in ("bfloat16", "float16") else torch.float32
-            return embed.to(device=device, dtype=table_dtype)
+            table_dtype = self.act if scheme in ("bfloat16", "float16") else torch.float32
+            return embed.to(device=self.device, dtype=table_dtype)
 
-        model.tok_embeddings = cached.slot("token_embd.weight", table)
-    if c.tied_output and scheme != "cpu-int":
-        model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
-        return
+        model.tok_embeddings = self.cached.slot("token_embd.weight", table)
 
-    def head_module() -> torch.nn.Module:
-        if scheme != "cpu-int":
-            return make_linear(
-                get(head_name, (c.vocab_size, c.dim)), scheme, device, four_bit=False
-            )
-        # a coarse int pass + exact top candidates (tied: from the embedding table itself)
-        int4_ok = c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0
-        native_ok = kernel is not None and c.dim % packing.INT4_GROUP == 0
+    def head(self, model: Transformer, head_name: str, q8_table: bool) -> torch.nn.Module:
+        """The output head: dense, or (cpu-int) a coarse int pass + exact top candidates
+        (tied: from the embedding table itself)."""
+        c = self.config
+        if self.scheme != "cpu-int":
+            head = self.get(head_name, (c.vocab_size, c.dim))
+            return make_linear(head, self.scheme, self.device, four_bit=False)
+        native_ok = self.kernel is not None and c.dim % packing.INT4_GROUP == 0
         native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
         if q8_table and AUTO_INT4_HEAD and native_ok:
-            # The coarse pass packed from the exact table's Q8_0 rows a slice at a time (its
-            # shape checked when the file was opened: check_llama_shapes): the float32 head,
-            # 545 MB for Qwen2.5 0.5B's, is never whole in memory.
-            table = q8_rows()
-            with phases.phase("pack"):
-                nibbles, scale = packing.pack_rows(
-                    c.vocab_size,
-                    lambda a, b: packing.pack_q4_symmetric(
-                        quant.dequantize(table[a:b], quant.QType.Q8_0, (b - a, c.dim))
-                    ),
-                )
-            coarse_pass = Q4Linear(
-                kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True
-            )
-            return RefinedHead(coarse_pass, table, HEAD_REFINE, q8_dim=c.dim)
-        head = get(head_name, (c.vocab_size, c.dim))
+            return self.head_from_q8(self.q8_rows(model, head_name))
+        head = self.get(head_name, (c.vocab_size, c.dim))
         table = (
-            q8_rows() if q8_table else model.tok_embeddings if c.tied_output else head.to(device)
+            self.q8_rows(model, head_name)
+            if q8_table
+            else model.tok_embeddings
+            if c.tied_output
+            else head.to(self.device)
         )
-        coarse: torch.nn.Module
-        with phases.phase("pack"):
-            if AUTO_INT4_HEAD and native_ok:
-                nibbles, scale = packing.pack_q4_symmetric(head)
-                coarse = Q4Linear(
-                    kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True
-                )
-            elif AUTO_INT4_HEAD and int4_ok:
-                packed, scales_zeros = packing.pack_int4(head)
-                coarse = Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)
-            elif native_ok:
-                coarse = Q8Linear(kernel, *packing.pack_q8(head))
-            else:
-                coarse = Int8Linear(*packing.pack_int8(head))
+        with self.phases.phase("pack"):
+            coarse = self.coarse_pass(head, native_ok)
         return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim if q8_table else 0)
 
-    def q8_rows() -> torch.Tensor:
+    def head_from_q8(self, table: torch.Tensor) -> torch.nn.Module:
+        """The coarse pass packed from the exact table's Q8_0 rows a slice at a time (its
+        shape checked when the file was opened: check_llama_shapes): the float32 head, 545 MB
+        for Qwen2.5 0.5B's, is never whole in memory."""
+        c = self.config
+        with self.phases.phase("pack"):
+            nibbles, scale = packing.pack_rows(
+                c.vocab_size,
+                lambda a, b: packing.pack_q4_symmetric(
+                    quant.dequantize(table[a:b], quant.QType.Q8_0, (b - a, c.dim))
+                ),
+            )
+        coarse = Q4Linear(self.kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True)
+        return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim)
+
+    def coarse_pass(self, head: torch.Tensor, native_ok: bool) -> torch.nn.Module:
+        """The head's coarse pass from its float32 rows: 4-bit where a kernel takes it."""
+        c = self.config
+        if AUTO_INT4_HEAD and native_ok:
+            nibbles, scale = packing.pack_q4_symmetric(head)
+            return Q4Linear(self.kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True)
+        if AUTO_INT4_HEAD and c.dim % packing.INT4_GROUP == 0 and c.vocab_size % 16 == 0:
+            packed, scales_zeros = packing.pack_int4(head)
+            return Int4Linear(packed, scales_zeros, c.vocab_size, c.dim, packing.INT4_GROUP)
+        if native_ok:
+            return Q8Linear(self.kernel, *packing.pack_q8(head))
+        return Int8Linear(*packing.pack_int8(head))
+
+    def q8_rows(self, model: Transformer, head_name: str) -> torch.Tensor:
         """The exact table as the file's Q8_0 blocks (RefinedHead's q8_dim)."""
-        if c.tied_output:
+        if self.config.tied_output:
             assert isinstance(model.embedding, QuantizedEmbedding)
             return model.embedding.rows  # the same blocks: no second copy
-        return gf.raw(head_name).reshape(c.vocab_size, -1).clone()
-
-    model.output = cached.slot("output", head_module)
+        return self.gf.raw(head_name).reshape(self.config.vocab_size, -1).clone()
 
 
 def q8_0_rows(gf: GGUFFile, name: str, dim: int) -> bool:
