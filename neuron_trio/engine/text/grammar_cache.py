@@ -16,6 +16,10 @@ percent there: 179 MB against 171 MB). The heap is the process's: another thread
 allocations in that window are charged too (the cache evicts sooner, never later), and memory
 freed meanwhile can only lower the measure to the estimate. Later masks add lexer states,
 bounded by the compiler's `max_lexer_states`.
+
+Keys carry their scope (`Constraint.scope`, the request's prefix-cache salt; a Lark grammar's
+key its sequence's cache root): one tenant's compile is never another's hit (issue 47), while
+the bounds above hold for all scopes together.
 """
 
 from __future__ import annotations
