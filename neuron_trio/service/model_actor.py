@@ -44,7 +44,7 @@ from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.executor_calls import ExecutorCalls
 from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
 from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
-from neuron_trio.service.model_state import ModelState
+from neuron_trio.service.model_state import ModelHealth, ModelState
 from neuron_trio.service.node_document import (
     KVCacheInfo,
     ModelInfo,
@@ -131,7 +131,13 @@ class ModelActor:
         self.loaded_at: float | None = None  # unix seconds
         self.executor: ModelExecutor | None = None
         self.watchdog = watchdog
-        self._state: ModelState = "loading"
+        # The model's one health state machine (model_state.MOVES): moved by this actor; the
+        # watchdog reports "wedged" to it; the shared deadman firing reads as "wedged".
+        self.health = ModelHealth(
+            self.name, process_ending=watchdog.deadman_firing if watchdog is not None else None
+        )
+        if watchdog is not None:
+            watchdog.report_to(self.health)
         self._loader = loader
         self._metrics = metrics
         self._stream_capacity = stream_capacity
@@ -152,9 +158,7 @@ class ModelActor:
 
     @property
     def state(self) -> ModelState:
-        if self.watchdog is not None and self.watchdog.state == "wedged":
-            return "wedged"  # the deadman is firing
-        return self._state
+        return self.health.state
 
     @property
     def context(self) -> int:
@@ -357,7 +361,7 @@ class ModelActor:
                 await self._calls.warm_up(self.executor)
             self._engine_stats = self.executor.engine.statistics()
         except BaseException as exc:
-            self._state = "unloaded"
+            self.health.move("unloaded", f"the load failed: {type(exc).__name__}")
             self._finished.set()
             if self.executor is not None and isinstance(exc, Exception):
                 await self._calls.close(self.executor)
@@ -366,12 +370,12 @@ class ModelActor:
                 raise
             raise ModelLoadError(f"model {self.name!r}: {type(exc).__name__}: {exc}") from exc
         self.loaded_at = time.time()
-        self._state = "serving"
+        self.health.move("serving", "loaded and warmed up")
         log.info("model %s: serving (ready in %.1f s)", self.name, time.monotonic() - started)
         task_status.started(self)
         try:
             await self._serve(self.executor)
-            self._state = "unloading"
+            self.health.move("unloading", "its last requests done")
             executor, self.executor = self.executor, None
             await self._calls.close(executor)
             log.info("model %s: unloaded", self.name)
@@ -381,7 +385,7 @@ class ModelActor:
             self._requests.fail_all(
                 UnavailableError(f"model {self.name!r} was stopped", code="model_unloaded")
             )
-            self._state = "unloaded"
+            self.health.move("unloaded", "stopped")
             self._finished.set()
 
     async def unload(self, *, force: bool = False) -> None:
@@ -474,7 +478,7 @@ class ModelActor:
     async def _recover(self, executor: ModelExecutor, exc: BaseException, *, wedged: bool) -> None:
         self._failures += 1
         self._last_error = f"{type(exc).__name__}: {exc}"
-        self._state = "recovering"
+        self.health.move("recovering", self._last_error)
         self._requests.fail_all(
             UnavailableError(
                 f"model {self.name!r} {'wedged' if wedged else 'failed a step'}; "
@@ -487,12 +491,12 @@ class ModelActor:
             # Abort (tp > 1), wait for the step thread, re-create, probe: returns once the
             # model can serve again; otherwise the deadman ends the process (exit 70).
             await self.watchdog.recover(executor)
-            if self.watchdog.state == "wedged":
+            if self.health.state == "wedged":
                 await trio.sleep_forever()  # the deadman is firing: the process is ending
         # A failed or aborted step left no sequence half-advanced; drop them all (their
         # requests were failed above) so that the slots are free again.
         executor.engine.cancel_all()
         self._requests.cancels.clear()
         self._engine_stats = executor.engine.statistics()
-        self._state = "serving"
+        self.health.move("serving", "recovered")
         log.warning("model %s: serving again after %s", self.name, self._last_error)

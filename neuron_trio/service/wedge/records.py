@@ -13,6 +13,8 @@ ReturnOutcome = Literal["returned", "error", "deadline"]
 # step deadline; "recovering"/"aborting" exactly while a wedge is pending (`_wedge` set), and
 # then no step or probe is started; "wedged" is final (the deadman is firing, the process
 # exits); every other state returns to "idle".
+# The state of the watchdog's calls, shown under a model's `watchdog`; the model's own state is
+# its actor's `model_state.ModelHealth`, which the watchdog tells "wedged" when it fires.
 WatchdogState = Literal["idle", "stepping", "probing", "recovering", "aborting", "wedged"]
 
 

@@ -43,6 +43,7 @@ from neuron_trio.config import WatchdogConfig
 from neuron_trio.errors import StepTimeoutError, UnavailableError
 from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
+from neuron_trio.service.model_state import HealthReport
 from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.wedge.deadman import Deadman
 from neuron_trio.service.wedge.records import (
@@ -111,8 +112,18 @@ class Watchdog:
         self._recoveries = 0
         self._probes = 0
         self._last_wedge: LastWedge | None = None
+        self._health: HealthReport | None = None
         if metrics is not None:
             metrics.recovering.labels(model_name).set(0)
+
+    def report_to(self, health: HealthReport) -> None:
+        """The model's health (its actor's `ModelHealth`): told "wedged" when this watchdog
+        fires the deadman, the one move of the model's that only the watchdog knows."""
+        self._health = health
+
+    def deadman_firing(self) -> bool:
+        """Whether the shared deadman fires (for any model): the process is ending."""
+        return self._deadman.firing
 
     # --- what others read -------------------------------------------------------------------
 
@@ -343,6 +354,8 @@ class Watchdog:
         self, reason: str, watch: WatchedCall, comms: list[Any], detail: str
     ) -> NoReturn:
         self._set_state("wedged")
+        if self._health is not None:
+            self._health.move("wedged", f"watchdog: {reason}: {detail}")
         last = self._last_wedge
         if self._last_wedge is not None:
             self._last_wedge.outcome = f"deadman: {reason}"
