@@ -7,6 +7,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+PACKAGE = ROOT / "neuron_trio"
 
 
 def _module_name(path: Path, root: Path = ROOT) -> str:
@@ -61,6 +62,40 @@ def test_no_test_module_imports_another() -> None:
         if name != _module_name(path)
     ]
     assert not violations, "\n".join(violations)
+
+
+def _misplaced(tests: Path, package: Path) -> list[str]:
+    """Each `test_<module>.py` named after a module of the package whose folder does not mirror
+    that module's (tests/engine/text/ for neuron_trio/engine/text/chat.py); a test named after
+    its own folder (tests/engine/model/test_model.py) is at home."""
+    folders: dict[str, set[Path]] = {}
+    for module in package.rglob("*.py"):
+        folders.setdefault(module.stem, set()).add(module.parent.relative_to(package))
+    return [
+        f"{test.relative_to(tests)} tests {', '.join(str(f / name) for f in sorted(homes))}"
+        for test in sorted(tests.rglob("test_*.py"))
+        for name in [test.stem.removeprefix("test_")]
+        if (homes := folders.get(name))
+        and (folder := test.parent.relative_to(tests)) not in homes
+        and folder.name != name
+    ]
+
+
+def test_a_test_named_after_a_module_sits_in_its_mirrored_folder() -> None:
+    misplaced = _misplaced(TESTS, PACKAGE)
+    assert not misplaced, "\n".join(misplaced)
+
+
+def test_the_mirror_check_sees_a_misplaced_test(tmp_path: Path) -> None:
+    for path in ("pkg/engine/text/chat.py", "pkg/engine/model/__init__.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    for path in ("tests/engine/test_chat.py", "tests/engine/model/test_model.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    assert _misplaced(tmp_path / "tests", tmp_path / "pkg") == [
+        "engine/test_chat.py tests engine/text/chat"
+    ]
 
 
 def test_the_checker_sees_each_import_form(tmp_path: Path) -> None:
