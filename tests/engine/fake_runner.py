@@ -1,7 +1,7 @@
 """The engine over a fake runner and tokenizer, for the engine tests: `FakeRunner` keeps the
 token of every KV position in its block and picks the next token from the whole row read back
-through the block table, so any scheduling or block-table slip changes the output; `_engine`
-builds one, `_alone` runs a prompt by itself to compare a batched run against."""
+through the block table, so any scheduling or block-table slip changes the output;
+`fake_engine` builds one, `run_alone` runs a prompt by itself to compare a batched run against."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ class FakeRunner:
             self.store[d] = list(self.store[s])
 
 
-def _engine(
+def fake_engine(
     *,
     max_batch: int = 4,
     context: int = 64,
@@ -160,17 +160,17 @@ def _engine(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _alone(prompt: list[int], params: SamplingParams) -> list[int]:
-    engine, _ = _engine()
+def run_alone(prompt: list[int], params: SamplingParams) -> list[int]:
+    engine, _ = fake_engine()
     seq_id = engine.add(prompt, params, chat=False)
     return [t for e in drain(engine)[seq_id] for t in e.token_ids]
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
     return [BOS] + [
         len(SPECIAL) + (seed * 5 + i * 3) % (VOCAB - len(SPECIAL)) for i in range(n - 1)
     ]
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
+def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

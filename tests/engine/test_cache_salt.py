@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, BlockPool, block_key, salt_root
 from tests.engine.drain import drain as _run
-from tests.engine.fake_runner import _engine, _greedy, _prompt
+from tests.engine.fake_runner import fake_engine, greedy, prompt_ids
 
 
 def test_salt_roots_are_one_way_and_apart_from_the_shared_chain() -> None:
@@ -35,21 +35,21 @@ def test_lookup_under_another_salt_finds_nothing() -> None:
 
 
 def test_requests_share_prefixes_only_under_the_same_salt() -> None:
-    engine, runner = _engine(prefill_chunk=64)
-    system = _prompt(40, 7)  # two full blocks and 8 tokens
-    victim = engine.add(system + [3] * 5, _greedy(2), chat=False, cache_salt=b"victim")
+    engine, runner = fake_engine(prefill_chunk=64)
+    system = prompt_ids(40, 7)  # two full blocks and 8 tokens
+    victim = engine.add(system + [3] * 5, greedy(2), chat=False, cache_salt=b"victim")
     _run(engine)
     hits = engine.statistics().prefix_cache_hits_tokens
     # Unsalted and other-salted guesses of the same prompt: computed from scratch, no hit.
     for salt in (None, b"attacker"):
         runner.calls.clear()
-        engine.add(system + [4] * 5, _greedy(2), chat=False, cache_salt=salt)
+        engine.add(system + [4] * 5, greedy(2), chat=False, cache_salt=salt)
         _run(engine)
         assert runner.calls[0] == (1, len(system) + 5)
         assert engine.statistics().prefix_cache_hits_tokens == hits
     # The victim's next request under its own salt reuses its two blocks.
     runner.calls.clear()
-    again = engine.add(system + [5] * 5, _greedy(2), chat=False, cache_salt=b"victim")
+    again = engine.add(system + [5] * 5, greedy(2), chat=False, cache_salt=b"victim")
     _run(engine)
     assert runner.calls[0] == (1, len(system) + 5 - 2 * BLOCK_TOKENS)
     assert engine.statistics().prefix_cache_hits_tokens == hits + 2 * BLOCK_TOKENS

@@ -12,7 +12,7 @@ from neuron_trio.engine.fair_share import OUTPUT_COST, PROMPT_COST, FairShare
 from neuron_trio.engine.scheduler import Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
-from tests.engine.fake_runner import _alone, _engine, _greedy, _prompt
+from tests.engine.fake_runner import fake_engine, greedy, prompt_ids, run_alone
 
 
 def test_service_is_counted_per_weight() -> None:
@@ -121,15 +121,15 @@ def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -
 
 
 def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
-    engine, _ = _engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
+    engine, _ = fake_engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
     fair = FairShare()
     engine.share_fairly(fair)
     for t in ("flood", "light"):
         fair.arrive(t)
     # each fits the pool alone (three blocks), not both together
-    old, young = _prompt(15, 1), _prompt(10, 2)
-    a = engine.add(old, _greedy(30), chat=False, tenant="flood")
-    b = engine.add(young, _greedy(30), chat=False, tenant="light")
+    old, young = prompt_ids(15, 1), prompt_ids(10, 2)
+    a = engine.add(old, greedy(30), chat=False, tenant="flood")
+    b = engine.add(young, greedy(30), chat=False, tenant="light")
     fair.charge("flood", prompt=10_000)  # it has had far more service
     events: dict[int, list[SequenceEvent]] = {}
     seq_a, seq_b = engine.scheduler.get(a), engine.scheduler.get(b)
@@ -143,8 +143,8 @@ def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
     while engine.has_work:
         for event in engine.step():
             events.setdefault(event.seq_id, []).append(event)
-    assert [t for e in events[a] for t in e.token_ids] == _alone(old, _greedy(30))
-    assert [t for e in events[b] for t in e.token_ids] == _alone(young, _greedy(30))
+    assert [t for e in events[a] for t in e.token_ids] == run_alone(old, greedy(30))
+    assert [t for e in events[b] for t in e.token_ids] == run_alone(young, greedy(30))
 
 
 def test_a_tenant_never_preempts_an_older_sequence_of_a_lighter_tenant() -> None:
@@ -172,7 +172,7 @@ def test_fair_preemption_keeps_every_output_exact_and_always_progresses(trial: i
     # Random tenants, prompts and lengths over a pool too small for all: whoever is
     # preempted, each output is exactly the prompt's alone, and the node never stalls.
     rng = random.Random(trial)
-    engine, _ = _engine(
+    engine, _ = fake_engine(
         max_batch=rng.choice([2, 4, 6]),
         prefill_chunk=rng.choice([8, 16, 64]),
         blocks=rng.choice([4, 5, 6, 8]),
@@ -181,7 +181,7 @@ def test_fair_preemption_keeps_every_output_exact_and_always_progresses(trial: i
     fair = FairShare()
     engine.share_fairly(fair)
     pending = [
-        (rng.choice("abc"), _prompt(rng.randrange(3, 30), i), rng.randrange(2, 20))
+        (rng.choice("abc"), prompt_ids(rng.randrange(3, 30), i), rng.randrange(2, 20))
         for i in range(10)
     ]
     requests: dict[int, tuple[str, list[int], int]] = {}
@@ -191,7 +191,7 @@ def test_fair_preemption_keeps_every_output_exact_and_always_progresses(trial: i
             break
         while pending and engine.can_admit(len(pending[0][1])):
             tenant, prompt, max_tokens = pending.pop(0)
-            seq_id = engine.add(prompt, _greedy(max_tokens), chat=False, tenant=tenant)
+            seq_id = engine.add(prompt, greedy(max_tokens), chat=False, tenant=tenant)
             fair.arrive(tenant)
             fair.charge(tenant, prompt=len(prompt))
             requests[seq_id] = (tenant, prompt, max_tokens)
@@ -203,4 +203,4 @@ def test_fair_preemption_keeps_every_output_exact_and_always_progresses(trial: i
                 fair.leave(tenant)
     assert not pending and not engine.has_work, "stalled"
     for seq_id, (_, prompt, max_tokens) in requests.items():
-        assert tokens[seq_id] == _alone(prompt, _greedy(max_tokens))
+        assert tokens[seq_id] == run_alone(prompt, greedy(max_tokens))

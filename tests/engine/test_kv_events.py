@@ -15,7 +15,7 @@ from neuron_trio.engine.kv_events import (
 )
 from neuron_trio.engine.types import SamplingParams
 from tests.engine.drain import drain as _run
-from tests.engine.fake_runner import _engine, _prompt
+from tests.engine.fake_runner import fake_engine, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
@@ -31,10 +31,10 @@ def _chain(tokens: list[int], parent: bytes | None = None) -> list[tuple[bytes, 
 
 
 def test_engine_records_each_newly_cached_block_with_its_parent_and_tokens() -> None:
-    engine, _ = _engine(max_batch=2, context=64, prefill_chunk=64)
+    engine, _ = fake_engine(max_batch=2, context=64, prefill_chunk=64)
     log = KVEventLog()
     engine.record_kv_events(log)
-    prompt = _prompt(40)  # two full blocks and 8 tokens
+    prompt = prompt_ids(40)  # two full blocks and 8 tokens
     engine.add(prompt, GREEDY, chat=False)
     _run(engine)
     stored = log.drain()
@@ -51,10 +51,10 @@ def test_engine_records_each_newly_cached_block_with_its_parent_and_tokens() -> 
 
 
 def test_a_salted_request_publishes_nothing_and_leaves_the_shared_chain_to_others() -> None:
-    engine, _ = _engine(max_batch=2, context=64, prefill_chunk=64)
+    engine, _ = fake_engine(max_batch=2, context=64, prefill_chunk=64)
     log = KVEventLog()
     engine.record_kv_events(log)
-    prompt = _prompt(40)  # two full blocks
+    prompt = prompt_ids(40)  # two full blocks
     engine.add(prompt, GREEDY, chat=False, cache_salt=b"tenant-a")
     _run(engine)
     assert log.drain() == []  # neither a hash nor a token of the tenant's prompt
@@ -66,11 +66,11 @@ def test_a_salted_request_publishes_nothing_and_leaves_the_shared_chain_to_other
 
 
 def test_no_events_without_a_log_and_none_after_it_is_removed() -> None:
-    engine, _ = _engine(prefill_chunk=64)
+    engine, _ = fake_engine(prefill_chunk=64)
     log = KVEventLog()
     engine.record_kv_events(log)
     engine.record_kv_events(None)
-    engine.add(_prompt(40), GREEDY, chat=False)
+    engine.add(prompt_ids(40), GREEDY, chat=False)
     _run(engine)
     assert log.drain() == []
 

@@ -25,10 +25,10 @@ from tests.engine.fake_runner import (
     GREEDY,
     TOKEN,
     VOCAB,
-    _alone,
-    _engine,
-    _greedy,
-    _prompt,
+    fake_engine,
+    greedy,
+    prompt_ids,
+    run_alone,
 )
 
 
@@ -137,23 +137,23 @@ def test_bad_sizes_are_refused() -> None:
 
 
 def test_slots_fill_and_free_through_the_engine() -> None:
-    engine, _ = _engine(max_batch=2)
-    a = engine.add(_prompt(3), GREEDY, chat=False)
-    engine.add(_prompt(3, 1), GREEDY, chat=False)
+    engine, _ = fake_engine(max_batch=2)
+    a = engine.add(prompt_ids(3), GREEDY, chat=False)
+    engine.add(prompt_ids(3, 1), GREEDY, chat=False)
     assert engine.free_slots == 0
     with pytest.raises(NoFreeSlotError):
-        engine.add(_prompt(3, 2), GREEDY, chat=False)
+        engine.add(prompt_ids(3, 2), GREEDY, chat=False)
     engine.cancel(a)
     assert engine.free_slots == 1
-    engine.add(_prompt(3, 2), GREEDY, chat=False)
+    engine.add(prompt_ids(3, 2), GREEDY, chat=False)
     drain(engine)
     assert engine.free_slots == 2
     assert not engine.has_work
 
 
 def test_chunked_prefill_interleaves_with_decode_and_matches_alone() -> None:
-    engine, runner = _engine(prefill_chunk=4)
-    short, long = _prompt(3, 1), _prompt(13, 2)
+    engine, runner = fake_engine(prefill_chunk=4)
+    short, long = prompt_ids(3, 1), prompt_ids(13, 2)
     first = engine.add(short, GREEDY, chat=False)
     engine.step()  # short prompt in, first token out
     second = engine.add(long, GREEDY, chat=False)
@@ -165,13 +165,13 @@ def test_chunked_prefill_interleaves_with_decode_and_matches_alone() -> None:
     assert runner.calls == [(1, 1), (1, 4)] * 3 + [(1, 1), (1, 1)]
     assert steps == [{first}, {first}, {first}, {first, second}]
     events = drain(engine)
-    assert [t for e in events[second] for t in e.token_ids][-7:] == _alone(long, GREEDY)[1:]
-    assert len(_alone(short, GREEDY)) == 8
+    assert [t for e in events[second] for t in e.token_ids][-7:] == run_alone(long, GREEDY)[1:]
+    assert len(run_alone(short, GREEDY)) == 8
 
 
 def test_batched_equals_alone_with_joins_and_leaves() -> None:
-    engine, _ = _engine(max_batch=4, prefill_chunk=3)
-    prompts = [_prompt(2 + 3 * i, i) for i in range(6)]
+    engine, _ = fake_engine(max_batch=4, prefill_chunk=3)
+    prompts = [prompt_ids(2 + 3 * i, i) for i in range(6)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(6)
     ]
@@ -185,13 +185,13 @@ def test_batched_equals_alone_with_joins_and_leaves() -> None:
         for event in engine.step():
             tokens.setdefault(ids[event.seq_id], []).extend(event.token_ids)
     for i in range(6):
-        assert tokens[i] == _alone(prompts[i], params[i]), i
+        assert tokens[i] == run_alone(prompts[i], params[i]), i
 
 
 def test_cancel_between_any_two_steps_frees_the_slot() -> None:
     for cancel_after in range(6):
-        engine, _ = _engine(max_batch=1, prefill_chunk=2)
-        seq_id = engine.add(_prompt(5), GREEDY, chat=False)
+        engine, _ = fake_engine(max_batch=1, prefill_chunk=2)
+        seq_id = engine.add(prompt_ids(5), GREEDY, chat=False)
         for _ in range(cancel_after):
             engine.step()
         engine.cancel(seq_id)
@@ -199,15 +199,15 @@ def test_cancel_between_any_two_steps_frees_the_slot() -> None:
         assert not engine.has_work
         assert engine.step() == []
         # the slot is reusable and the new sequence is unaffected by the old one
-        again = engine.add(_prompt(4, 3), GREEDY, chat=False)
+        again = engine.add(prompt_ids(4, 3), GREEDY, chat=False)
         got = [t for e in drain(engine)[again] for t in e.token_ids]
-        assert got == _alone(_prompt(4, 3), GREEDY)
+        assert got == run_alone(prompt_ids(4, 3), GREEDY)
     engine.cancel(12345)  # unknown: ignored
 
 
 def test_cancel_all_drops_everything() -> None:
-    engine, _ = _engine(max_batch=3)
-    ids = [engine.add(_prompt(4, i), GREEDY, chat=False) for i in range(3)]
+    engine, _ = fake_engine(max_batch=3)
+    ids = [engine.add(prompt_ids(4, i), GREEDY, chat=False) for i in range(3)]
     engine.step()
     assert sorted(engine.cancel_all()) == ids
     assert engine.free_slots == 3
@@ -215,21 +215,21 @@ def test_cancel_all_drops_everything() -> None:
 
 
 def test_a_failed_forward_advances_nothing() -> None:
-    engine, runner = _engine(prefill_chunk=2)
-    seq_id = engine.add(_prompt(5), GREEDY, chat=False)
+    engine, runner = fake_engine(prefill_chunk=2)
+    seq_id = engine.add(prompt_ids(5), GREEDY, chat=False)
     engine.step()
     runner.fail_next = True
     with pytest.raises(RuntimeError):
         engine.step()
     got = [t for e in drain(engine)[seq_id] for t in e.token_ids]
-    assert got == _alone(_prompt(5), GREEDY)
+    assert got == run_alone(prompt_ids(5), GREEDY)
 
 
 def test_validation_refuses_before_any_work() -> None:
-    engine, runner = _engine(context=16)
+    engine, runner = fake_engine(context=16)
     with pytest.raises(ContextLengthError):
-        engine.add(_prompt(10), SamplingParams(max_tokens=7), chat=False)
-    engine.prepare(SamplingParams(max_tokens=6), ids=_prompt(10))
+        engine.add(prompt_ids(10), SamplingParams(max_tokens=7), chat=False)
+    engine.prepare(SamplingParams(max_tokens=6), ids=prompt_ids(10))
     with pytest.raises(RequestError):
         engine.add([], GREEDY, chat=False)
     with pytest.raises(RequestError):
@@ -241,10 +241,10 @@ def test_validation_refuses_before_any_work() -> None:
 
 
 def test_kv_never_grows_past_context() -> None:
-    engine, runner = _engine(max_batch=2, context=12, prefill_chunk=5)
+    engine, runner = fake_engine(max_batch=2, context=12, prefill_chunk=5)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    a = engine.add(_prompt(8), params, chat=False)
-    b = engine.add(_prompt(8, 1), params, chat=False)
+    a = engine.add(prompt_ids(8), params, chat=False)
+    b = engine.add(prompt_ids(8, 1), params, chat=False)
     events = drain(engine)
     assert [e.finish_reason for e in events[a]][-1] == "length"
     assert sum(len(e.token_ids) for e in events[b]) == 4
@@ -256,8 +256,8 @@ def _scripted(prompt_len: int, script: list[int]):
 
 
 def test_length_finish_and_usage_counts() -> None:
-    engine, _ = _engine()
-    seq_id = engine.add(_prompt(5), SamplingParams(temperature=0.0, max_tokens=3), chat=False)
+    engine, _ = fake_engine()
+    seq_id = engine.add(prompt_ids(5), SamplingParams(temperature=0.0, max_tokens=3), chat=False)
     events = drain(engine)[seq_id]
     assert [e.finish_reason for e in events] == [None, None, "length"]
     assert [(e.prompt_tokens, e.completion_tokens) for e in events] == [(5, 1), (5, 2), (5, 3)]
@@ -268,16 +268,16 @@ def test_length_finish_and_usage_counts() -> None:
 
 def test_eos_stops_unless_ignored_and_is_not_shown() -> None:
     words = [TOKEN[" the"], TOKEN[" cat"], EOS, TOKEN[" sat"]]
-    engine, _ = _engine(rule=_scripted(3, words))
-    seq_id = engine.add(_prompt(3), SamplingParams(temperature=0.0, max_tokens=8), chat=False)
+    engine, _ = fake_engine(rule=_scripted(3, words))
+    seq_id = engine.add(prompt_ids(3), SamplingParams(temperature=0.0, max_tokens=8), chat=False)
     events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == " the cat"
     assert events[-1].finish_reason == "stop"
     assert events[-1].completion_tokens == 3
 
-    engine, _ = _engine(rule=_scripted(3, words))
+    engine, _ = fake_engine(rule=_scripted(3, words))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    seq_id = engine.add(_prompt(3), params, chat=False)
+    seq_id = engine.add(prompt_ids(3), params, chat=False)
     events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == " the cat sat sat"
     assert events[-1].finish_reason == "length"
@@ -287,13 +287,13 @@ def test_end_of_turn_stops_chat_only_and_stop_token_ids_always() -> None:
     words = [TOKEN[" the"], END, TOKEN[" cat"]]
     params = SamplingParams(temperature=0.0, max_tokens=4)
     for chat, reason, count in ((True, "stop", 2), (False, "length", 4)):
-        engine, _ = _engine(rule=_scripted(3, words))
-        seq_id = engine.add(_prompt(3), params, chat=chat)
+        engine, _ = fake_engine(rule=_scripted(3, words))
+        seq_id = engine.add(prompt_ids(3), params, chat=chat)
         events = drain(engine)[seq_id]
         assert (events[-1].finish_reason, events[-1].completion_tokens) == (reason, count)
-    engine, _ = _engine(rule=_scripted(3, words))
+    engine, _ = fake_engine(rule=_scripted(3, words))
     stop_at_cat = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(TOKEN[" cat"],))
-    seq_id = engine.add(_prompt(3), stop_at_cat, chat=False)
+    seq_id = engine.add(prompt_ids(3), stop_at_cat, chat=False)
     events = drain(engine)[seq_id]
     assert events[-1].finish_reason == "stop"
     assert events[-1].completion_tokens == 3
@@ -301,9 +301,9 @@ def test_end_of_turn_stops_chat_only_and_stop_token_ids_always() -> None:
 
 def test_stop_string_across_tokens_is_cut_exactly() -> None:
     words = [TOKEN[" the"], TOKEN["ST"], TOKEN["OP"], TOKEN[" cat"]]
-    engine, _ = _engine(rule=_scripted(3, words))
+    engine, _ = fake_engine(rule=_scripted(3, words))
     params = SamplingParams(temperature=0.0, max_tokens=8, stop=("eSTO",))
-    seq_id = engine.add(_prompt(3), params, chat=False)
+    seq_id = engine.add(prompt_ids(3), params, chat=False)
     events = drain(engine)[seq_id]
     assert "".join(e.text for e in events) == " th"
     assert events[-1].finish_reason == "stop"
@@ -313,16 +313,16 @@ def test_stop_string_across_tokens_is_cut_exactly() -> None:
 
 def test_never_half_a_utf8_character() -> None:
     words = [TOKEN["!"], TOKEN["\xc3"], TOKEN["\xa9"], TOKEN["!"]]
-    engine, _ = _engine(rule=_scripted(3, words))
-    seq_id = engine.add(_prompt(3), SamplingParams(temperature=0.0, max_tokens=4), chat=False)
+    engine, _ = fake_engine(rule=_scripted(3, words))
+    seq_id = engine.add(prompt_ids(3), SamplingParams(temperature=0.0, max_tokens=4), chat=False)
     texts = [e.text for e in drain(engine)[seq_id]]
     assert texts == ["!", "", "é", "!"]
 
 
 def test_logprobs_ride_on_events() -> None:
-    engine, _ = _engine()
+    engine, _ = fake_engine()
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=True, top_logprobs=2)
-    seq_id = engine.add(_prompt(3), params, chat=False)
+    seq_id = engine.add(prompt_ids(3), params, chat=False)
     events = drain(engine)[seq_id]
     for event in events:
         assert event.logprobs is not None and len(event.logprobs) == 1
@@ -331,23 +331,23 @@ def test_logprobs_ride_on_events() -> None:
 
 
 def test_probe_uses_the_scratch_row_only() -> None:
-    engine, runner = _engine(max_batch=2)
-    seq_id = engine.add(_prompt(3), GREEDY, chat=False)
+    engine, runner = fake_engine(max_batch=2)
+    seq_id = engine.add(prompt_ids(3), GREEDY, chat=False)
     engine.step()
     engine.probe()
     assert runner.store[PROBE_BLOCK][:2] == [BOS, None]  # its own block, nothing else
     got = [t for e in drain(engine)[seq_id] for t in e.token_ids]
-    assert got == _alone(_prompt(3), GREEDY)[1:]
+    assert got == run_alone(prompt_ids(3), GREEDY)[1:]
 
 
 def test_encode_prompt_adds_bos_once() -> None:
-    engine, _ = _engine()
+    engine, _ = fake_engine()
     assert engine.encode_prompt("the cat", chat=False) == [BOS, TOKEN[" the"], TOKEN[" cat"]]
 
 
 def test_a_step_in_flight_during_cancel_all_is_void() -> None:
-    engine, runner = _engine(max_batch=2, prefill_chunk=8)
-    engine.add(_prompt(3), GREEDY, chat=False)
+    engine, runner = fake_engine(max_batch=2, prefill_chunk=8)
+    engine.add(prompt_ids(3), GREEDY, chat=False)
     engine.step()
     inner = runner.forward
 
@@ -359,15 +359,17 @@ def test_a_step_in_flight_during_cancel_all_is_void() -> None:
     assert engine.step() == []
     runner.forward = inner  # type: ignore[method-assign]
     assert engine.free_slots == 2
-    seq_id = engine.add(_prompt(4, 1), GREEDY, chat=False)
-    assert [t for e in drain(engine)[seq_id] for t in e.token_ids] == _alone(_prompt(4, 1), GREEDY)
+    seq_id = engine.add(prompt_ids(4, 1), GREEDY, chat=False)
+    assert [t for e in drain(engine)[seq_id] for t in e.token_ids] == run_alone(
+        prompt_ids(4, 1), GREEDY
+    )
 
 
 def test_text_held_back_for_a_stop_string_comes_out_at_the_end() -> None:
     words = [TOKEN[" the"], TOKEN[" cat"]]
-    engine, _ = _engine(rule=_scripted(3, words))
+    engine, _ = fake_engine(rule=_scripted(3, words))
     params = SamplingParams(temperature=0.0, max_tokens=2, stop=(" catX",))
-    seq_id = engine.add(_prompt(3), params, chat=False)
+    seq_id = engine.add(prompt_ids(3), params, chat=False)
     events = drain(engine)[seq_id]
     assert [e.text for e in events] == [" the", " cat"]
     assert events[-1].finish_reason == "length"
@@ -377,14 +379,14 @@ def test_text_held_back_for_a_stop_string_comes_out_at_the_end() -> None:
 
 
 def test_a_repeated_prompt_prefills_only_past_its_cached_prefix() -> None:
-    engine, runner = _engine(prefill_chunk=64)
-    system = _prompt(40, 7)  # two full blocks and 8 tokens
+    engine, runner = fake_engine(prefill_chunk=64)
+    system = prompt_ids(40, 7)  # two full blocks and 8 tokens
     first = system + [TOKEN[" cat"]] * 5
-    a = engine.add(first, _greedy(4), chat=False)
+    a = engine.add(first, greedy(4), chat=False)
     got_a = [t for e in drain(engine)[a] for t in e.token_ids]
     runner.calls.clear()
     second = system + [TOKEN[" mat"]] * 9  # the same system prompt, another question
-    b = engine.add(second, _greedy(4), chat=False)
+    b = engine.add(second, greedy(4), chat=False)
     got_b = [t for e in drain(engine)[b] for t in e.token_ids]
     # the first two blocks came from the cache: 49 - 32 = 17 tokens prefilled, not 49
     assert runner.calls[0] == (1, len(second) - 2 * BLOCK_TOKENS)
@@ -393,37 +395,37 @@ def test_a_repeated_prompt_prefills_only_past_its_cached_prefix() -> None:
     assert stats.prefix_cache_hits_tokens == 2 * BLOCK_TOKENS
     assert stats.prompt_tokens_total == len(first) + len(second) - 2 * BLOCK_TOKENS
     # and the outputs are those of each prompt alone on a fresh engine
-    assert got_a == _alone(first, _greedy(4))
-    assert got_b == _alone(second, _greedy(4))
+    assert got_a == run_alone(first, greedy(4))
+    assert got_b == run_alone(second, greedy(4))
 
 
 def test_a_chat_turn_reuses_the_previous_answer_and_never_its_own_last_token() -> None:
-    engine, runner = _engine(prefill_chunk=64)
-    prompt = _prompt(30, 3)
-    a = engine.add(prompt, _greedy(20), chat=False)
+    engine, runner = fake_engine(prefill_chunk=64)
+    prompt = prompt_ids(30, 3)
+    a = engine.add(prompt, greedy(20), chat=False)
     answer = [t for e in drain(engine)[a] for t in e.token_ids]
     # The next turn resends prompt + answer: blocks filled while decoding were cached too.
     turn = prompt + answer + [TOKEN[" the"]]  # 51 tokens: three full blocks
     runner.calls.clear()
-    b = engine.add(turn, _greedy(3), chat=False)
+    b = engine.add(turn, greedy(3), chat=False)
     got = [t for e in drain(engine)[b] for t in e.token_ids]
     assert runner.calls[0] == (1, len(turn) - 3 * BLOCK_TOKENS)
-    assert got == _alone(turn, _greedy(3))
+    assert got == run_alone(turn, greedy(3))
     # A prompt of whole blocks only, all cached: its last block is computed again (logits).
     whole = turn[: 3 * BLOCK_TOKENS]
     runner.calls.clear()
-    c = engine.add(whole, _greedy(2), chat=False)
-    assert [t for e in drain(engine)[c] for t in e.token_ids] == _alone(whole, _greedy(2))
+    c = engine.add(whole, greedy(2), chat=False)
+    assert [t for e in drain(engine)[c] for t in e.token_ids] == run_alone(whole, greedy(2))
     assert runner.calls[0] == (1, BLOCK_TOKENS)
 
 
 def test_without_the_prefix_cache_every_prompt_is_computed() -> None:
-    engine, runner = _engine(prefill_chunk=64, prefix_cache=False)
-    prompt = _prompt(40, 7)
+    engine, runner = fake_engine(prefill_chunk=64, prefix_cache=False)
+    prompt = prompt_ids(40, 7)
     for _ in range(2):
         runner.calls.clear()
-        seq = engine.add(prompt, _greedy(3), chat=False)
-        assert [t for e in drain(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(3))
+        seq = engine.add(prompt, greedy(3), chat=False)
+        assert [t for e in drain(engine)[seq] for t in e.token_ids] == run_alone(prompt, greedy(3))
         assert runner.calls[0] == (1, 40)
     stats = engine.statistics()
     assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (0, 0)
@@ -431,13 +433,13 @@ def test_without_the_prefix_cache_every_prompt_is_computed() -> None:
 
 
 def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
-    engine, _ = _engine(prefill_chunk=64)
-    system = _prompt(32, 9)
-    warm = engine.add([*system, 5], _greedy(1), chat=False)
+    engine, _ = fake_engine(prefill_chunk=64)
+    system = prompt_ids(32, 9)
+    warm = engine.add([*system, 5], greedy(1), chat=False)
     drain(engine)
     assert warm and engine.statistics().kv_blocks_cached == 2
-    a = engine.add([*system, 6, 7], _greedy(6), chat=False)
-    b = engine.add([*system, 8], _greedy(6), chat=False)
+    a = engine.add([*system, 6, 7], greedy(6), chat=False)
+    b = engine.add([*system, 8], greedy(6), chat=False)
     first = {e.seq_id: e.token_ids for e in engine.step()}  # both prefilled
     seq_a, seq_b = engine.scheduler.get(a), engine.scheduler.get(b)
     assert seq_a is not None and seq_b is not None
@@ -446,9 +448,9 @@ def test_two_requests_share_the_blocks_of_a_cached_prefix() -> None:
     assert engine.statistics().kv_blocks_used == 4
     events = drain(engine)
     got_a = first[a] + [t for e in events[a] for t in e.token_ids]
-    assert got_a == _alone([*system, 6, 7], _greedy(6))
+    assert got_a == run_alone([*system, 6, 7], greedy(6))
     got_b = first[b] + [t for e in events[b] for t in e.token_ids]
-    assert got_b == _alone([*system, 8], _greedy(6))
+    assert got_b == run_alone([*system, 8], greedy(6))
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
@@ -456,9 +458,9 @@ def test_an_exhausted_pool_preempts_the_youngest_and_every_output_is_unchanged(
     prefix_cache: bool,
 ) -> None:
     # 6 blocks (96 tokens) for three sequences that grow to 40 tokens (3 blocks) each.
-    engine, _ = _engine(max_batch=3, prefill_chunk=16, blocks=6, prefix_cache=prefix_cache)
-    prompts = [_prompt(14 + i, 20 + i) for i in range(3)]
-    params = _greedy(26 - 1)
+    engine, _ = fake_engine(max_batch=3, prefill_chunk=16, blocks=6, prefix_cache=prefix_cache)
+    prompts = [prompt_ids(14 + i, 20 + i) for i in range(3)]
+    params = greedy(26 - 1)
     ids = [engine.add(p, params, chat=False) for p in prompts]
     preempted_seen: set[int] = set()
     events: dict[int, list[SequenceEvent]] = {}
@@ -473,17 +475,17 @@ def test_an_exhausted_pool_preempts_the_youngest_and_every_output_is_unchanged(
     for seq_id, prompt in zip(ids, prompts, strict=True):
         tokens = [t for e in events[seq_id] for t in e.token_ids]
         # no token lost or repeated: exactly the output of the prompt alone
-        assert tokens == _alone(prompt, params), seq_id
+        assert tokens == run_alone(prompt, params), seq_id
         assert [e.completion_tokens for e in events[seq_id]] == list(range(1, 26))
         assert events[seq_id][-1].finish_reason == "length"
 
 
 def test_a_preempted_sequence_resumes_without_sampling_again() -> None:
-    engine, runner = _engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
+    engine, runner = fake_engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
     # each fits the pool alone (three blocks), not both together
-    old, young = _prompt(15, 1), _prompt(10, 2)
-    a = engine.add(old, _greedy(30), chat=False)
-    b = engine.add(young, _greedy(30), chat=False)
+    old, young = prompt_ids(15, 1), prompt_ids(10, 2)
+    a = engine.add(old, greedy(30), chat=False)
+    b = engine.add(young, greedy(30), chat=False)
     events: dict[int, list[SequenceEvent]] = {}
 
     def step() -> None:
@@ -505,26 +507,26 @@ def test_a_preempted_sequence_resumes_without_sampling_again() -> None:
     while engine.has_work:
         step()
     got_b = [t for e in events[b] for t in e.token_ids]
-    assert got_b == _alone(young, _greedy(30))
+    assert got_b == run_alone(young, greedy(30))
     # the client saw a pause, not a token lost or repeated
     assert [e.completion_tokens for e in events[b]] == list(range(1, 31))
-    assert [t for e in events[a] for t in e.token_ids] == _alone(old, _greedy(30))
+    assert [t for e in events[a] for t in e.token_ids] == run_alone(old, greedy(30))
     assert runner.longest == 15 + 29
 
 
 def test_a_request_that_cannot_fit_the_pool_alone_is_refused_up_front() -> None:
-    engine, runner = _engine(context=64, blocks=2)
-    engine.prepare(_greedy(12), ids=_prompt(20))  # 32 tokens: two blocks
+    engine, runner = fake_engine(context=64, blocks=2)
+    engine.prepare(greedy(12), ids=prompt_ids(20))  # 32 tokens: two blocks
     with pytest.raises(ContextLengthError, match=r"KV cache .* holds 32 tokens"):
-        engine.add(_prompt(20), _greedy(13), chat=False)
+        engine.add(prompt_ids(20), greedy(13), chat=False)
     assert runner.calls == []
 
 
 def test_admission_waits_for_the_blocks_of_the_prompt() -> None:
-    engine, _ = _engine(max_batch=4, blocks=4, prefill_chunk=64)
+    engine, _ = fake_engine(max_batch=4, blocks=4, prefill_chunk=64)
     assert engine.can_admit(64) and not engine.can_admit(65)
     assert not engine.can_admit(1, n=5)  # more choices than max_batch
-    a = engine.add(_prompt(40), _greedy(8), chat=False)
+    a = engine.add(prompt_ids(40), greedy(8), chat=False)
     engine.step()  # its 40 tokens take three blocks
     assert engine.can_admit(16) and not engine.can_admit(17)
     assert not engine.can_admit(16, n=2)  # two choices need a block each for their last block
@@ -535,9 +537,9 @@ def test_admission_waits_for_the_blocks_of_the_prompt() -> None:
 def test_n_choices_in_a_full_pool_recompute_their_partial_block() -> None:
     # The prompt fills one block and 4 tokens; nothing is left for the forks' copies of the
     # partial block, so they prefill those 4 tokens themselves (shared full block kept).
-    engine, _ = _engine(max_batch=3, prefill_chunk=64, blocks=2)
-    prompt = _prompt(20, 4)
-    params = replace(_greedy(8), n=3)
+    engine, _ = fake_engine(max_batch=3, prefill_chunk=64, blocks=2)
+    prompt = prompt_ids(20, 4)
+    params = replace(greedy(8), n=3)
     group = engine.add(prompt, params, chat=False)
     first = engine.step()
     forks = [s for s in engine.scheduler.sequences if s.seq_id != group]
@@ -547,7 +549,7 @@ def test_n_choices_in_a_full_pool_recompute_their_partial_block() -> None:
         assert fork.blocks == parent.blocks[:1]  # shared; the rest is theirs to recompute
         assert fork.status is SequenceStatus.PREFILLING and fork.num_output == 1
     events = first + drain(engine)[group]
-    alone = _alone(prompt, _greedy(8))
+    alone = run_alone(prompt, greedy(8))
     by_choice: dict[int, list[int]] = {}
     for e in events:
         by_choice.setdefault(e.index, []).extend(e.token_ids)
@@ -555,16 +557,16 @@ def test_n_choices_in_a_full_pool_recompute_their_partial_block() -> None:
 
 
 def test_cancel_all_forgets_the_prefix_cache() -> None:
-    engine, runner = _engine(prefill_chunk=64)
-    prompt = _prompt(40, 7)
-    engine.add(prompt, _greedy(2), chat=False)
+    engine, runner = fake_engine(prefill_chunk=64)
+    prompt = prompt_ids(40, 7)
+    engine.add(prompt, greedy(2), chat=False)
     drain(engine)
     assert engine.statistics().kv_blocks_cached == 2
-    engine.add(prompt, _greedy(2), chat=False)
+    engine.add(prompt, greedy(2), chat=False)
     engine.cancel_all()
     stats = engine.statistics()
     assert (stats.kv_blocks_used, stats.kv_blocks_cached) == (0, 0)
     runner.calls.clear()
-    seq = engine.add(prompt, _greedy(2), chat=False)
-    assert [t for e in drain(engine)[seq] for t in e.token_ids] == _alone(prompt, _greedy(2))
+    seq = engine.add(prompt, greedy(2), chat=False)
+    assert [t for e in drain(engine)[seq] for t in e.token_ids] == run_alone(prompt, greedy(2))
     assert runner.calls[0] == (1, 40)

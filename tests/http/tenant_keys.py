@@ -1,6 +1,6 @@
-"""Tenants for the HTTP tests: `_tenants_config` writes the key files of four tenants (alpha,
+"""Tenants for the HTTP tests: `tenants_config` writes the key files of four tenants (alpha,
 weighted 2; beta and gamma sharing a prefix-cache group; routed, keyless) and an admin key;
-`_auth` makes the headers that present a key, and a tenant for an admin key to route to."""
+`auth_headers` makes the headers that present a key, and a tenant for an admin key to route to."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from neuron_trio.config import NeuronConfig, TenantConfig
 from tests.http.http_harness import make_config
 
 
-def _auth(key: str, tenant: str | None = None) -> dict[str, str]:
+def auth_headers(key: str, tenant: str | None = None) -> dict[str, str]:
     headers = {"Authorization": f"Bearer {key}"}
     if tenant is not None:
         headers["X-Neuron-Tenant"] = tenant
     return headers
 
 
-def _tenants_config(tmp_path: Path, **server: Any) -> NeuronConfig:
+def tenants_config(tmp_path: Path, **server: Any) -> NeuronConfig:
     (tmp_path / "alpha").write_text("alpha-1\nalpha-2\n")
     (tmp_path / "beta").write_text("beta-1\n")
     (tmp_path / "gamma").write_text("gamma-1\n")

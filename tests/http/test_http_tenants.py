@@ -18,7 +18,7 @@ from neuron_trio.errors import ConfigError
 from neuron_trio.http.tenancy import TenantDirectory, job_cache_salt, key_tenant_name
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, make_config, run, serving
-from tests.http.tenant_keys import _auth, _tenants_config
+from tests.http.tenant_keys import auth_headers, tenants_config
 
 
 async def _post(client: Any, headers: dict[str, str]) -> Any:
@@ -35,7 +35,7 @@ def test_keys_of_api_key_file_are_isolated_by_default(tmp_path: Path) -> None:
         config = make_config(api_key_file=str(tmp_path / "api"))
         async with serving(node, config) as srv, h2_client(srv.url) as client:
             for key in ("key-one", "key-two"):
-                assert (await _post(client, _auth(key))).status_code == 200
+                assert (await _post(client, auth_headers(key))).status_code == 200
 
     run(body)
     one, two = node.jobs
@@ -49,10 +49,10 @@ def test_tenants_from_the_config_name_every_job_and_share_only_by_group(tmp_path
     node = FakeNode()
 
     async def body() -> None:
-        config = _tenants_config(tmp_path)
+        config = tenants_config(tmp_path)
         async with serving(node, config) as srv, h2_client(srv.url) as client:
             for key in ("alpha-1", "alpha-2", "beta-1", "gamma-1", "the-admin"):
-                assert (await _post(client, _auth(key))).status_code == 200
+                assert (await _post(client, auth_headers(key))).status_code == 200
 
     run(body)
     assert [job.tenant for job in node.jobs] == ["alpha", "alpha", "beta", "gamma", "operator"]
@@ -66,11 +66,11 @@ def test_an_admin_key_acts_for_a_tenant_named_in_the_header(tmp_path: Path) -> N
     node = FakeNode()
 
     async def body() -> None:
-        config = _tenants_config(tmp_path)
+        config = tenants_config(tmp_path)
         async with serving(node, config) as srv, h2_client(srv.url) as client:
-            assert (await _post(client, _auth("the-admin", "routed"))).status_code == 200
-            assert (await _post(client, _auth("the-admin", "alpha"))).status_code == 200
-            r = await _post(client, _auth("the-admin", "nobody"))
+            assert (await _post(client, auth_headers("the-admin", "routed"))).status_code == 200
+            assert (await _post(client, auth_headers("the-admin", "alpha"))).status_code == 200
+            r = await _post(client, auth_headers("the-admin", "nobody"))
             assert r.status_code == 400 and "X-Neuron-Tenant" in r.json()["error"]["message"]
 
     run(body)
@@ -84,9 +84,9 @@ def test_any_other_key_sending_the_tenant_header_gets_a_403_naming_it(
     node = FakeNode()
 
     async def body() -> None:
-        config = _tenants_config(tmp_path)
+        config = tenants_config(tmp_path)
         async with serving(node, config) as srv, h2_client(srv.url) as client:
-            r = await _post(client, _auth(key, "gamma"))
+            r = await _post(client, auth_headers(key, "gamma"))
             assert r.status_code == 403
             assert "X-Neuron-Tenant" in r.json()["error"]["message"]
             assert r.json()["error"]["code"] == "tenant_header_forbidden"
@@ -119,7 +119,7 @@ def test_a_tenant_key_alone_opens_the_api_and_may_listen_widely(tmp_path: Path) 
     async def body() -> None:
         async with serving(FakeNode(), make_tenants(config)) as srv, h2_client(srv.url) as c:
             assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 401
-            assert (await _post(c, _auth("alpha-1"))).status_code == 200
+            assert (await _post(c, auth_headers("alpha-1"))).status_code == 200
 
     run(body)
 
@@ -148,7 +148,7 @@ def test_bad_tenants_name_the_key(tenants: list[dict[str, Any]], key: str) -> No
 
 def test_keys_never_appear_in_the_config_document(tmp_path: Path) -> None:
     """Keys are given as files: the config (which /v1/node shows operators) names paths."""
-    config = _tenants_config(tmp_path)
+    config = tenants_config(tmp_path)
     import msgspec
 
     text = msgspec.json.encode(config).decode()
@@ -161,7 +161,7 @@ def test_keys_never_appear_in_the_config_document(tmp_path: Path) -> None:
 
 def _respond(client: Any, key: str, **extra: Any) -> Any:
     doc = {"model": "fake-model", "input": "my secret plan", **extra}
-    return client.post("/v1/responses", json=doc, headers=_auth(key))
+    return client.post("/v1/responses", json=doc, headers=auth_headers(key))
 
 
 def test_another_tenant_gets_404_on_get_delete_and_previous_response_id(tmp_path: Path) -> None:
@@ -170,22 +170,22 @@ def test_another_tenant_gets_404_on_get_delete_and_previous_response_id(tmp_path
     node = FakeNode()
 
     async def body() -> None:
-        config = _tenants_config(tmp_path)
+        config = tenants_config(tmp_path)
         async with serving(node, config) as srv, h2_client(srv.url) as client:
             rid = (await _respond(client, "alpha-1")).json()["id"]
             path = f"/v1/responses/{rid}"
-            assert (await client.get(path, headers=_auth("beta-1"))).status_code == 404
-            assert (await client.delete(path, headers=_auth("beta-1"))).status_code == 404
+            assert (await client.get(path, headers=auth_headers("beta-1"))).status_code == 404
+            assert (await client.delete(path, headers=auth_headers("beta-1"))).status_code == 404
             r = await _respond(client, "beta-1", previous_response_id=rid)
             assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
             # the same 404 as an id never issued
-            never = await client.get("/v1/responses/resp_never", headers=_auth("beta-1"))
+            never = await client.get("/v1/responses/resp_never", headers=auth_headers("beta-1"))
             assert never.json()["error"]["code"] == r.json()["error"]["code"]
             # the owner's other key still has it, chains from it and deletes it
-            assert (await client.get(path, headers=_auth("alpha-2"))).status_code == 200
+            assert (await client.get(path, headers=auth_headers("alpha-2"))).status_code == 200
             r = await _respond(client, "alpha-2", previous_response_id=rid)
             assert r.status_code == 200
-            assert (await client.delete(path, headers=_auth("alpha-1"))).status_code == 200
+            assert (await client.delete(path, headers=auth_headers("alpha-1"))).status_code == 200
 
     run(body)
     assert [job.tenant for job in node.jobs] == ["alpha", "alpha"]  # beta's never ran
@@ -210,10 +210,10 @@ def test_the_access_log_names_the_tenant_never_the_key(
     caplog.set_level(logging.INFO, logger="neuron_trio.access")
 
     async def body() -> None:
-        config = _tenants_config(tmp_path)
+        config = tenants_config(tmp_path)
         async with serving(FakeNode(), config) as srv, h2_client(srv.url) as client:
-            assert (await _post(client, _auth("alpha-1"))).status_code == 200
-            assert (await _post(client, _auth("alpha-1", "beta"))).status_code == 403
+            assert (await _post(client, auth_headers("alpha-1"))).status_code == 200
+            assert (await _post(client, auth_headers("alpha-1", "beta"))).status_code == 403
 
     run(body)
     lines = [r.getMessage() for r in caplog.records if r.name == "neuron_trio.access"]

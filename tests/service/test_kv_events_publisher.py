@@ -29,7 +29,7 @@ from neuron_trio.service.kv_events_publisher import (
     is_bind_endpoint,
 )
 from tests.engine.drain import drain as _run
-from tests.engine.fake_runner import _engine, _prompt
+from tests.engine.fake_runner import fake_engine, prompt_ids
 
 from .vllm_kv_events import (
     DECODER,
@@ -109,8 +109,8 @@ def _run_with_subscriber(
 
 
 def test_a_vllm_subscriber_decodes_a_real_engines_blocks() -> None:
-    engine, _ = _engine(max_batch=2, context=64, prefill_chunk=64)
-    prompt = _prompt(40)
+    engine, _ = fake_engine(max_batch=2, context=64, prefill_chunk=64)
+    prompt = prompt_ids(40)
 
     async def test(publisher: KVEventsPublisher, sub: zmq.Socket) -> None:
         publisher.attach("smollm2-135m", engine)

@@ -1,7 +1,7 @@
-"""A vocabulary of single characters, a few multi-character tokens and two specials, its tokenizer,
-and a GrammarCompiler over it (`_compiler`), for the grammar and schema tests; `_allowed` reads
-the token ids a grammar state allows; `PERSON`, a JSON schema with bounded strings, integers and
-arrays."""
+"""A vocabulary of single characters, a few multi-character tokens and two specials, its
+tokenizer, and a GrammarCompiler over it (`char_compiler`), for the grammar and schema tests;
+`allowed_ids` reads the token ids a grammar state allows; `PERSON` is a JSON schema with bounded
+strings, integers and arrays."""
 
 from __future__ import annotations
 
@@ -39,14 +39,14 @@ class CharTokenizer:
         return [VOCAB.index(c) for c in text]
 
 
-def _compiler() -> GrammarCompiler:
+def char_compiler() -> GrammarCompiler:
     tok = CharTokenizer()
     return GrammarCompiler(
         tok, stop_ids=[EOS, IM_END], vocab_size=V, tool_format=detect_tool_format(tok, None)
     )
 
 
-def _allowed(state, vocab: int = V) -> set[int]:
+def allowed_ids(state, vocab: int = V) -> set[int]:
     mask = fill_masks([state], vocab)
     assert mask is not None
     return set(

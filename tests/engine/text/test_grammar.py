@@ -25,8 +25,8 @@ from tests.engine.text.char_vocab import (
     VOCAB,
     CharTokenizer,
     V,
-    _allowed,
-    _compiler,
+    allowed_ids,
+    char_compiler,
 )
 
 
@@ -54,7 +54,7 @@ def test_masks_apply_alike_through_numpy_and_torch() -> None:
 
 def test_free_rows_need_no_mask_and_stay_all_ones() -> None:
     assert fill_masks([None, None], V) is None
-    state = _compiler().compile(Constraint("json", schema=PERSON))
+    state = char_compiler().compile(Constraint("json", schema=PERSON))
     mask = fill_masks([None, state], V)
     assert mask is not None
     allowed = allowed_tokens(mask, V, torch.device("cpu"))
@@ -66,19 +66,19 @@ def test_free_rows_need_no_mask_and_stay_all_ones() -> None:
 
 
 def test_mask_follows_the_schema_and_ends_with_a_stop_token() -> None:
-    state = _compiler().compile(Constraint("json", schema=PERSON))
+    state = char_compiler().compile(Constraint("json", schema=PERSON))
     text = '{"name":"ab","age":7,"tags":["a"]}'
     for ch in text:
         token = VOCAB.index(ch)
-        assert token in _allowed(state), (ch, text)
+        assert token in allowed_ids(state), (ch, text)
         state.accept(token)
-    assert _allowed(state) <= {EOS, IM_END}
-    assert VOCAB.index(" ") not in _allowed(state)
+    assert allowed_ids(state) <= {EOS, IM_END}
+    assert VOCAB.index(" ") not in allowed_ids(state)
 
 
 def test_random_sampling_under_the_mask_always_validates() -> None:
     """Temperature 1 over random logits: whatever is drawn, the text is valid for the schema."""
-    compiler = _compiler()
+    compiler = char_compiler()
     sampler = Sampler()
     for seed in range(12):
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=200)
@@ -105,7 +105,7 @@ def test_masked_greedy_picks_the_best_allowed_token_and_logprobs_stay_raw() -> N
     logits = torch.zeros(2, V)
     logits[:, VOCAB.index("a")] = 10.0  # the model's favourite, not allowed in row 0
     logits[:, VOCAB.index("{")] = 1.0
-    state = _compiler().compile(Constraint("json", schema=PERSON))
+    state = char_compiler().compile(Constraint("json", schema=PERSON))
     rows = [
         SamplingState(SamplingParams(temperature=0.0, logprobs=True)),
         SamplingState(SamplingParams(temperature=0.0)),
@@ -133,20 +133,20 @@ def test_masked_greedy_picks_the_best_allowed_token_and_logprobs_stay_raw() -> N
 )
 def test_bad_or_unenforceable_schemas_are_400s_naming_the_problem(schema: str, words: str) -> None:
     with pytest.raises(RequestError) as err:
-        _compiler().compile(Constraint("json", schema=schema))
+        char_compiler().compile(Constraint("json", schema=schema))
     assert err.value.param == "response_format"
     assert words in err.value.message
     assert err.value.status == 400 and err.value.code == "invalid_schema"
 
 
 def test_compiled_grammars_are_cached_by_constraint() -> None:
-    compiler = _compiler()
+    compiler = char_compiler()
     constraint = Constraint("json", schema=PERSON)
     first = compiler.compile(constraint)
     second = compiler.compile(Constraint("json", schema=PERSON))
     assert len(compiler.cache) == 1
     first.accept(VOCAB.index("{"))  # the copies are independent
-    assert VOCAB.index("{") in _allowed(second)
+    assert VOCAB.index("{") in allowed_ids(second)
 
 
 WEATHER = ToolFunction(
@@ -164,29 +164,29 @@ WEATHER = ToolFunction(
 
 
 def test_a_tool_call_grammar_forces_the_hermes_wrapper_and_the_arguments() -> None:
-    state = _compiler().compile(Constraint("tool_call", tools=(WEATHER,)))
+    state = char_compiler().compile(Constraint("tool_call", tools=(WEATHER,)))
     text = '<tool_call>\n{"name":"get_weather","arguments":{"city":"rome"}}\n</tool_call>'
     i = 0
     while i < len(text):
         # the multi-character tokens are allowed where they fit; walk by single characters
         token = VOCAB.index(text[i])
-        assert token in _allowed(state), (text[: i + 1],)
+        assert token in allowed_ids(state), (text[: i + 1],)
         state.accept(token)
         i += 1
-    assert _allowed(state) <= {EOS, IM_END}
+    assert allowed_ids(state) <= {EOS, IM_END}
 
 
 def test_parallel_calls_stop_at_the_bound() -> None:
-    state = _compiler().compile(Constraint("tool_call", tools=(WEATHER,), parallel=True))
+    state = char_compiler().compile(Constraint("tool_call", tools=(WEATHER,), parallel=True))
     call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"rome"}}\n</tool_call>'
     text = "\n".join([call] * MAX_PARALLEL_TOOL_CALLS)
     for i, ch in enumerate(text):
-        assert VOCAB.index(ch) in _allowed(state), (i, text[: i + 1])
+        assert VOCAB.index(ch) in allowed_ids(state), (i, text[: i + 1])
         state.accept(VOCAB.index(ch))
         if text[: i + 1].endswith("</tool_call>") and i + 1 < len(text):
-            assert VOCAB.index("\n") in _allowed(state)  # another call may follow
+            assert VOCAB.index("\n") in allowed_ids(state)  # another call may follow
     # after the last call allowed, only the end of the turn
-    assert _allowed(state) <= {EOS, IM_END}
+    assert allowed_ids(state) <= {EOS, IM_END}
 
 
 def test_llama3_calls_are_bare_json_with_parameters() -> None:
@@ -196,7 +196,7 @@ def test_llama3_calls_are_bare_json_with_parameters() -> None:
 
 
 def test_a_refused_token_leaves_the_state_in_error_and_the_row_unmasked() -> None:
-    state = _compiler().compile(Constraint("json", schema=PERSON))
+    state = char_compiler().compile(Constraint("json", schema=PERSON))
     state.accept(VOCAB.index("x"))  # not JSON: the matcher gives up
     assert state.error
     mask = fill_masks([state], V)

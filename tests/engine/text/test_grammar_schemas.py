@@ -16,7 +16,7 @@ from neuron_trio.engine.text.schema_prep import close_objects, one_line, rebase_
 from neuron_trio.engine.text.tool_call_format import ToolCallFormat
 from neuron_trio.engine.types import Constraint, ToolFunction
 from neuron_trio.errors import RequestError
-from tests.engine.text.char_vocab import EOS, IM_END, VOCAB, _allowed, _compiler
+from tests.engine.text.char_vocab import EOS, IM_END, VOCAB, allowed_ids, char_compiler
 
 
 class Address(BaseModel):
@@ -34,10 +34,10 @@ def _walks(state: Any, text: str) -> bool:
     """`text` is allowed character by character, and the grammar may end after it."""
     for ch in text:
         token = VOCAB.index(ch)
-        if token not in _allowed(state):
+        if token not in allowed_ids(state):
             return False
         state.accept(token)
-    return bool(_allowed(state) & {EOS, IM_END})
+    return bool(allowed_ids(state) & {EOS, IM_END})
 
 
 def _json(schema: Any, *, strict: bool = False) -> Constraint:
@@ -50,30 +50,30 @@ def test_pydantic_function_tool_with_a_nested_model_compiles_and_follows_its_ref
     function = ToolFunction(tool["name"], "", json.dumps(tool["parameters"]), strict=True)
     args = '{"name":"a","home":{"street":"b","city":null},"kind":"c"}'
     for tools in ((function,), (function, ToolFunction("other"))):
-        state = _compiler().compile(Constraint("tool_call", tools=tools))
+        state = char_compiler().compile(Constraint("tool_call", tools=tools))
         assert _walks(
             state, '<tool_call>\n{"name":"person","arguments":' + args + "}\n</tool_call>"
         )
     # the $ref is enforced: the nested object must be an Address
-    state = _compiler().compile(Constraint("tool_call", tools=(function,)))
+    state = char_compiler().compile(Constraint("tool_call", tools=(function,)))
     assert not _walks(state, '<tool_call>\n{"name":"person","arguments":{"name":"a","home":1')
 
 
 def test_response_format_takes_defs_anyof_null_enum_and_nested_objects() -> None:
     schema = Person.model_json_schema()
-    state = _compiler().compile(_json(schema))
+    state = char_compiler().compile(_json(schema))
     assert _walks(state, '{"name":"a","home":{"street":"b","city":null},"kind":null}')
-    state = _compiler().compile(_json({"enum": ["red", "green", None]}))
+    state = char_compiler().compile(_json({"enum": ["red", "green", None]}))
     assert _walks(state, '"green"')
 
 
 def test_strict_closes_objects_that_do_not_say_otherwise() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    assert _walks(_compiler().compile(_json(schema)), '{"a":1,"b":2}')
-    assert not _walks(_compiler().compile(_json(schema, strict=True)), '{"a":1,"b":2}')
-    assert _walks(_compiler().compile(_json(schema, strict=True)), '{"a":1}')
+    assert _walks(char_compiler().compile(_json(schema)), '{"a":1,"b":2}')
+    assert not _walks(char_compiler().compile(_json(schema, strict=True)), '{"a":1,"b":2}')
+    assert _walks(char_compiler().compile(_json(schema, strict=True)), '{"a":1}')
     schema["additionalProperties"] = True  # said otherwise: kept open
-    assert _walks(_compiler().compile(_json(schema, strict=True)), '{"a":1,"b":2}')
+    assert _walks(char_compiler().compile(_json(schema, strict=True)), '{"a":1,"b":2}')
 
 
 def test_a_demanded_call_admits_no_key_its_schema_does_not_name_unless_it_says_so() -> None:
@@ -83,7 +83,7 @@ def test_a_demanded_call_admits_no_key_its_schema_does_not_name_unless_it_says_s
 
     def walks(parameters: Any, arguments: str) -> bool:
         tool = ToolFunction("w", "", json.dumps(parameters))
-        state = _compiler().compile(Constraint("tool_call", tools=(tool,)))
+        state = char_compiler().compile(Constraint("tool_call", tools=(tool,)))
         call = '<tool_call>\n{"name":"w","arguments":' + arguments + "}\n</tool_call>"
         return _walks(state, call)
 
@@ -134,7 +134,7 @@ def test_close_objects_and_rebase_refs_reach_every_subschema() -> None:
 )
 def test_an_unsupported_feature_is_one_line_naming_it(schema: Any, words: str) -> None:
     with pytest.raises(RequestError) as err:
-        _compiler().compile(_json(schema))
+        char_compiler().compile(_json(schema))
     message = err.value.message
     assert err.value.status == 400 and words in message
     assert "\n" not in message and " | " not in message and "start:" not in message
@@ -144,15 +144,15 @@ def test_an_unsupported_feature_is_one_line_naming_it(schema: Any, words: str) -
 def test_a_tool_with_a_remote_ref_is_a_400_naming_the_tool() -> None:
     tool = ToolFunction("lookup", "", '{"type":"object","properties":{"a":{"$ref":"x.json"}}}')
     with pytest.raises(RequestError, match=r"tools\[lookup\]\.function\.parameters: \$ref x"):
-        _compiler().compile(Constraint("tool_call", tools=(tool,)))
+        char_compiler().compile(Constraint("tool_call", tools=(tool,)))
 
 
 def test_a_tools_schema_over_the_bounds_is_refused_before_compiling() -> None:
     big = json.dumps({"const": {f"k{i}": i for i in range(3_000)}})
     with pytest.raises(RequestError, match=r"tools\[f\]\.function\.parameters: .*max_literal"):
-        _compiler().compile(Constraint("tool_call", tools=(ToolFunction("f", "", big),)))
+        char_compiler().compile(Constraint("tool_call", tools=(ToolFunction("f", "", big),)))
     with pytest.raises(RequestError, match=r"response_format.*max_literal_nodes"):
-        _compiler().compile(Constraint("json", schema=big))
+        char_compiler().compile(Constraint("json", schema=big))
 
 
 def test_a_rust_panic_in_the_compiler_is_a_400_not_a_dead_process(
@@ -168,7 +168,7 @@ def test_a_rust_panic_in_the_compiler_is_a_400_not_a_dead_process(
 
     monkeypatch.setattr(grammar.llguidance, "LLMatcher", _Patched(panics))
     with pytest.raises(RequestError) as err:
-        _compiler().compile(_json({"type": "object"}))
+        char_compiler().compile(_json({"type": "object"}))
     assert err.value.status == 400 and "grammar.symbols.len()" in err.value.message
     assert "backtrace" not in err.value.message
 
@@ -179,7 +179,7 @@ def test_other_base_exceptions_still_propagate(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(grammar.llguidance, "LLMatcher", _Patched(interrupted))
     with pytest.raises(KeyboardInterrupt):
-        _compiler().compile(_json({"type": "object"}))
+        char_compiler().compile(_json({"type": "object"}))
 
 
 class _Patched:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from neuron_trio.engine.text.grammar_cache import GrammarCache
 from neuron_trio.engine.types import Constraint
-from tests.engine.text.char_vocab import PERSON, _compiler
+from tests.engine.text.char_vocab import PERSON, char_compiler
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, run, serving
-from tests.http.tenant_keys import _auth, _tenants_config
+from tests.http.tenant_keys import auth_headers, tenants_config
 
 
 class _CountingCache(GrammarCache):
@@ -30,7 +30,7 @@ class _CountingCache(GrammarCache):
 
 
 def test_an_identical_schema_of_another_scope_compiles_again() -> None:
-    compiler = _compiler()
+    compiler = char_compiler()
     compiler.cache = cache = _CountingCache()
     alpha, beta = b"tenant:alpha", b"tenant:beta"
     compiler.compile(Constraint("json", schema=PERSON, scope=alpha))
@@ -43,7 +43,7 @@ def test_an_identical_schema_of_another_scope_compiles_again() -> None:
 
 
 def test_lark_grammars_are_scoped_too() -> None:
-    compiler = _compiler()
+    compiler = char_compiler()
     compiler.cache = cache = _CountingCache()
     lark = 'start: "{" "}"\n'
     compiler.scoped(b"root-a").compile_lark(lark)
@@ -64,11 +64,11 @@ def test_a_jobs_constraint_is_scoped_by_its_tenant_or_group(tmp_path: Path) -> N
     node = FakeNode()
 
     async def body() -> None:
-        config = _tenants_config(tmp_path)
+        config = tenants_config(tmp_path)
         async with serving(node, config) as srv, h2_client(srv.url) as client:
             for key in ("alpha-1", "alpha-2", "beta-1", "gamma-1"):
                 r = await client.post(
-                    "/v1/chat/completions", json=_schema_body(), headers=_auth(key)
+                    "/v1/chat/completions", json=_schema_body(), headers=auth_headers(key)
                 )
                 assert r.status_code == 200
 
@@ -87,11 +87,11 @@ def test_with_isolation_off_every_tenant_shares_grammars(tmp_path: Path) -> None
     node = FakeNode()
 
     async def body() -> None:
-        config = _tenants_config(tmp_path, prefix_cache_isolation="none")
+        config = tenants_config(tmp_path, prefix_cache_isolation="none")
         async with serving(node, config) as srv, h2_client(srv.url) as client:
             for key in ("alpha-1", "beta-1"):
                 r = await client.post(
-                    "/v1/chat/completions", json=_schema_body(), headers=_auth(key)
+                    "/v1/chat/completions", json=_schema_body(), headers=auth_headers(key)
                 )
                 assert r.status_code == 200
 

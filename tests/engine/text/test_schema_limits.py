@@ -198,17 +198,17 @@ def test_the_byte_limit_counts_utf8_bytes_not_characters() -> None:
     """40 000 four-byte characters are 160 KB, over the 128 KB limit, though 40 000
     characters are under it: the limit counted characters."""
     from neuron_trio.engine.types import Constraint, ToolFunction
-    from tests.engine.text.char_vocab import _compiler
+    from tests.engine.text.char_vocab import char_compiler
 
     schema = json.dumps(
         {"type": "string", "description": "\U0001f600" * 40_000}, ensure_ascii=False
     )
     assert len(schema) < DEFAULT_LIMITS.max_bytes < len(schema.encode())
     with pytest.raises(SchemaTooComplexError, match=r"SchemaLimits\.max_bytes"):
-        _compiler().compile(Constraint(kind="json", schema=schema))
+        char_compiler().compile(Constraint(kind="json", schema=schema))
     tool = ToolFunction(name="f", parameters=schema)  # a tool's parameters: the same bound
     with pytest.raises(SchemaTooComplexError, match=r"SchemaLimits\.max_bytes"):
-        _compiler().compile(Constraint(kind="tool_call", tools=(tool,)))
+        char_compiler().compile(Constraint(kind="tool_call", tools=(tool,)))
 
 
 def test_the_cache_charges_an_entry_what_the_heap_grew_by(
@@ -217,7 +217,7 @@ def test_the_cache_charges_an_entry_what_the_heap_grew_by(
     """A grammar estimated at 4 MB kept 175 MB: the cache now charges the measure."""
     from neuron_trio.engine.text import grammar
     from neuron_trio.engine.types import Constraint
-    from tests.engine.text.char_vocab import _compiler
+    from tests.engine.text.char_vocab import char_compiler
 
     class Grew:
         def __init__(self) -> None:
@@ -230,7 +230,7 @@ def test_the_cache_charges_an_entry_what_the_heap_grew_by(
             self.grown = 100 << 20
 
     monkeypatch.setattr(grammar, "HeapMeter", Grew)
-    compiler = _compiler()
+    compiler = char_compiler()
     compiler.compile(Constraint(kind="json", schema='{"type": "string"}'))
     assert compiler.cache.statistics().estimated_bytes == 100 << 20
     compiler.cache.max_bytes = 64 << 20  # what took more than the whole cache is not kept
