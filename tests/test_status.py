@@ -103,7 +103,7 @@ def test_status_of_a_serving_node(live_node: LiveNode, capsys: pytest.CaptureFix
     code, out, err = run_status(capsys, "--config", str(live_node.config_path))
     assert code == 0, err
     assert "SERVING" in out.splitlines()[0] and "NOT SERVING" not in out
-    assert "boot      b00t, start 3 in this state dir" in out  # test_node's Identity
+    assert "boot      b00t, start 3 in this state dir" in out  # node_world's Identity
     assert "  a  " in out and "serving" in out and "slots 0/2" in out and "queue 0/2" in out
     assert "requests 1 (429 0, failed in flight 0)" in out
     assert "watchdog idle: wedges 0" in out

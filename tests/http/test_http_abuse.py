@@ -2,7 +2,7 @@
 HTTP/2, and a client's reset counted as a server error.
 
 Each test fails on the code before its fix; the server tests drive the real app and hypercorn
-on 127.0.0.1 (tests/http/http_harness.py) with frames from `h2` (test_http_hardening.Frames).
+on 127.0.0.1 (tests/http/http_harness.py) with frames from `h2` (tests/http/h2_frames.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_node_series_carry_identity_status_and_the_last_deadman_exit(tmp_path: P
         node = w.node(make_config(tmp_path))
         await w.nursery.start(node.run)
         text = generate_latest(node.metrics_registry).decode()
-        assert sample(text, "neuron_node_starts_total") == 3  # Identity() of test_node
+        assert sample(text, "neuron_node_starts_total") == 3  # node_world.Identity()
         assert sample(text, "neuron_node_start_time_seconds") == 1_767_225_600  # 2026-01-01
         assert 'neuron_node_info{boot_id="b00t",hostname="node-1",version="' in text
         assert sample(text, 'neuron_node_status{status="starting"}') == 1
