@@ -333,20 +333,3 @@ def test_render_adds_the_speculation_table_only_when_measured() -> None:
     assert "up to 160 tokens, median of 3 rounds" in text
     # the limit: 20 GB/s over 100 MB = 200 tok/s
     assert "| quote | 50.0 | 100.0 | 2.00× | — | — | — | — | 50% | NO (from token 0) |" in text
-
-
-@pytest.mark.slow
-def test_speculation_parity_on_the_builtin_model(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench_speculative.py --parity on the built-in model: on every prompt of the parity set
-    (the 8 throughput prompts and the 4 speculation tasks), the greedy answer with prompt-lookup
-    speculation is the answer without it."""
-    from bench.bench_speculative import parity
-    from neuron_trio.engine.builtin import builtin_model_path
-    from neuron_trio.engine.engine import Engine
-
-    path = builtin_model_path()
-    engine = Engine.from_gguf(path, max_batch=1, context=2048)
-    differ = parity(engine, path, num_tokens=8, max_tokens=64)
-    printed = capsys.readouterr().out
-    assert differ == 0, printed
-    assert "0 of 12 prompts differ" in printed
