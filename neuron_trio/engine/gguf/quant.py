@@ -160,21 +160,28 @@ def _dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(n, QK_K)
 
 
-def _dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _dequant_q3_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks → `[n, 16, 16]` int32 (sc - 32) · q, per sub-block of 16: the weights
+    before the block's d. 16 six-bit scales: low nibbles from bytes 0..7 (low then high
+    halves), top 2 bits from 8..11; a clear high bit of q means "minus 4" (ggml stores it
+    inverted)."""
     n, dev = blocks.shape[0], blocks.device
     hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    d = _f16(blocks, 108)
-    # 16 six-bit scales: low nibbles from bytes 0..7 (low then high halves), top 2 bits from 8..11
-    low = torch.cat((packed[:, :8] & 0x0F, packed[:, :8] >> 4), dim=1)  # [n, 16]
+    low = torch.cat((packed[:, :8] & 0x0F, packed[:, :8] >> 4), dim=1)
     two = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev)
     top = ((packed[:, 8:12].reshape(n, 1, 4) >> two.reshape(1, 4, 1)) & 3).reshape(n, 16)
-    scales = (low | (top << 4)).to(torch.int32) - 32  # [n, 16]
+    scales = (low | (top << 4)).to(torch.int32) - 32
     ql = ((qs.reshape(n, 2, 1, 32) >> two.reshape(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
     bits = torch.arange(8, dtype=torch.uint8, device=dev).reshape(1, 1, 8, 1)
     qh = ((hmask.reshape(n, 1, 1, 32) >> bits) & 1).reshape(n, 16, 16)
-    # a clear high bit means "minus 4" (ggml stores it inverted)
     q = ql.to(torch.int32) - ((qh ^ 1).to(torch.int32) << 2)
-    return ((d * scales.float()).unsqueeze(-1) * q.float()).reshape(n, QK_K)
+    return scales.unsqueeze(-1) * q
+
+
+def _dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    # d · ((sc - 32) · q): the same floats as (d · (sc - 32)) · q, both products exact
+    d = _f16(blocks, 108).unsqueeze(-1)  # [n, 1, 1]
+    return (d * _dequant_q3_k_codes(blocks).float()).reshape(-1, QK_K)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,3 +336,64 @@ def raw_nbytes(qtype: QType, n_elements: int) -> int:
     """Bytes that `n_elements` values take in format `qtype`."""
     block, type_size = BLOCK_SIZES[qtype]
     return n_elements // block * type_size
+
+
+# The formats the native kernel's int8 layer with a scale per row and group of 32 keeps
+# (`int8_codes`): exactly where the values are integers times a scale per 32 (Q8_0, IQ4_NL,
+# IQ4_XS: d · (ls - 32) per 32, rounded to float16; Q3_K: d per 256 and (sc - 32) · q per 16
+# as the code, of which only -32 · -4 = 128 does not fit int8 and becomes 127), on an 8-bit
+# grid per 32 otherwise (Q2_K's minimums and Q6_K's 6-bit codes times 8-bit scales).
+GROUPED8_EXACT = frozenset({QType.Q8_0, QType.IQ4_NL, QType.IQ4_XS, QType.Q3_K})
+GROUPED8 = GROUPED8_EXACT | {QType.Q2_K, QType.Q6_K}
+
+
+def grid8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `[..., in]` → (int8 codes, float16 scales `[..., in / 32]`): symmetric per 32,
+    the scale the group's largest magnitude / 127 (rounded to float16, then the codes to it)."""
+    g = w.float().reshape(*w.shape[:-1], -1, 32)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / 127.0).half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(g * inv).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return q, scale.squeeze(-1).half()
+
+
+def _grouped8_blocks(blocks: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 `[n, block]`, scale float32 `[n, block / 32]`) of GROUPED8_EXACT blocks:
+    w = scale · code per 32, as `dequantize` computes it."""
+    n = blocks.shape[0]
+    if qtype == QType.Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks, 0)
+    if qtype == QType.IQ4_NL:
+        return _iq4_levels(_nibbles(blocks[:, 2:])).to(torch.int8), _f16(blocks, 0)
+    if qtype == QType.IQ4_XS:
+        high = blocks[:, 2].to(torch.int32) | (blocks[:, 3].to(torch.int32) << 8)
+        shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=blocks.device)
+        scales_l = torch.cat((blocks[:, 4:8, None] & 0x0F, blocks[:, 4:8, None] >> 4), dim=2)
+        ls = (scales_l.reshape(n, 8).to(torch.int32) | (((high[:, None] >> shifts) & 3) << 4)) - 32
+        qs = blocks[:, 8:].reshape(n, 8, 1, 16)
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, QK_K)
+        return _iq4_levels(q).to(torch.int8), _f16(blocks, 0) * ls.float()
+    # Q3_K: dequantize's q and sub-block scales, multiplied as integers
+    d = _f16(blocks, 108)
+    per16 = _dequant_q3_k_codes(blocks)  # [n, 16, 16] int32: (sc - 32) · q
+    codes = per16.clamp(-127, 127).to(torch.int8).reshape(n, QK_K)
+    return codes, d.expand(n, QK_K // 32)
+
+
+def int8_codes(
+    raw: torch.Tensor, qtype: QType, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GROUPED8 tensor as int8 codes `[out, in]` and a float16 scale per 32 `[out, in / 32]`
+    for the native kernel's grouped int8 layer: GROUPED8_EXACT's own integers (the scale
+    rounded to float16 where it is a product: IQ4_XS's d · (ls - 32)), the others on `grid8`
+    of their dequantised values."""
+    if qtype not in GROUPED8:
+        raise ValueError(f"{qtype.name} has no int8 codes per 32")
+    out_f, in_f = shape
+    block, type_size = BLOCK_SIZES[qtype]
+    if in_f % block:
+        raise ValueError(f"{qtype.name}: last dimension {in_f} is not a multiple of {block}")
+    if qtype not in GROUPED8_EXACT:
+        return grid8(dequantize(raw, qtype, shape))
+    q, scale = _grouped8_blocks(raw.reshape(-1, type_size), qtype)
+    return q.reshape(out_f, in_f), scale.reshape(out_f, in_f // 32).half()

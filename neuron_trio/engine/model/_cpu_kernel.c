@@ -19,6 +19,9 @@
    The GIL is released while it computes. Each thread takes one contiguous run of the tiles
    (TILES_SHARED below says why).
 
+   int8 weights (with their own scale per row, or FLAG_GROUPED's per row and group of 32)
+   take the same activations; see "int8 weights" below.
+
    The module exposes `matmul`, `attend`, `rope_write` and `refine` (pointers and strides as
    ints, from engine/model's linear.py (Q4Linear, Q8Linear, RefinedHead), attention.py and
    rope.py), `norm_add` and `decode_layers` (_cpu_layers.c, included below: every layer of a
@@ -51,6 +54,12 @@
 #define FLAG_GLU_ROUNDED 16 /* SwiGLU of a bfloat16 x rounds SiLU(gate) and its product with up
                                to bfloat16, as torch does in that dtype (the int8 layers: their
                                GLU ran in torch first; see linear.py's _Q8_FLAGS) */
+#define FLAG_GROUPED 64 /* int8 weights with a float16 scale per row and group of 32 (`scale` in
+                          the tiles' layout [tiles, groups, 8], as the 4-bit weights' scales),
+                          not one float32 per row: the formats whose values are integers times
+                          a scale per 32 or 16 (Q8_0, IQ4_NL, IQ4_XS, Q3_K), kept exactly, and
+                          Q2_K/Q6_K on an 8-bit grid per 32. Two int8 passes of the
+                          activations, as the 4-bit weights take, unless FLAG_ONE_PASS. */
 /* The 4-bit tiles' variants (`kind`), each compiled on its own so that no loop tests them */
 #define KIND_FIVE 1 /* 5-bit codes (j->high) */
 #define KIND_ONE 2  /* no residual pass (j->qlo is NULL) */
@@ -162,7 +171,7 @@ TARGET_AVX2 static inline float amax32(__m256 v0, __m256 v1, __m256 v2, __m256 v
 #define LOW_BITS 8
 #define LOW_STEPS ((float)(1 << LOW_BITS))
 TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in, int8_t *qx,
-                                      float *dx, float *sx, int8_t *qlo) {
+                                      float *dx, float *sx, int8_t *qlo, int signed_lo) {
     const int groups = in / GROUP;
     for (int b = 0; b < batch; b++) {
         for (int g = 0; g < groups; g++) {
@@ -185,7 +194,11 @@ TARGET_AVX2 static void quantize_rows(const void *x, int bf16, int batch, int in
             v2 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), dv, v2);
             v3 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), dv, v3);
             const __m256 rinv = _mm256_set1_ps(d > 0.0f ? LOW_STEPS / d : 0.0f);
-            _mm256_storeu_si256((__m256i *)(qlo + at), pack32(v0, v1, v2, v3, rinv));
+            __m256i lo = pack32(v0, v1, v2, v3, rinv);
+            /* int8 weights (`signed_lo`) take x with their sign (sign_epi8), which cannot
+               negate -128: its rare -128 becomes -127 (1/256 of a step) */
+            if (signed_lo) lo = _mm256_max_epi8(lo, _mm256_set1_epi8(-127));
+            _mm256_storeu_si256((__m256i *)(qlo + at), lo);
         }
     }
 }
@@ -311,6 +324,7 @@ typedef struct {
     const float *dx, *sx; /* FLAG_COARSE: dx one scale per row, and sx unused */
     const int32_t *xsum;  /* FLAG_COARSE: the integer sum of qx over each row's groups */
     uint8_t *qxu;         /* int8 weights: room for qx + 128 (vnni16_run fills it) */
+    uint8_t *qlou;        /* int8 weights with FLAG_GROUPED in two passes: qlo + 128 */
     const int32_t *wsum;  /* int8 weights: 128 x each row's group sums, in tiles [.., groups, 8] */
     const uint32_t *high; /* 5-bit weights: the fifth bits, per tile and group 8 steps x 32 bits
                              (bit 4 r + i: row r's weight i of the step), or NULL (4 bits) */
@@ -684,17 +698,45 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
         store16(j, b0 + k, t * 8, coarse ? _mm512_mul_ps(acc[k], _mm512_set1_ps(j->dx[b0 + k])) : acc[k]);
 }
 
-/* ---- int8 weights (one scale per row), for the output head's coarse pass ----
+/* ---- int8 weights: one scale per row (the output head's coarse pass, float weights), or a
+   float16 scale per row and group of 32 (FLAG_GROUPED: Q8_0, IQ4_NL, IQ4_XS, Q3_K, Q2_K,
+   Q6_K files, which before took one scale a row, ~0.8% off every product) ----
 
    The same tiles of 8 rows, 8 steps of 4 bytes per group (256 bytes). u8 x s8 dot
    instructions take one unsigned operand: |w| times x with w's sign (ggml's trick), which
-   also keeps AVX2's pairwise int16 sums below saturation (2 x 127 x 127). */
+   also keeps AVX2's pairwise int16 sums below saturation (2 x 128 x 127). The grouped kind
+   scales each group's integer sum as the 4-bit tiles do (scale · dx, or with the residual
+   pass the two sums joined, qx's x 256 plus qlo's, at scale / 256 · dx: ~15 bits of x),
+   in the same order on every path, so its bits too are the same at any batch and on either
+   instruction set. */
+
+/* `mode` (TILE8_*): one float32 scale per row, applied at the end; or FLAG_GROUPED's float16
+   scale per row and group (in one or two passes), applied per group: the 4-bit tiles' sc. */
+#define TILE8_ROW 0
+#define TILE8_GROUPED 1
+#define TILE8_TWO 2 /* with TILE8_GROUPED: the residual pass */
+
+static inline int tile8_mode(const job_t *j) {
+    if (!(j->flags & FLAG_GROUPED)) return TILE8_ROW;
+    return TILE8_GROUPED | (j->qlo != NULL ? TILE8_TWO : 0);
+}
 
 #define TILE8_KERNEL(NAME, TARGET, DOT)                                                        \
+    /* row x4's dot product with the group's weights (w, |w| in aw), with w's sign on x */      \
+    TARGET static inline __m256i NAME##_dot8(const __m256i *w, const __m256i *aw,              \
+                                             const int32_t *x4) {                              \
+        __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();                        \
+        for (int s = 0; s < 8; s += 2) {                                                       \
+            a = DOT(a, aw[s], _mm256_sign_epi8(_mm256_set1_epi32(x4[s]), w[s]));               \
+            c = DOT(c, aw[s + 1], _mm256_sign_epi8(_mm256_set1_epi32(x4[s + 1]), w[s + 1]));   \
+        }                                                                                      \
+        return _mm256_add_epi32(a, c);                                                         \
+    }                                                                                          \
     TARGET static inline __attribute__((always_inline)) void NAME##_tile8(                     \
-        const job_t *j, int t, int b0, const int nb) {                                         \
+        const job_t *j, int t, int b0, const int nb, const int mode) {                         \
         const int groups = j->in / GROUP;                                                      \
         const int8_t *wt = (const int8_t *)j->qs + (size_t)t * groups * 256;                   \
+        const uint16_t *st = (const uint16_t *)j->scale + (size_t)t * groups * 8;              \
         __m256 acc[4];                                                                         \
         for (int k = 0; k < nb; k++) acc[k] = _mm256_setzero_ps();                             \
         for (int g = 0; g < groups; g++) {                                                     \
@@ -703,33 +745,52 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile(const 
                 w[k] = _mm256_loadu_si256((const __m256i *)(wt + (size_t)g * 256 + k * 32));   \
                 aw[k] = _mm256_abs_epi8(w[k]);                                                 \
             }                                                                                  \
+            __m256 sc = _mm256_setzero_ps();                                                   \
+            if (mode & TILE8_GROUPED) /* as the 4-bit tiles: in steps of 1 / LOW_STEPS */      \
+                sc = _mm256_mul_ps(                                                            \
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (size_t)g * 8))),   \
+                    _mm256_set1_ps(mode & TILE8_TWO ? 1.0f / LOW_STEPS : 1.0f));               \
             for (int k = 0; k < nb; k++) {                                                     \
                 const size_t xg = (size_t)(b0 + k) * groups + g;                               \
-                const int32_t *x4 = (const int32_t *)(j->qx + xg * GROUP);                     \
-                __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();                \
-                for (int s = 0; s < 8; s += 2) {                                               \
-                    a = DOT(a, aw[s], _mm256_sign_epi8(_mm256_set1_epi32(x4[s]), w[s]));       \
-                    c = DOT(c, aw[s + 1],                                                      \
-                            _mm256_sign_epi8(_mm256_set1_epi32(x4[s + 1]), w[s + 1]));         \
-                }                                                                              \
-                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(a, c));                         \
-                acc[k] = _mm256_fmadd_ps(f, _mm256_set1_ps(j->dx[xg]), acc[k]);                \
+                __m256i sum = NAME##_dot8(w, aw, (const int32_t *)(j->qx + xg * GROUP));       \
+                if (mode & TILE8_TWO)                                                          \
+                    sum = _mm256_add_epi32(_mm256_slli_epi32(sum, LOW_BITS),                   \
+                                           NAME##_dot8(w, aw, (const int32_t *)(j->qlo + xg * GROUP))); \
+                const __m256 f = _mm256_cvtepi32_ps(sum);                                      \
+                if (mode & TILE8_GROUPED)                                                      \
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc, _mm256_set1_ps(j->dx[xg])), acc[k]); \
+                else                                                                           \
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_set1_ps(j->dx[xg]), acc[k]);            \
             }                                                                                  \
         }                                                                                      \
-        const __m256 rs = _mm256_loadu_ps((const float *)j->scale + (size_t)t * 8);            \
+        const __m256 rs = mode & TILE8_GROUPED ? _mm256_set1_ps(1.0f)                          \
+            : _mm256_loadu_ps((const float *)j->scale + (size_t)t * 8);                        \
         for (int k = 0; k < nb; k++) {                                                         \
             float v[8];                                                                        \
-            _mm256_storeu_ps(v, _mm256_mul_ps(acc[k], rs));                                    \
+            _mm256_storeu_ps(v, (mode & TILE8_GROUPED) ? acc[k] : _mm256_mul_ps(acc[k], rs));  \
             store8(j, b0 + k, t * 8, v);                                                       \
         }                                                                                      \
     }                                                                                          \
+    TARGET static inline __attribute__((always_inline)) void NAME##_rows8(                     \
+        const job_t *j, int t, const int mode) {                                               \
+        int b = 0;                                                                             \
+        for (; b + 4 <= j->batch; b += 4) NAME##_tile8(j, t, b, 4, mode);                      \
+        for (; b + 2 <= j->batch; b += 2) NAME##_tile8(j, t, b, 2, mode);                      \
+        for (; b < j->batch; b++) NAME##_tile8(j, t, b, 1, mode);                              \
+    }                                                                                          \
     TARGET static void NAME##_run8(const job_t *j) {                                           \
         const int tiles = j->out / 8;                                                          \
-        _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++) {                                \
-            int b = 0;                                                                         \
-            for (; b + 4 <= j->batch; b += 4) NAME##_tile8(j, t, b, 4);                        \
-            for (; b + 2 <= j->batch; b += 2) NAME##_tile8(j, t, b, 2);                        \
-            for (; b < j->batch; b++) NAME##_tile8(j, t, b, 1);                                \
+        switch (tile8_mode(j)) { /* a copy of the loop per mode, as NAME##_run */              \
+        case TILE8_ROW:                                                                        \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++) NAME##_rows8(j, t, TILE8_ROW); \
+            break;                                                                             \
+        case TILE8_GROUPED:                                                                    \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
+                NAME##_rows8(j, t, TILE8_GROUPED);                                             \
+            break;                                                                             \
+        default:                                                                               \
+            _Pragma(TILES_SHARED) for (int t = 0; t < tiles; t++)                              \
+                NAME##_rows8(j, t, TILE8_GROUPED | TILE8_TWO);                                 \
         }                                                                                      \
     }
 
@@ -742,13 +803,25 @@ TILE8_KERNEL(avx2, TARGET_AVX2, dot_avx2)
    128 x each row's group sum of weights (`wsum`, from Q8Linear) takes the offset back out.
    The integers are exact, so the floats match the AVX2 path's bit for bit. */
 
+/* row x4's (unsigned: x + 128) dot products with a pair of tiles' group, less the offset */
+TARGET_VNNI static inline __m512i dot16u(const __m512i *w, const int32_t *x4, __m512i offset) {
+    __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+    for (int s = 0; s < 8; s += 2) {
+        a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(x4[s]), w[s]);
+        c = _mm512_dpbusd_epi32(c, _mm512_set1_epi32(x4[s + 1]), w[s + 1]);
+    }
+    return _mm512_sub_epi32(_mm512_add_epi32(a, c), offset);
+}
+
 TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const job_t *j, int t,
-                                                                           int b0, const int nb) {
+                                                                           int b0, const int nb,
+                                                                           const int mode) {
     const int groups = j->in / GROUP;
     const size_t span = (size_t)groups * 256;
     const size_t ahead = far_ahead(span), near = near_ahead(span);
     const int8_t *w0 = (const int8_t *)j->qs + (size_t)t * span, *w1 = w0 + span;
     const int32_t *c0 = j->wsum + (size_t)t * groups * 8, *c1 = c0 + groups * 8;
+    const uint16_t *s0 = (const uint16_t *)j->scale + (size_t)t * groups * 8, *s1 = s0 + groups * 8;
     __m512 acc[8];
     for (int k = 0; k < nb; k++) acc[k] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
@@ -763,20 +836,35 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
                 _mm_prefetch(far + i, _MM_HINT_T1);
                 _mm_prefetch(far + span + i, _MM_HINT_T1);
             }
+            if ((mode & TILE8_GROUPED) && (g & 3) == 0) { /* the pair's scales, as vnni16_tile */
+                const size_t small = (ahead / span) * (size_t)groups * 8 + (size_t)g * 8;
+                _mm_prefetch((const char *)(s0 + small), _MM_HINT_T1);
+                _mm_prefetch((const char *)(s1 + small), _MM_HINT_T1);
+            }
         }
         for (int s = 0; s < 8; s++) w[s] = join256(w0 + (size_t)g * 256 + s * 32, w1 + (size_t)g * 256 + s * 32);
         const __m512i offset = join256(c0 + (size_t)g * 8, c1 + (size_t)g * 8);
+        __m512 sc = _mm512_setzero_ps();
+        if (mode & TILE8_GROUPED) /* as the 256-bit tiles */
+            sc = _mm512_mul_ps(join_ph(s0 + (size_t)g * 8, s1 + (size_t)g * 8),
+                               _mm512_set1_ps(mode & TILE8_TWO ? 1.0f / LOW_STEPS : 1.0f));
+#pragma GCC unroll 8
         for (int k = 0; k < nb; k++) {
             const size_t xg = (size_t)(b0 + k) * groups + g;
-            const int32_t *x4 = (const int32_t *)(j->qxu + xg * GROUP);
-            __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
-            for (int s = 0; s < 8; s += 2) {
-                a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(x4[s]), w[s]);
-                c = _mm512_dpbusd_epi32(c, _mm512_set1_epi32(x4[s + 1]), w[s + 1]);
-            }
-            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(a, c), offset);
-            acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(j->dx[xg]), acc[k]);
+            __m512i sum = dot16u(w, (const int32_t *)(j->qxu + xg * GROUP), offset);
+            if (mode & TILE8_TWO)
+                sum = _mm512_add_epi32(_mm512_slli_epi32(sum, LOW_BITS),
+                                       dot16u(w, (const int32_t *)(j->qlou + xg * GROUP), offset));
+            const __m512 f = _mm512_cvtepi32_ps(sum);
+            if (mode & TILE8_GROUPED)
+                acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(j->dx[xg])), acc[k]);
+            else
+                acc[k] = _mm512_fmadd_ps(f, _mm512_set1_ps(j->dx[xg]), acc[k]);
         }
+    }
+    if (mode & TILE8_GROUPED) {
+        for (int k = 0; k < nb; k++) store16(j, b0 + k, t * 8, acc[k]);
+        return;
     }
     const float *rs = (const float *)j->scale + (size_t)t * 8;
     const __m512 scale = _mm512_loadu_ps(rs); /* tiles t and t + 1: 16 consecutive rows */
@@ -799,19 +887,28 @@ TARGET_VNNI static inline __attribute__((always_inline)) void vnni16_tile8(const
         default: F(j, 2 * p, b, NB, KIND_FIVE | KIND_ONE);                                     \
         }                                                                                      \
     } while (0)
+/* int8 weights: the same per mode (TILE8_*) */
+#define BY_MODE(F, NB)                                                                         \
+    do {                                                                                       \
+        switch (mode8) {                                                                       \
+        case TILE8_ROW: F(j, 2 * p, b, NB, TILE8_ROW); break;                                  \
+        case TILE8_GROUPED: F(j, 2 * p, b, NB, TILE8_GROUPED); break;                          \
+        default: F(j, 2 * p, b, NB, TILE8_GROUPED | TILE8_TWO);                                \
+        }                                                                                      \
+    } while (0)
 #define PAIR_TILE(NB)                                                                          \
     do {                                                                                       \
-        if (int8) vnni16_tile8(j, 2 * p, b, NB);                                               \
+        if (int8) BY_MODE(vnni16_tile8, NB);                                                   \
         else BY_KIND(vnni16_tile, NB);                                                         \
     } while (0)
 #define ONE_TILE(NB)                                                                           \
     do {                                                                                       \
-        if (int8) vnni_tile8(j, 2 * p, b, NB);                                                 \
+        if (int8) BY_MODE(vnni_tile8, NB);                                                     \
         else BY_KIND(vnni_tile, NB);                                                           \
     } while (0)
 
 TARGET_VNNI static void vnni16_run(const job_t *j) {
-    const int int8 = j->minimum == NULL, kind = job_kind(j);
+    const int int8 = j->minimum == NULL, kind = job_kind(j), mode8 = tile8_mode(j);
     if (j->batch == 1) {
         (int8 ? vnni_run8 : vnni_run)(j);
         return;
@@ -835,6 +932,7 @@ TARGET_VNNI static void vnni16_run(const job_t *j) {
 #undef PAIR_TILE
 #undef ONE_TILE
 #undef BY_KIND
+#undef BY_MODE
 
 /* ---- decode attention: one query token per row, grouped query heads, float32 maths ----
 
@@ -1669,10 +1767,14 @@ static int product(product_t *p) {
     run_fn run = int8 ? RUN8 : RUN;
     const size_t groups = (size_t)jp->batch * (jp->in / GROUP);
     const size_t staged = p->mode == PRO_NONE ? 0 : (size_t)jp->batch * jp->in;
-    /* 4-bit: two int8 passes (see quantize_rows), unless the caller asks for one */
-    const int two = !int8 && !(jp->flags & FLAG_ONE_PASS);
-    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice) */
-    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + 2 * (size_t)jp->batch * jp->in);
+    /* 4-bit and grouped int8: two int8 passes (see quantize_rows), unless the caller asks
+       for one */
+    const int grouped = int8 && (jp->flags & FLAG_GROUPED);
+    const int two = (!int8 || grouped) && !(jp->flags & FLAG_ONE_PASS);
+    /* one allocation: the prologue's float32 rows, group scales and sums, int8 x (twice),
+       and for int8 weights both again + 128 */
+    const size_t xn = (size_t)jp->batch * jp->in;
+    char *scratch = malloc((staged + 2 * groups) * sizeof(float) + (int8 ? 4 : 2) * xn);
     if (scratch == NULL) return -1;
     float *xf = (float *)scratch, *dx = xf + staged, *sx = dx + groups;
     int8_t *qx = (int8_t *)(sx + groups), *qlo = qx + (size_t)jp->batch * jp->in;
@@ -1680,7 +1782,8 @@ static int product(product_t *p) {
     jp->dx = dx;
     jp->sx = sx;
     jp->qlo = two ? qlo : NULL;
-    jp->qxu = int8 ? (uint8_t *)qlo : NULL; /* int8 weights: qlo's room, for qx + 128 */
+    jp->qxu = int8 ? (uint8_t *)qlo + xn : NULL; /* int8 weights: qx + 128 */
+    jp->qlou = int8 ? (uint8_t *)qlo + 2 * xn : NULL; /* and qlo + 128 */
     const int coarse = !int8 && (jp->flags & FLAG_COARSE);
     jp->xsum = coarse ? (const int32_t *)sx : NULL; /* sx's room: as many int32 */
     /* vnni16_tile8 (batch 2 and more) takes the activations unsigned: qx + 128 */
@@ -1712,9 +1815,11 @@ static int product(product_t *p) {
                 quantize_row_scaled(xb, xb_bf16, j.in, qx + at, dx + b, (int32_t *)sx + (size_t)b * gpr);
             else
                 quantize_rows(xb, xb_bf16, 1, j.in, qx + at, dx + (size_t)b * gpr,
-                              sx + (size_t)b * gpr, two ? qlo + at : NULL);
+                              sx + (size_t)b * gpr, two ? qlo + at : NULL, int8);
             if (flip)
                 for (int i = 0; i < j.in; i++) j.qxu[at + i] = (uint8_t)(qx[at + i] ^ 0x80);
+            if (flip && two)
+                for (int i = 0; i < j.in; i++) j.qlou[at + i] = (uint8_t)(qlo[at + i] ^ 0x80);
         }
         run(&j);
     }
@@ -1724,7 +1829,8 @@ static int product(product_t *p) {
 
 /* matmul(x, batch, in, weights, scale, minimum, out, y, flags, prologue, aux, eps[, high
    [, sums]]): 4-bit weights when `minimum` is non-zero (5-bit with `high`, their fifth bits),
-   else int8 weights with one scale per row; `prologue` (PRO_*) first transforms x (`aux`:
+   else int8 weights with one scale per row (float32 [out]), or with FLAG_GROUPED one per row
+   and group of 32 (float16 in the tiles' layout [tiles, groups, 8]); `prologue` (PRO_*) first transforms x (`aux`:
    RMSNorm's weight, float32). int8 weights need their group sums x 128 (int32, in the tiles'
    layout [tiles, groups, 8]: packing.q8_group_sums): `sums`, or without a prologue `aux`. */
 static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1778,6 +1884,10 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         (j->minimum == NULL || j->high != NULL || !(j->flags & FLAG_ONE_PASS))) {
         PyErr_SetString(PyExc_ValueError,
                         "matmul: the coarse kind is 4-bit weights in one pass, no fifth bits");
+        return NULL;
+    }
+    if ((j->flags & FLAG_GROUPED) && j->minimum != NULL) {
+        PyErr_SetString(PyExc_ValueError, "matmul: scales per group of 32 are for int8 weights");
         return NULL;
     }
     if (p.mode < PRO_NONE || p.mode > PRO_GELU || (p.mode == PRO_RMSNORM && aux == NULL)) {

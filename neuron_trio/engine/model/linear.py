@@ -428,15 +428,21 @@ def _expect_dense(dense: torch.Tensor | None, out_f: int, in_f: int) -> None:
 # positions): a float32 SwiGLU cost Qwen2.5 0.5B one position (190 -> 189), rounding it kept
 # 190; the same rounding of GeGLU cost Gemma 3 one (181 -> 180), so GeGLU stays float32.
 _Q8_FLAGS = 16
+# The kernel's FLAG_GROUPED (a float16 scale per row and group of 32) and FLAG_ONE_PASS
+_GROUPED, _ONE_PASS = 64, 8
 
 
 class Q8Linear(NativeLinear):
-    """Weight-only int8 (one scale per row) through the native kernel, int8 activations: the
-    output head's coarse pass under "auto" (RefinedHead), and layers whose format has more
-    than 5 bits (Q6_K, Q8_0). Output in float32 (the coarse logits of the tail are then not
-    rounded to bfloat16's steps), or with `keep_dtype` in the input's (a layer in a block).
-    With `dense` (a bfloat16 copy), inputs of NATIVE_DENSE_MIN_ROWS rows or more take a dense
-    GEMM instead. `normed` and `gated` write the dtype asked for, as Q4Linear's.
+    """Weight-only int8 through the native kernel, int8 activations. With one float32 scale
+    per row (`scale` `[out]`): the output head's coarse pass under "auto" (RefinedHead), and
+    layers from float weights. With a float16 scale per row and group of 32 (`scale` `[out,
+    in / 32]`, quant.int8_codes): the formats whose values are integers times a scale per 32
+    (Q8_0, IQ4_NL, IQ4_XS, Q3_K, kept exactly) or fit an 8-bit grid per 32 (Q2_K, Q6_K), with
+    two int8 passes of the activations as the 4-bit layers take (their products ~15 bits
+    exact; `drop_residual_pass` for one). Output in float32 (the coarse logits of the tail
+    are then not rounded to bfloat16's steps), or with `keep_dtype` in the input's (a layer
+    in a block). With `dense` (a bfloat16 copy), inputs of NATIVE_DENSE_MIN_ROWS rows or more
+    take a dense GEMM instead. `normed` and `gated` write the dtype asked for, as Q4Linear's.
     """
 
     dense: torch.Tensor | None
@@ -450,28 +456,40 @@ class Q8Linear(NativeLinear):
         *,
         keep_dtype: bool = False,
         group_sums: torch.Tensor | None = None,
+        one_pass: bool = False,
     ) -> None:
         """With `group_sums`, `weight` is already in the kernel's tiles (from_parts: the weight
         cache's), checked against the sums and scales instead of tiled."""
         super().__init__()
         self.keep_dtype = keep_dtype
+        grouped = scale.dim() > 1
         if group_sums is not None:
             self.out_features, self.in_features = _check_q8_tiles(weight, scale, group_sums)
             tiled, sums = weight, group_sums
         else:
             self.out_features, self.in_features = weight.shape
-            tiled, scale = packing.tile_q8(weight), scale.float().contiguous()
-            sums = packing.q8_group_sums(weight)
+            tiled, sums = packing.tile_q8(weight), packing.q8_group_sums(weight)
+            if grouped:
+                scale = scale.contiguous()
+                expect(scale, "scale", torch.float16, (self.out_features, self.in_features // 32))
+                scale = packing.tile_group_scales(scale)
+            else:
+                scale = scale.float().contiguous()
+        self._flags = _Q8_FLAGS | (_GROUPED if grouped else 0) | (_ONE_PASS if one_pass else 0)
         _expect_dense(dense, self.out_features, self.in_features)
         self.register_buffer("dense", dense)
         self.register_buffer("weight", tiled)  # pack_q8's [out, in], in the kernel's tiles
-        self.register_buffer("scale", scale)  # [out]
+        self.register_buffer("scale", scale)  # [out], or grouped [tiles, groups, 8]
         self.register_buffer("group_sums", sums)
         self.kernel = kernel  # RefinedHead's refinement runs in it too
         self._matmul = kernel.matmul
         self._take_pointers()
 
     KERNEL_BUFFERS = ("weight", "group_sums", "scale")
+
+    def drop_residual_pass(self) -> None:
+        """One int8 pass of the input from now on (as Q4Linear's; a scale per row has one)."""
+        self._flags |= _ONE_PASS
 
     def _take_pointers(self) -> None:  # as Q4Linear's
         weight, sums, scale = (self._buffers[n] for n in self.KERNEL_BUFFERS)
@@ -495,9 +513,9 @@ class Q8Linear(NativeLinear):
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=out)
         weight, scale, sums = self._pointers
-        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32), bit 4: a SwiGLU of
-        # bfloat16 rounded to it, as torch's was (_Q8_FLAGS)
-        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16) | _Q8_FLAGS
+        # bit 0: x in bfloat16, bit 1: y in bfloat16 (else float32), bit 3: one pass, bit 4: a
+        # SwiGLU of bfloat16 rounded to it, as torch's was (_Q8_FLAGS), bit 6: grouped scales
+        flags = int(x.dtype == torch.bfloat16) | 2 * int(out == torch.bfloat16) | self._flags
         self._matmul(
             x.data_ptr(), x.shape[0], self.in_features, weight, scale, 0, self.out_features,
             y.data_ptr(), flags, prologue, aux, eps, 0, sums,
@@ -506,11 +524,12 @@ class Q8Linear(NativeLinear):
 
     def plan_part(self) -> list[int]:
         weight, scale, sums = self._pointers
-        return [weight, scale, 0, 0, sums, self.out_features, _Q8_FLAGS]
+        return [weight, scale, 0, 0, sums, self.out_features, self._flags]
 
     def layer_parts(self) -> LayerParts:
         names = (*self.KERNEL_BUFFERS, "dense")
-        return LayerParts({n: self._buffers[n] for n in names}, {"keep_dtype": self.keep_dtype})
+        fields = {"keep_dtype": self.keep_dtype, "one_pass": bool(self._flags & _ONE_PASS)}
+        return LayerParts({n: self._buffers[n] for n in names}, fields)
 
     @classmethod
     def from_parts(cls, parts: LayerParts, kernel: Any = None) -> Q8Linear:
@@ -520,18 +539,23 @@ class Q8Linear(NativeLinear):
         weight, scale, sums = t["weight"], t["scale"], t["group_sums"]
         if weight is None or scale is None or sums is None:
             raise ValueError("weight, scale and group_sums are required")
-        keep = bool(parts.fields["keep_dtype"])
-        return cls(kernel, weight, scale, t["dense"], keep_dtype=keep, group_sums=sums)
+        keep, one = bool(parts.fields["keep_dtype"]), bool(parts.fields.get("one_pass"))
+        return cls(
+            kernel, weight, scale, t["dense"], keep_dtype=keep, group_sums=sums, one_pass=one
+        )
 
 
 def _check_q8_tiles(
     weight: torch.Tensor, scale: torch.Tensor, sums: torch.Tensor
 ) -> tuple[int, int]:
-    """(out, in) of tile_q8's weight with its scales and q8_group_sums; ValueError unless each
-    has the dtype and shape the kernel reads."""
+    """(out, in) of tile_q8's weight with its scales (per row, or tile_group_scales') and
+    q8_group_sums; ValueError unless each has the dtype and shape the kernel reads."""
     tiles, groups = _tile_grid(weight, "weight")
     expect(weight, "weight", torch.int8, (tiles, groups, 8, packing.Q4_TILE, 4))
-    expect(scale, "scale", torch.float32, (tiles * packing.Q4_TILE,))
+    if scale.dim() > 1:
+        expect(scale, "scale", torch.float16, (tiles, groups, packing.Q4_TILE))
+    else:
+        expect(scale, "scale", torch.float32, (tiles * packing.Q4_TILE,))
     expect(sums, "group_sums", torch.int32, (tiles, groups, packing.Q4_TILE))
     return tiles * packing.Q4_TILE, groups * packing.INT4_GROUP
 

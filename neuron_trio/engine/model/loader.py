@@ -75,11 +75,13 @@ HEAD_REFINE = 256  # candidates per row recomputed exactly
 # How "auto" on the CPU keeps each format's projections (`packing_kind`; the start-up log
 # names what each format of the file got, `scheme_note`). The native kernel's 4- and 5-bit
 # layers are w = scale · q + minimum per group of 32: Q4_0, Q4_1, Q4_K and Q5_0, Q5_1, Q5_K
-# are that, and keep their own codes ("codes4", "codes5": quant.affine_codes). Every other
-# format (IQ4_NL and IQ4_XS: a non-linear grid; Q2_K, Q3_K, Q6_K: scales per 16 weights;
-# Q8_0; floats) takes the wider int8 layer, one scale per row ("int8"), rather than a
-# coarser requantisation: repacked as 4-bit groups, IQ4 and Q3_K files lost their text on
-# half the parity prompts (bench/bench_fidelity.py). A 4-bit format whose codes cannot be
+# are that, and keep their own codes ("codes4", "codes5": quant.affine_codes). IQ4_NL and
+# IQ4_XS (a non-linear grid), Q3_K, Q8_0, and Q2_K, Q6_K (scales per 16 weights) take the
+# kernel's int8 layer with a scale per 32 ("int8g": quant.int8_codes, exact but for Q2_K's and
+# Q6_K's 8-bit grid); floats (and those formats without the native kernel) the int8 layer
+# with one scale per row ("int8"), rather than a coarser requantisation: repacked as 4-bit
+# groups, IQ4 and Q3_K files lost their text on half the parity prompts
+# (bench/bench_fidelity.py). A 4-bit format whose codes cannot be
 # read where the layer is built (a tensor-parallel shard, a part of a fused tensor, no
 # native kernel) is repacked from its floats ("float4": packing.pack_q4, torch's int4).
 FOUR_BIT = quant.FOUR_BIT
@@ -88,6 +90,7 @@ SCHEME_LABELS = {
     "codes5": "its own 5-bit codes",
     "float4": "4-bit groups repacked from its floats",
     "int8": "int8 rows (wider than the format)",
+    "int8g": "int8 codes, a scale per 32",
 }
 
 
@@ -114,6 +117,8 @@ def packing_kind(gf: GGUFFile, name: str, native: bool, sharded: bool) -> str:
     codes = native and not sharded and not gf.is_fused_part(name)
     if qtype in quant.AFFINE and codes:
         return "codes4" if qtype in FOUR_BIT else "codes5"
+    if qtype in quant.GROUPED8 and codes:
+        return "int8g"
     return "float4" if qtype in FOUR_BIT else "int8"
 
 
@@ -260,10 +265,11 @@ class _Load:
         return packing_kind(self.gf, name, self.kernel is not None, self.shard is not None)
 
     def codes(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        """A whole tensor's own codes (quant.affine_codes), rows as `weight`'s."""
+        """A whole tensor's own codes (quant.int8_codes or affine_codes), rows as `weight`'s."""
         gf, c = self.gf, self.config
         qtype = quant.QType(gf.tensors[name].qtype)  # shape checked at open: check_llama_shapes
-        parts = quant.affine_codes(gf.raw(name), qtype, shape)
+        read = quant.int8_codes if qtype in quant.GROUPED8 else quant.affine_codes
+        parts = read(gf.raw(name), qtype, shape)
         if gf.config.arch in families.PERMUTED_QK and name.endswith(
             (".attn_q.weight", ".attn_k.weight")
         ):
@@ -327,7 +333,7 @@ class _Load:
         keeps them, else from the float32 weights."""
         kinds = {self.kind(n) for n in names}
         scheme, device, gf = self.scheme, self.device, self.gf
-        if kinds not in ({"codes4"}, {"codes5"}):
+        if kinds not in ({"codes4"}, {"codes5"}, {"int8g"}):
             w = torch.cat([self.get(n, s) for n, s in zip(names, shapes, strict=True)], dim=0)
             with self.phases.phase("pack"):
                 return make_linear(w, scheme, device, four_bit=kinds == {"float4"})
@@ -337,7 +343,11 @@ class _Load:
 
         with self.phases.phase("pack"):
             per_tensor = [self.codes(n, s) for n, s in zip(names, shapes, strict=True)]
-            q, scale, minimum = (torch.cat(col, dim=0) for col in zip(*per_tensor, strict=True))
+            joined = tuple(torch.cat(col, dim=0) for col in zip(*per_tensor, strict=True))
+            if kinds == {"int8g"}:
+                q8, scale8 = joined
+                return make_linear(weight, scheme, device, four_bit=False, grouped=(q8, scale8))
+            q, scale, minimum = joined
             return make_linear(weight, scheme, device, four_bit=False, codes=(q, scale, minimum))
 
     def tables(self, model: Transformer) -> None:
@@ -471,15 +481,17 @@ def make_linear(
     *,
     four_bit: bool,
     codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.nn.Module:
     """A projection for a float32 `[out, in]` weight under `scheme` (see `resolve_dtype`).
 
     `codes`: the weight's own 4- or 5-bit codes (quant.affine_codes: q, scale, minimum),
     which the native kernel keeps as they are (4 bits where q stays below 16, as
     quant.FOUR_BIT's); where it cannot (no kernel, a shape it does not tile, a scale beyond
-    float16), the weight takes the int8 layer. Under "cpu-int" the layer also keeps a bfloat16 copy for
-    prefill chunks: torch's int kernels always, the native kernel's where
-    packing.native_dense_copies() says so. `weight` may be a function that makes it: it is
+    float16), the weight takes the int8 layer. `grouped`: int8 codes with a float16 scale per
+    32 (quant.int8_codes), the native kernel's grouped int8 layer where it can take them.
+    Under "cpu-int" the layer also keeps a bfloat16 copy for prefill chunks: torch's int
+    kernels always, the native kernel's where packing.native_dense_copies() says so. `weight` may be a function that makes it: it is
     called only where the float32 weight is used (with `codes` in the native kernel and
     no dense copy: never, which spares a 0.5B model's first start ~1.5 s of dequantising).
     """
@@ -493,7 +505,8 @@ def make_linear(
 
     if scheme != "cpu-int":
         return Linear(full().to(device=device, dtype=_DENSE[scheme]))
-    out_f, in_f = codes[0].shape if codes is not None else full().shape
+    given = codes if codes is not None else grouped
+    out_f, in_f = given[0].shape if given is not None else full().shape
     kernel = packing.native_kernel() if device.type == "cpu" else None
     fits = in_f % packing.INT4_GROUP == 0 and out_f % packing.Q4_TILE == 0
 
@@ -512,6 +525,8 @@ def make_linear(
         centred = torch.equal(minimum.float(), scale.float() * -16.0)  # Q5_0: not stored
         stored = None if centred else minimum
         return Q4Linear(kernel, nibbles, scale, stored, dense(True), high=high)
+    if grouped is not None and kernel is not None and fits and _finite(grouped[1]):
+        return Q8Linear(kernel, grouped[0], grouped[1], dense(True), keep_dtype=True)
     w = full()
     # (its float16 scales: weights beyond float16's range take torch's kernel)
     if four_bit and kernel is not None and fits and float(w.abs().max()) < 6e4:

@@ -185,6 +185,13 @@ def tile_q8(weight: torch.Tensor) -> torch.Tensor:
     return tiled.contiguous()
 
 
+def tile_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A scale per row and group of 32 `[out, in/32]` (quant.int8_codes' float16) → the tiles'
+    layout `[tiles, groups, Q4_TILE]`, as tile_q4 lays out the 4-bit weights' scales."""
+    out_f, groups = scale.shape
+    return scale.reshape(out_f // Q4_TILE, Q4_TILE, groups).transpose(1, 2).contiguous()
+
+
 def q8_group_sums(weight: torch.Tensor) -> torch.Tensor:
     """pack_q8's int8 `[out, in]` → 128 x each row's sum over each group of 32, int32 in the
     tiles' layout `[tiles, groups, Q4_TILE]`: the AVX-512 kernel feeds it x + 128 (an unsigned

@@ -8,13 +8,14 @@ in/out, and shapes whose rows and groups are not powers of two.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS, Q4Linear, Q8Linear
 from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture, usable_isas
@@ -98,7 +99,17 @@ def _five_bit_layer(out_f: int, in_f: int, g: torch.Generator, one_pass: bool = 
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "weights", ["4-bit", "4-bit one pass", "4-bit coarse", "5-bit", "5-bit one pass", "int8"]
+    "weights",
+    [
+        "4-bit",
+        "4-bit one pass",
+        "4-bit coarse",
+        "5-bit",
+        "5-bit one pass",
+        "int8",
+        "int8 per 32",
+        "int8 per 32 one pass",
+    ],
 )
 @pytest.mark.parametrize(("out_f", "in_f"), [(24, 96), (960, 576), (16, 8224)])
 def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
@@ -119,6 +130,8 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
         layer = Q4Linear(KERNEL, *packing.pack_q4_symmetric(w), None, coarse=True)
     elif weights.startswith("4-bit"):
         layer = Q4Linear(KERNEL, *packing.pack_q4(w), one_pass=weights.endswith("one pass"))
+    elif weights.startswith("int8 per 32"):
+        layer = Q8Linear(KERNEL, *quant.grid8(w), one_pass=weights.endswith("one pass"))
     else:
         layer = Q8Linear(KERNEL, *packing.pack_q8(w))
     x = torch.randn(21, in_f, generator=g)  # more than 16 rows
@@ -133,7 +146,7 @@ def test_every_row_the_same_bits_at_any_batch_and_on_either_instruction_set(
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["4-bit", "5-bit", "int8"])
+@pytest.mark.parametrize("weights", ["4-bit", "5-bit", "int8", "int8 per 32"])
 @pytest.mark.parametrize(("out_f", "batch"), [(8, 1), (24, 8), (960, 1), (960, 8), (968, 9)])
 def test_every_output_once_and_the_same_bits_on_any_number_of_threads(
     weights: str, out_f: int, batch: int
@@ -149,6 +162,8 @@ def test_every_output_once_and_the_same_bits_on_any_number_of_threads(
     layer: torch.nn.Module
     if weights == "int8":
         layer = Q8Linear(KERNEL, *packing.pack_q8(w))
+    elif weights == "int8 per 32":
+        layer = Q8Linear(KERNEL, *quant.grid8(w))
     elif weights == "5-bit":
         layer = _five_bit_layer(out_f, in_f, g)
     else:
@@ -190,16 +205,44 @@ def test_one_pass_halves_the_activations_precision_and_nothing_else(isa: str, ba
 
 
 @needs_kernel
+@pytest.mark.parametrize("batch", [1, 2, 3, 8, 9])
+def test_int8_per_32_is_the_product_of_its_weights_in_two_passes(isa: str, batch: int) -> None:
+    """int8 codes with a float16 scale per row and group of 32 (quant.int8_codes' layer, for
+    Q8_0, IQ4_NL, IQ4_XS, Q3_K, Q2_K, Q6_K): the float product of exactly those weights, but
+    for the activations' two int8 passes (~15 bits); one pass is ~2^-8 coarser. The row-scale
+    int8 layer it replaces was ~1% off (the weights rounded to one scale a row)."""
+    g = torch.Generator().manual_seed(batch)
+    w = torch.randn(48, 256, generator=g) * torch.rand(48, 8, 1, generator=g).repeat(
+        1, 1, 32
+    ).reshape(48, 256)  # groups of very different sizes, as a file's blocks
+    q, scale = quant.grid8(w)
+    exact = (q.float().reshape(48, 8, 32) * scale.float()[..., None]).reshape(48, 256)
+    x = torch.randn(batch, 256, generator=g)
+    want = x.double() @ exact.double().T
+
+    def error(layer: torch.nn.Module) -> float:
+        return float((layer(x).double() - want).norm() / want.norm())
+
+    two, one = error(Q8Linear(KERNEL, q, scale)), error(Q8Linear(KERNEL, q, scale, one_pass=True))
+    assert two < 1e-4 < 1e-3 < one < 2e-2
+    rows = Q8Linear(KERNEL, *packing.pack_q8(exact))  # the old kind, one scale a row
+    assert error(rows) > 50 * two
+
+
+@needs_kernel
 def test_dropping_the_residual_pass_gives_the_one_pass_layers_bits(isa: str) -> None:
     """drop_residual_pass (bench/bench_decode.py's --one-pass) turns a two-pass layer into
-    `one_pass`'s, bit for bit, and changes its output (4- and 5-bit weights)."""
+    `one_pass`'s, bit for bit, and changes its output (4- and 5-bit weights, int8 per 32)."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(8, 256, generator=g)
     four = packing.pack_q4(torch.randn(64, 256, generator=g))
-    for build in (
+    grouped = quant.grid8(torch.randn(64, 256, generator=g))
+    builds: list[Callable[[bool], Q4Linear | Q8Linear]] = [
         lambda one_pass: Q4Linear(KERNEL, *four, one_pass=one_pass),
         lambda one_pass: _five_bit_layer(64, 256, torch.Generator().manual_seed(3), one_pass),
-    ):
+        lambda one_pass: Q8Linear(KERNEL, *grouped, one_pass=one_pass),
+    ]
+    for build in builds:
         layer, want = build(False), build(True)(x)
         before = layer(x)
         layer.drop_residual_pass()
