@@ -6,6 +6,7 @@ engines' batch-1 decode speed.
     python bench/bench_fidelity.py                      # every type (llama.cpp's quantizer)
     python bench/bench_fidelity.py --types Q4_0,IQ4_NL --positions 24
     python bench/bench_fidelity.py --maker gguf         # gguf's quantizers: Q4_0..Q8_0 only
+    python bench/bench_fidelity.py --threads 1 --markdown  # README's table, after the rows
 
 Agreement is bench_decode.py's `top1_agreement`: float32 continues each of the 8 parity
 prompts greedily by `--positions` tokens; each engine prefills the prompt, then decodes one
@@ -189,6 +190,42 @@ def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def builds(venv: Path | None) -> str:
+    """The builds measured: neuron's commit (+ "dirty" with uncommitted changes) and
+    llama-cpp-python's version in the peer venv."""
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "neuron_trio"]).returncode
+    neuron = (head.stdout.strip() or "unknown") + (" + uncommitted changes" if dirty else "")
+    peer = "none"
+    if venv is not None:
+        code = "import llama_cpp; print(llama_cpp.__version__)"
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True)
+        peer = "llama-cpp-python " + (done.stdout.decode().strip() or "unknown")
+    return f"neuron {neuron}, {peer}"
+
+
+def markdown(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    """The README's table of `rows`: agreement (the share of positions) and decode tok/s per
+    type, the better agreement in bold, and what each file's projections were kept as."""
+    lines = [
+        "| type (llama.cpp's file) | neuron auto | llama.cpp | neuron tok/s | llama.cpp tok/s "
+        "| kept as (start-up log) |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for kind, row in rows:
+        ours, peer = row["neuron"], row["llamacpp"]
+        a, b = f"{ours:.4f}", _cell(peer, ".4f")
+        if peer is not None and ours != peer:
+            a, b = (f"**{a}**", b) if ours > peer else (a, f"**{b}**")
+        kept = str(row["schemes"]).removeprefix("projections ")
+        lines.append(
+            f"| {kind} | {a} | {b} | {row['neuron_tok_s']:.1f} "
+            f"| {_cell(row['llamacpp_tok_s'], '.1f')} | {kept} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -200,6 +237,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--threads", type=int, default=0, help="torch's and llama.cpp's (0: torch's)")
     ap.add_argument("--llamacpp-venv", type=Path, default=None)
+    ap.add_argument("--markdown", action="store_true", help="the rows again as README's table")
     ap.add_argument("--peer", choices=("quantize", "agree"), help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -233,7 +271,7 @@ def main() -> None:
     print(
         f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
         f"{_cpu_name()}, {threads} threads, torch {torch.__version__}, files by {maker}, "
-        f"llama.cpp peer: {venv if has_peer else 'none'}"
+        f"llama.cpp peer: {venv if has_peer else 'none'}; {builds(venv if has_peer else None)}"
     )
     print(
         f"{'type':8} {'neuron auto':>11} {'llama.cpp':>9} {'neuron tok/s':>12} {'llama.cpp tok/s':>15}"
@@ -249,6 +287,8 @@ def main() -> None:
             f"({row['positions']} positions; {row['schemes']})",
             flush=True,
         )
+    if args.markdown:
+        print(markdown(rows))
 
 
 def _cpu_name() -> str:
