@@ -34,6 +34,7 @@ from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.speculative import Speculator
 from neuron_trio.engine.types import SamplingParams
+from neuron_trio.errors import RequestError
 
 
 def _model(name: str) -> Path:
@@ -74,6 +75,16 @@ def _decode(
     return tokens, rate
 
 
+def _prompt(engine: Engine, text: str) -> list[int]:
+    """`text` as a user's chat message in the model's template, or as a plain prompt where the
+    file has no template (Gemma 3 270M's)."""
+    try:
+        rendered = engine.render_chat([{"role": "user", "content": text}])
+    except RequestError:
+        return engine.encode_prompt(text, chat=False)
+    return engine.encode_prompt(rendered, chat=True)
+
+
 def _agreement(a: list[int], b: list[int]) -> int:
     """The tokens before the first where `a` and `b` differ."""
     return next(
@@ -90,9 +101,7 @@ def parity(engine: Engine, path: Path, num_tokens: int, max_tokens: int) -> int:
     print("| prompt | tokens | accepted/proposed | same | agreement with float32 (off / on) |")
     print("| --- | ---: | ---: | --- | --- |")
     for name, text in [*((f"parity {i}", p) for i, p in enumerate(PROMPTS)), *TASKS.items()]:
-        prompt = engine.encode_prompt(
-            engine.render_chat([{"role": "user", "content": text}]), chat=True
-        )
+        prompt = _prompt(engine, text)
         engine.speculator = None
         off, _ = _decode(engine, prompt, max_tokens)
         engine.speculator = speculator
@@ -140,8 +149,7 @@ def main() -> None:
     print("| task | tokens | without tok/s | with tok/s | ratio | accepted/proposed | same |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for task in args.tasks.split(","):
-        text = engine.render_chat([{"role": "user", "content": TASKS[task]}])
-        prompt = engine.encode_prompt(text, chat=True)
+        prompt = _prompt(engine, TASKS[task])
         engine.speculator = None
         _decode(engine, prompt, 8)  # warm: the prompt's prefix cached for both
         rates: dict[bool, list[float]] = {False: [], True: []}

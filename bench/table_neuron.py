@@ -33,6 +33,7 @@ from bench.table_worker import serve  # noqa: E402
 from neuron_trio.engine.engine import Engine  # noqa: E402
 from neuron_trio.engine.speculative import Speculator  # noqa: E402
 from neuron_trio.engine.types import SamplingParams  # noqa: E402
+from neuron_trio.errors import RequestError  # noqa: E402
 
 # Filler prompts for prefill: plain English words in a seeded order (any text costs the same
 # to prefill; real words keep the tokenizer on its ordinary path).
@@ -101,9 +102,18 @@ class NeuronSide:
         return {"tokens": len(prompt), "seconds": self._run(prompt, 1)}
 
     def chat(self, texts: list[str]) -> dict[str, Any]:
+        """Each text as a user's message in the model's chat template, or as a plain prompt
+        where the file has none (Gemma 3 270M's)."""
         engine = self.engine
-        rendered = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
-        return {"ids": [engine.encode_prompt(r, chat=True) for r in rendered]}
+        ids = []
+        for text in texts:
+            try:
+                rendered = engine.render_chat([{"role": "user", "content": text}])
+            except RequestError:
+                ids.append(engine.encode_prompt(text, chat=False))
+            else:
+                ids.append(engine.encode_prompt(rendered, chat=True))
+        return {"ids": ids}
 
     def speculate(self, prompt: list[int], max_tokens: int, lookup: int) -> dict[str, Any]:
         """One greedy answer to a chat prompt, to its end or `max_tokens`, drafting up to
