@@ -85,29 +85,25 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+# The request fields that reach SamplingParams as they are, under the same name, when given
+# (None: the engine's default). A new plain sampling parameter is a SamplingParams field, a
+# bounded CommonFields field of the same name and its use in sampling.py: nothing here.
+_SAME_NAMED = tuple(
+    name
+    for name in SamplingParams.__dataclass_fields__
+    if name in CommonFields.__struct_fields__
+    and name not in {"max_tokens", "stop", "top_k", "n", "logit_bias"}
+)
+
+
 def _sampling(
     req: CommonFields, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
-    defaults = SamplingParams()
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    given = {name: value for name in _SAME_NAMED if (value := getattr(req, name)) is not None}
     return SamplingParams(
+        **given,
         max_tokens=max_tokens,  # chat: None runs to the end of the context (or the default)
-        temperature=defaults.temperature if req.temperature is None else req.temperature,
-        top_p=defaults.top_p if req.top_p is None else req.top_p,
-        top_k=top_k,
-        min_p=defaults.min_p if req.min_p is None else req.min_p,
-        repetition_penalty=(
-            defaults.repetition_penalty
-            if req.repetition_penalty is None
-            else req.repetition_penalty
-        ),
-        presence_penalty=defaults.presence_penalty
-        if req.presence_penalty is None
-        else req.presence_penalty,
-        frequency_penalty=(
-            defaults.frequency_penalty if req.frequency_penalty is None else req.frequency_penalty
-        ),
-        seed=req.seed,
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
         stop=_stops(req.stop),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
