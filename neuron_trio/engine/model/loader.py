@@ -214,7 +214,9 @@ class _Load:
             weight_cache if native and shard is None else None,
             self.scheme,
             device,
-            f"int4_head={AUTO_INT4_HEAD}; refine={HEAD_REFINE}",
+            # the prefill copies are part of what a slot holds: a switched setting repacks
+            f"int4_head={AUTO_INT4_HEAD}; refine={HEAD_REFINE}; "
+            f"dense_copies={packing.native_dense_copies()}",
             phases,
         )
         self.projections: list[str] = []  # every projection's logical name, for scheme_note

@@ -218,29 +218,15 @@ def native_kernel() -> ModuleType | None:
 def native_dense_copies() -> bool:
     """Whether the native kernel's layers keep a bfloat16 copy of their weight for prefill
     chunks of NATIVE_DENSE_MIN_ROWS rows or more (a dense GEMM in torch), which doubles the
-    weights' memory and more. Where the CPU has AMX tiles for bfloat16 (`amx_bf16`), yes: the
-    dense GEMM ran prefill ~2.7x faster than the kernel (1,493 vs 551 tok/s, a 0.5B model on
-    an Intel Xeon). Elsewhere no: on an AMD EPYC (AVX-512, no AMX) the copies gained 5-25%
-    (Qwen2.5 0.5B, 512 tokens: 427 vs 390 tok/s) for 464 MiB more (1,753 vs 1,289 MiB).
-    `NEURON_DENSE_COPIES=1` or `=0` decides instead (prefill speed or memory).
+    weights' memory and more: only with `NEURON_DENSE_COPIES=1`. Memory first (issue 49: RSS
+    after load at most llama.cpp's): on an Intel Xeon with AMX the copies held Gemma 3 270M at
+    1,092 MiB and Qwen2.5 0.5B at 1,657 (893 and 954 without; llama.cpp 917 and 969:
+    bench/bench_footprint.py), for a dense GEMM that ran 512-row chunks ~2.7-4.6x faster than
+    the kernel there (1,493 vs 551 tok/s, a 0.5B model; a 9,728 x 896 layer 53 vs 205 ms);
+    without AMX they gained 5-25% (an AMD EPYC: Qwen2.5 0.5B, 512 tokens, 427 vs 390 tok/s).
+    The kernel's prefill without them was 1.4-2.1x llama.cpp's (README's table, that EPYC).
     """
-    forced = os.environ.get("NEURON_DENSE_COPIES")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return "amx_bf16" in _cpu_flags()
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
+    return os.environ.get("NEURON_DENSE_COPIES") == "1"
 
 
 def int4_available() -> bool:

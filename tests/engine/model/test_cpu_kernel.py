@@ -459,20 +459,17 @@ def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "forced", "copies"),
-    [("avx512f amx_bf16 amx_tile", None, True), ("avx512f avx512_bf16", None, False),
-     ("avx512f", "1", True), ("avx512f amx_bf16", "0", False), ("avx2", "yes", False)],
-)  # fmt: skip
-def test_the_native_layers_keep_a_prefill_copy_only_where_amx_makes_it_pay(
-    monkeypatch: pytest.MonkeyPatch, flags: str, forced: str | None, copies: bool
+    ("forced", "copies"), [(None, False), ("1", True), ("0", False), ("yes", False)]
+)
+def test_the_native_layers_keep_a_prefill_copy_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, forced: str | None, copies: bool
 ) -> None:
-    """packing.native_dense_copies: AMX's bfloat16 tiles, or NEURON_DENSE_COPIES=1/0 (anything
-    else is ignored). The native layers follow it; torch's int kernels keep their copy always
-    (their large-batch GEMM is far slower than a dense one)."""
+    """packing.native_dense_copies: only NEURON_DENSE_COPIES=1, AMX's bfloat16 tiles or not
+    (memory first: issue 49). The native layers follow it; torch's int kernels keep their copy
+    always (their large-batch GEMM is far slower than a dense one)."""
     from neuron_trio.engine.model.linear import Int4Linear
     from neuron_trio.engine.model.loader import make_linear
 
-    monkeypatch.setattr(packing, "_cpu_flags", lambda: frozenset(flags.split()))
     if forced is None:
         monkeypatch.delenv("NEURON_DENSE_COPIES", raising=False)
     else:

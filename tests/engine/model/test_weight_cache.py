@@ -147,6 +147,24 @@ def test_the_key_follows_the_file_and_the_scheme(tmp_path: Path) -> None:
     assert key() != touched
 
 
+@needs_int
+@pytest.mark.skipif(packing.native_kernel() is None, reason="no native kernel on this build")
+def test_a_cache_entry_is_for_one_prefill_copies_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NEURON_DENSE_COPIES decides what a packed layer holds: a start with the other setting
+    packs afresh instead of restoring the copies it turned off (or lacking those it asked for)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", **SHAPE, qtype="Q4_0")
+    cache = WeightCache(tmp_path / "cache", BIG, background=False)
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "1")
+    _, phases = load(path, cache)
+    assert "weight cache miss: stored" in phases.summary()
+    monkeypatch.setenv("NEURON_DENSE_COPIES", "0")
+    model, phases = load(path, cache)
+    assert "weight cache miss" in phases.summary()
+    assert not [n for n in buffers(model) if n.endswith(".dense")]
+
+
 def snapshot_of(nbytes: int) -> Snapshot:
     snap = Snapshot()
     snap.add("t", torch.ones(nbytes, dtype=torch.uint8))
