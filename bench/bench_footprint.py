@@ -3,6 +3,7 @@ one run (issue 49: RSS <= llama.cpp's, start less `import torch` <= 1.5 s).
 
     python bench/bench_footprint.py [--models smollm2,gemma3,qwen2.5-0.5b] [--starts 2]
                                     [--threads 2] [--llamacpp-venv ~/.cache/llamacpp-peer]
+                                    [--env NEURON_DENSE_COPIES=0 ...]
 
 For each model: neuron's real daemon (`neuron serve`, dtype auto, 8 sequences of 4,096 tokens,
 as bench_table.py's fresh starts) started once to fill its packed-weight cache (cold), then
@@ -65,15 +66,31 @@ def import_torch_s() -> tuple[float, float]:
     return wall, cpu
 
 
-def neuron_start(model: BenchModel, path: Path, state: Path, threads: int) -> dict[str, Any]:
+def wait_for_cache(state: Path, timeout_s: float = 900) -> None:
+    """Until the packed weights' cache entry (`*.nwc`, not a tokenizer's `merges-*`) lies in
+    `state`: the cold start writes it in the background, and a stop before it is done (SIGKILL
+    30 s after SIGTERM, which a busy machine reaches) would leave the restarts a miss."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(not p.name.startswith("merges-") for p in state.glob("cache/weights/*.nwc")):
+            return
+        time.sleep(1)
+
+
+def neuron_start(
+    model: BenchModel, path: Path, state: Path, args: argparse.Namespace, cold: bool = False
+) -> dict[str, Any]:
     entry: dict[str, Any] = {"dtype": "auto", "max_batch": SEQS, "context": CONTEXT}
+    env = {"OMP_NUM_THREADS": str(args.threads), **dict(e.split("=", 1) for e in args.env)}
     with running_daemon(
         entry,
-        env={"OMP_NUM_THREADS": str(threads)},
-        timeout_s=600,
+        env=env,
+        timeout_s=900,
         state_dir=state,
         model_file=None if model.builtin else path,
     ) as daemon:
+        if cold:
+            wait_for_cache(state)
         got: dict[str, Any] = {"ready_s": daemon.ready_s, "cpu_s": daemon.ready_cpu_s}
         got.update(memory_mib(daemon.pid))
         got["phases"] = [
@@ -102,11 +119,11 @@ def best(runs: list[dict[str, Any]], key: str) -> float:
 def measure(model: BenchModel, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     path = model.resolve()
     state = logs / f"{model.key}-state"
-    cold = neuron_start(model, path, state, args.threads)
+    cold = neuron_start(model, path, state, args, cold=True)
     print(f"{model.key}: neuron cold ready {cold['ready_s']:.2f}s RSS {cold['VmRSS']:.0f}")
     neuron, peer = [], []
     for n in range(args.starts):
-        neuron.append(neuron_start(model, path, state, args.threads))
+        neuron.append(neuron_start(model, path, state, args))
         got = neuron[-1]
         print(
             f"  neuron warm {n + 1}: ready {got['ready_s']:.2f}s (CPU {got['cpu_s']:.2f}s), RSS {got['VmRSS']:.0f} MiB "
@@ -148,6 +165,9 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--starts", type=int, default=2, help="warm starts per side")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="for neuron's daemon"
+    )
     parser.add_argument("--llamacpp-venv", type=Path, default=llamacpp_peer.default_venv())
     args = parser.parse_args()
     torch_s = import_torch_s()
@@ -158,7 +178,7 @@ def main() -> None:
         f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, {args.threads} threads, {SEQS} x {CONTEXT} KV cells; best of "
         f"{args.starts} starts a side (neuron: restarts on its packed-weight cache); "
-        f"import torch {torch_s[0]:.2f} s wall, {torch_s[1]:.2f} s CPU\n"
+        f"import torch {torch_s[0]:.2f} s wall, {torch_s[1]:.2f} s CPU; neuron's env {args.env}\n"
     )
     print(table(results, torch_s))
 
