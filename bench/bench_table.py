@@ -4,7 +4,7 @@ table the README publishes ("Benchmarks against llama.cpp").
     python bench/bench_table.py [--models smollm2,gemma3,qwen2.5-0.5b] [--quick]
                                 [--rounds 5] [--cold-rounds 3] [--threads 2]
                                 [--llamacpp-venv ~/.cache/llamacpp-peer] [--json PATH]
-                                [--note TEXT] [--write-readme]
+                                [--note TEXT] [--write-readme] [--speculation-only]
 
 For each model, two measuring processes run side by side: neuron's engine
 (bench/table_neuron.py: `Engine.from_gguf`, dtype auto, as serving steps it) and llama.cpp
@@ -87,6 +87,7 @@ class Settings:
         self.spec_rounds = args.spec_rounds or (1 if args.quick else 3)
         self.spec_tokens = 48 if args.quick else args.spec_tokens
         self.lookup_tokens = args.lookup_tokens
+        self.speculation_only = args.speculation_only
 
 
 # ---- one measure on one side ---------------------------------------------------------------
@@ -238,6 +239,17 @@ def measure_speculation(
     finally:
         if peer is not None:
             peer.close()
+
+
+def speculation_only(model: BenchModel, path: Path, s: Settings, out: dict[str, Any]) -> None:
+    """`--speculation-only`: the speculation rows alone (a busy machine's short run)."""
+    neuron = neuron_worker(path, s, s.logs / f"{model.key}-neuron.log")
+    try:
+        neuron.wait_ready(600)
+        out["bytes_per_token"]["neuron"] = neuron.call("info")["decode_bytes"]
+        measure_speculation(model, path, s, out, neuron)
+    finally:
+        neuron.close()
 
 
 # ---- fresh processes -----------------------------------------------------------------------
@@ -480,7 +492,8 @@ def measure_bandwidth(best: dict[str, float], threads: int) -> None:
     print(f"stream bandwidth, best so far: {rates}", flush=True)
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The options, and the model keys they name."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated keys")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (1 round)")
@@ -493,12 +506,22 @@ def main() -> None:
     parser.add_argument("--spec-rounds", type=int, default=0, help="default 3 (quick: 1)")
     parser.add_argument("--spec-tokens", type=int, default=160, help="an answer's most tokens")
     parser.add_argument("--lookup-tokens", type=int, default=8, help="neuron's draft length")
+    parser.add_argument(
+        "--speculation-only", action="store_true", help="only the speculation rows (no README)"
+    )
     parser.add_argument("--write-readme", action="store_true")
     args = parser.parse_args()
+    if args.speculation_only and args.write_readme:
+        parser.error("--speculation-only prints its rows; --write-readme needs the whole table")
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+    return args, keys
+
+
+def main() -> None:
+    args, keys = parse_args()
     s = Settings(args)
     torch.set_num_threads(s.threads)
     command = " ".join(["python bench/bench_table.py", *regenerate_args(sys.argv[1:])])
@@ -542,14 +565,22 @@ def main() -> None:
         }
         result["models"][key] = out
         try:
-            measure_model(model, path, s, out)
+            if s.speculation_only:
+                speculation_only(model, path, s, out)
+            else:
+                measure_model(model, path, s, out)
         except WorkerError as exc:
             out["errors"].append(f"neuron: {exc}")
-        cold_starts(model, path, s, out)
+        if not s.speculation_only:
+            cold_starts(model, path, s, out)
         peer_info = peer_info or out.get("llamacpp_info")
         measure_bandwidth(bandwidth, s.threads)
     result["meta"]["llamacpp"] = llama_build(peer_info)
-    markdown = render(result)
+    if s.speculation_only:
+        best = max(bandwidth.values(), default=None)
+        markdown = "\n".join(speculation_section(result, best)).strip() + "\n"
+    else:
+        markdown = render(result)
     print(markdown)
     json_path = args.json or REPO / "bench" / "results" / "bench-table.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
