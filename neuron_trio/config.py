@@ -135,10 +135,21 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens in one forward (engine/speculative.py); greedy and sampled output unchanged."""
 
     # "ngram": prompt lookup, the draft copied from where the text's last tokens occurred
-    # before (code edits, quoted documents, extracted fields)
-    method: Literal["ngram"] = "ngram"
+    # before (code edits, quoted documents, extracted fields); "draft": a small model of the
+    # same vocabulary (`source`) proposes the tokens greedily (engine/draft_model.py)
+    method: Literal["ngram", "draft"] = "ngram"
     # the most tokens a draft has (each sequence adapts below it to its acceptance)
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    # "draft" only: the draft model's file, the syntax of a model's `source` (builtin:, hf:,
+    # a path or a name in node.model_dirs); its vocabulary must be the target's, token for
+    # token. It runs on the target's first device, whole (not split under tp).
+    source: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "draft" and self.source is None:
+            raise ValueError('method "draft" needs `source`, the draft model\'s file')
+        if self.method != "draft" and self.source is not None:
+            raise ValueError('`source` is for method "draft" only')
 
 
 class WatchdogOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -40,6 +40,20 @@ def test_bad_values_name_the_key(tmp_path: Path, value: str, detail: str) -> Non
     assert detail in str(info.value)
 
 
+def test_draft_method_takes_a_source(tmp_path: Path) -> None:
+    table = MODEL + "[default_models.speculative]\nmethod = 'draft'\nsource = 'builtin:x'\n"
+    assert _load(tmp_path, table) == SpeculativeConfig(method="draft", source="builtin:x")
+    for value, detail in (
+        ("method = 'draft'", "needs `source`"),
+        ("source = 'x.gguf'", 'for method "draft" only'),
+        ("method = 'draft'\nsource = ''", "length >= 1"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            _load(tmp_path, MODEL + f"[default_models.speculative]\n{value}\n")
+        assert "key default_models[0].speculative" in str(info.value)
+        assert detail in str(info.value)
+
+
 def test_counts_in_metrics_and_node_document() -> None:
     engine = EngineStatistics(
         slots_total=1,

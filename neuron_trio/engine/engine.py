@@ -39,6 +39,7 @@ from neuron_trio.engine.block_pool import (
     blocks_for,
     salt_root,
 )
+from neuron_trio.engine.draft_model import DraftModel, load_draft
 from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.finish import token_event
 from neuron_trio.engine.gguf.file import GGUFFile
@@ -107,6 +108,7 @@ class Engine:
         prefix_cache: bool = True,
         tool_call_format: str = "auto",
         speculative_tokens: int = 0,
+        draft: DraftModel | None = None,
     ):
         if context > runner.context:
             raise ValueError(f"context {context} exceeds the runner's {runner.context}")
@@ -132,8 +134,11 @@ class Engine:
         self._ids = itertools.count(1)
         self._epoch = 0  # bumped by cancel_all: a step that was in flight then is void
         self._steps = 0
-        # Prompt-lookup speculation (speculative.py): drafts of up to this many tokens; 0: off
-        self.speculator = Speculator(speculative_tokens) if speculative_tokens else None
+        # Speculation (speculative.py): drafts of up to this many tokens (0: off), from the
+        # prompt lookup or, when given, a draft model (draft_model.py)
+        self.speculator = (
+            Speculator(speculative_tokens, draft=draft) if speculative_tokens else None
+        )
         self._prompt_tokens_total = 0
         self._generated_tokens_total = 0
 
@@ -150,6 +155,7 @@ class Engine:
         kv_cache_mb: int = 0,
         prefix_cache: bool = True,
         speculative_tokens: int = 0,
+        draft_path: str | Path | None = None,
     ) -> Engine:
         """Load a GGUF model on one device (tp = 1) with its tokenizer and chat template.
 
@@ -157,7 +163,8 @@ class Engine:
         through `build_executor`, which sizes it the same way (`sizing.engine_sizing`). `context` (tokens per sequence) is capped at the context the model was
         trained for. The KV pool holds `kv_cache_mb` MiB, or with 0, `max_batch` × `context`
         tokens (`sizing.engine_sizing`). The file is parsed once (weights and tokenizer)
-        and closed before this returns.
+        and closed before this returns. `draft_path`: a draft model's file for speculation
+        (draft_model.py; with `speculative_tokens`).
         """
         with GGUFFile(path) as gguf:
             sizing = engine_sizing(
@@ -172,6 +179,11 @@ class Engine:
             tokenizer = Tokenizer.from_gguf(gguf)
         context = sizing.context
         runner = SingleRunner(model, blocks=sizing.kv_blocks, context=context)
+        draft = None
+        if draft_path is not None:
+            draft = load_draft(
+                draft_path, tokenizer.tokens, dtype=dtype, device=device, context=context
+            )
         return cls(
             runner,
             tokenizer,
@@ -180,6 +192,7 @@ class Engine:
             prefill_chunk=prefill_chunk,
             prefix_cache=prefix_cache,
             speculative_tokens=speculative_tokens,
+            draft=draft,
         )
 
     # ---- prompts -------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 
 from neuron_trio.engine.batch import block_tables
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, BlockPool, blocks_for
+from neuron_trio.engine.draft_model import DraftModel
 from neuron_trio.engine.model.runner import Runner
 from neuron_trio.engine.sequence import Sequence
 
@@ -125,19 +126,25 @@ class SpeculationCounts:
 
 class Speculator:
     """Drafts for a step's decode rows and their verification forward (`num_tokens`: the
-    most tokens a draft has; `max_rows`: no drafts when more decode rows than this run)."""
+    most tokens a draft has; `max_rows`: no drafts when more decode rows than this run;
+    `draft`: a draft model proposes them, else the prompt lookup does)."""
 
-    def __init__(self, num_tokens: int, *, max_rows: int = MAX_ROWS) -> None:
+    def __init__(
+        self, num_tokens: int, *, max_rows: int = MAX_ROWS, draft: DraftModel | None = None
+    ) -> None:
         if not 1 <= num_tokens <= MAX_TOKENS:
             raise ValueError(f"num_tokens must be within 1 .. {MAX_TOKENS}, got {num_tokens}")
         self.num_tokens = num_tokens
         self.max_rows = max_rows
+        self.draft = draft
         self.counts = SpeculationCounts()
 
     def drafts(self, decode: list[Sequence], pool: BlockPool, context: int) -> dict[int, list[int]]:
         """Each decode row's draft, by seq_id (rows without one are absent), with the blocks
         for its positions taken from the pool's free ones (a draft is cut to what is free,
         never preempting anyone). `context`: positions a row may reach."""
+        if self.draft is not None:
+            self.draft.release_finished()
         if len(decode) > self.max_rows:
             return {}
         out: dict[int, list[int]] = {}
@@ -163,6 +170,8 @@ class Speculator:
         k = min(state.k, room, context - 1 - seq.decode_pos)
         if k < 1:
             return []
+        if self.draft is not None:
+            return self.draft.propose(seq, state.sync(seq), k)
         return propose(state.sync(seq), k)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:

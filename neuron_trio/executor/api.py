@@ -196,13 +196,19 @@ def build_executor(
     *,
     failpoints: fp.Failpoints,
     weight_cache: WeightCache | None,
+    draft_path: Path | None = None,
 ) -> ModelExecutor:
     """`executor.executor.build_executor`: load the model and build its engine (slow,
-    blocking: call it on a worker thread)."""
+    blocking: call it on a worker thread). `draft_path`: the speculative draft's file."""
     from neuron_trio.executor import executor
 
     return executor.build_executor(
-        spec, path, devices, failpoints=failpoints, weight_cache=weight_cache
+        spec,
+        path,
+        devices,
+        failpoints=failpoints,
+        weight_cache=weight_cache,
+        draft_path=draft_path,
     )
 
 

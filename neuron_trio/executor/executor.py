@@ -27,6 +27,7 @@ import torch
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
+from neuron_trio.engine.draft_model import DraftModel, load_draft
 from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
 from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.file import GGUFFile
@@ -248,8 +249,10 @@ def build_executor(
     *,
     failpoints: fp.Failpoints | None = None,
     weight_cache: WeightCache | None = None,
+    draft_path: str | Path | None = None,
 ) -> Executor:
     """Load `model_path` as `spec` says (tp ranks over `devices`) and build its engine.
+    `draft_path`: the file of `spec.speculative.source` (method "draft"), already resolved.
 
     Slow (reads and converts every weight, `tp` times) and blocking: call it on a worker
     thread. With `tp > 1` on CUDA this initialises NCCL, which may block too. Raises
@@ -296,6 +299,7 @@ def build_executor(
             tokenizer = Tokenizer.from_gguf(gguf, merges_store=store)
     header_memo.MEMO.clear()  # the last of the start's opens of this file (engine.gguf.header_memo)
     runner, comm, factory = _make_runner(models, config, sizing, rank_devices, failpoints, phases)
+    draft = _draft_model(spec, draft_path, tokenizer, sizing.context, rank_devices[0], phases)
     with phases.phase("engine"):
         engine = Engine(
             runner,
@@ -306,6 +310,7 @@ def build_executor(
             prefix_cache=spec.prefix_cache,
             tool_call_format=spec.tool_call_format,
             speculative_tokens=spec.speculative.num_tokens if spec.speculative else 0,
+            draft=draft,
         )
     return Executor(
         name=spec.name,
@@ -320,6 +325,33 @@ def build_executor(
         ranks=_ranks(config, rank_devices),
         failpoints=failpoints,
     )
+
+
+def _draft_model(
+    spec: ModelConfig,
+    draft_path: str | Path | None,
+    tokenizer: Tokenizer,
+    context: int,
+    device: torch.device,
+    phases: LoadPhases,
+) -> DraftModel | None:
+    """The draft model of `spec`'s speculation (method "draft"), whole on the first rank's
+    device (not split under tp); ConfigError naming both sources if its vocabulary is not
+    the target's."""
+    speculative = spec.speculative
+    if speculative is None or speculative.method != "draft":
+        return None
+    if draft_path is None:
+        raise ConfigError(f"model {spec.name!r}: speculative draft {speculative.source!r}: no file")
+    with phases.phase("draft"):
+        return load_draft(
+            draft_path,
+            tokenizer.tokens,
+            dtype=spec.dtype,
+            device=device,
+            context=context,
+            names=(spec.source, speculative.source or ""),
+        )
 
 
 def _make_runner(

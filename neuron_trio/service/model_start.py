@@ -73,12 +73,15 @@ def default_factory(
         node.weight_cache_max_mb << 20,
         min_file_bytes=node.weight_cache_min_mb << 20,
     )
+    speculative = spec.speculative
+    draft = speculative.source if speculative and speculative.method == "draft" else None
     return build_executor(
         spec,
         path,
         devices,
         failpoints=failpoints,
         weight_cache=cache if node.weight_cache else None,
+        draft_path=None if draft is None else resolve_source(draft, config),
     )
 
 
