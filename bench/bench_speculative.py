@@ -6,6 +6,7 @@ with a quote) and a free-form one, alternating the two in one process on the sam
     python bench/bench_speculative.py [--model builtin|qwen|gemma|PATH] [--rounds 3]
         [--max-tokens 160] [--num-tokens 8] [--threads 2] [--streams 1]
     python bench/bench_speculative.py --parity [--model ...] [--max-tokens 96]
+    python bench/bench_speculative.py --method draft --draft-source builtin --model FILE
 
 Decode rate: the tokens after the first step's over the time from the first to the last (the
 prompt's prefill is the same either way and left out), over all `--streams` copies of the
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prompts import PROMPTS, TASKS
 from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.engine.draft_model import load_draft
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.speculative import Speculator
 from neuron_trio.engine.types import SamplingParams
@@ -124,6 +126,21 @@ def parity(engine: Engine, path: Path, num_tokens: int, max_tokens: int) -> int:
     return differ
 
 
+def _speculator(engine: Engine, args: argparse.Namespace) -> Speculator:
+    """The speculator `--method` asks for: prompt lookup, or `--draft-source`'s model
+    (`--model` names the same way) drafting on the engine's device."""
+    if args.method == "ngram":
+        return Speculator(args.num_tokens)
+    draft = load_draft(
+        _model(args.draft_source),
+        engine.tokenizer.tokens,
+        dtype="auto",
+        device=engine.runner.device,
+        context=engine.context,
+    )
+    return Speculator(args.num_tokens, draft=draft)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="builtin")
@@ -134,6 +151,8 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--streams", type=int, default=1, help="copies decoded together")
     parser.add_argument("--parity", action="store_true", help="greedy answers, with = without?")
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    parser.add_argument("--draft-source", default="builtin", help="--method draft: its model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.parity:
@@ -142,7 +161,8 @@ def main() -> None:
         print(f"model {args.model}, k = {args.num_tokens}, {args.threads} threads, parity")
         sys.exit(1 if parity(engine, path, args.num_tokens, args.max_tokens) else 0)
     engine = Engine.from_gguf(_model(args.model), max_batch=args.streams, context=2048)
-    speculator = Speculator(args.num_tokens)
+    speculator = _speculator(engine, args)
+    print(f"method {args.method}" + (f", draft {args.draft_source}" if speculator.draft else ""))
     print(
         f"model {args.model}, k = {args.num_tokens}, {args.threads} threads, {args.streams} streams"
     )
