@@ -11,8 +11,11 @@ step long), then decodes k - 1 more tokens one at a time. The K/V written past t
 the target accepted are found stale at the next proposal (the cache compares what it wrote
 with the sequence's tokens) and their blocks are dropped before the draft goes on.
 
-Caches live until their sequence finishes (`release_finished`, each step) or, when the
-draft's pool runs out, the least recently used ones are dropped (they catch up again).
+When its sequence finishes (`release_finished`, each step) a cache keeps its full blocks as a
+donor: a later sequence whose tokens begin the same (a resent system prompt, a chat's
+history) starts its cache on them (shared, never written again) instead of running the draft
+over them. When the draft's pool runs out, donors and then the least recently used caches are
+dropped (those catch up again).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ __all__ = ["CATCHUP", "DraftCache", "DraftModel", "load_draft", "vocabulary_mism
 CATCHUP = 512
 # Catch-ups of at most this many tokens run as decode rows (a longer one as a prompt chunk).
 ROWS_MAX = 16
+# Finished sequences' caches kept for their prefix (the newest).
+DONORS = 4
 # The draft's KV pool holds this many sequences of the whole context (drafts run at batch 1;
 # the second keeps one sequence's cache while another drafts for a while).
 POOL_SEQUENCES = 2
@@ -56,6 +61,7 @@ class DraftCache:
     blocks: list[int] = field(default_factory=list)
     sure: int = 0
     tail: list[int] = field(default_factory=list)
+    prefix: np.ndarray | None = None  # a donor's: the tokens of its blocks
 
     def valid(self, tokens: np.ndarray) -> int:
         """How many leading positions hold `tokens`' K/V."""
@@ -72,11 +78,12 @@ class DraftModel:
         self.runner = runner
         self.pool = BlockPool(runner.blocks, prefix_cache=False)
         self.caches: OrderedDict[int, DraftCache] = OrderedDict()  # by seq_id, oldest first
+        self.donors: OrderedDict[int, DraftCache] = OrderedDict()  # finished, oldest first
 
     def propose(self, seq: Sequence, tokens: np.ndarray, k: int) -> list[int]:
         """Up to `k` tokens the draft expects after `tokens` (`seq`'s prompt + output);
         [] while its cache is still catching up or its pool has no room."""
-        cache = self.caches.pop(seq.seq_id, None) or DraftCache(seq)
+        cache = self.caches.pop(seq.seq_id, None) or self._adopt(DraftCache(seq), tokens)
         self.caches[seq.seq_id] = cache  # the newest
         total = len(tokens)
         k = min(k, self.runner.context - total)
@@ -97,9 +104,39 @@ class DraftModel:
         return draft
 
     def release_finished(self) -> None:
-        """Drop the caches of sequences that finished (or were cancelled)."""
+        """The caches of sequences that finished (or were cancelled) become donors of their
+        full blocks (`DONORS` at most: the oldest are dropped)."""
         for seq_id in [i for i, c in self.caches.items() if c.seq.is_finished]:
+            cache = self.caches.pop(seq_id)
+            self._keep(cache, cache.sure // BLOCK_TOKENS * BLOCK_TOKENS)
+            cache.prefix = np.asarray(cache.seq.tokens(0, cache.sure), dtype=np.int64)
+            self.donors[seq_id] = cache
+        while len(self.donors) > DONORS:
+            self._drop_donor()
+
+    def clear(self) -> None:
+        """Drop every cache and donor (their blocks back to the pool)."""
+        while self.donors:
+            self._drop_donor()
+        for seq_id in list(self.caches):
             self._drop(seq_id)
+
+    def _adopt(self, cache: DraftCache, tokens: np.ndarray) -> DraftCache:
+        """A new cache on the donor blocks that hold the longest prefix of `tokens` (not
+        its last token, which is always fed)."""
+        full, source = 0, None
+        for donor in self.donors.values():
+            assert donor.prefix is not None
+            n = min(len(donor.prefix), len(tokens) - 1)
+            same = donor.prefix[:n] == tokens[:n]
+            common = n if same.all() else int(np.argmin(same))
+            if common // BLOCK_TOKENS > full:
+                full, source = common // BLOCK_TOKENS, donor
+        if source is not None:
+            cache.blocks = source.blocks[:full]
+            self.pool.share(cache.blocks)
+            cache.sure = full * BLOCK_TOKENS
+        return cache
 
     def _forward(self, cache: DraftCache, ids: list[int], start: int) -> torch.Tensor:
         """The draft's logits `[V]` after `ids` written at `start ..` on the cache's blocks.
@@ -131,8 +168,11 @@ class DraftModel:
         """Blocks for `positions` K/V, dropping the least recently used other caches when
         the pool is out; False if even that is not enough."""
         need = blocks_for(positions) - len(cache.blocks)
-        while need > self.pool.available and len(self.caches) > 1:
-            self._drop(next(iter(self.caches)))
+        while need > self.pool.available and (self.donors or len(self.caches) > 1):
+            if self.donors:
+                self._drop_donor()
+            else:
+                self._drop(next(iter(self.caches)))
         if need > self.pool.available:
             return False
         cache.blocks += [self.pool.allocate() for _ in range(max(0, need))]
@@ -141,6 +181,10 @@ class DraftModel:
     def _drop(self, seq_id: int) -> None:
         cache = self.caches.pop(seq_id)
         self.pool.free(cache.blocks)
+
+    def _drop_donor(self) -> None:
+        _, donor = self.donors.popitem(last=False)
+        self.pool.free(donor.blocks)
 
 
 def vocabulary_mismatch(target: Seq[str], draft: Seq[str]) -> str | None:

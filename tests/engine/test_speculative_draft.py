@@ -17,7 +17,12 @@ import torch
 from neuron_trio.config import ModelConfig, SpeculativeConfig
 from neuron_trio.engine import draft_model
 from neuron_trio.engine.block_pool import blocks_for
-from neuron_trio.engine.draft_model import DraftModel, load_draft, vocabulary_mismatch
+from neuron_trio.engine.draft_model import (
+    DraftCache,
+    DraftModel,
+    load_draft,
+    vocabulary_mismatch,
+)
 from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model.loader import SingleRunner, load_transformer
@@ -236,6 +241,8 @@ def test_the_draft_cache_drops_rejected_positions_and_finished_sequences(
     assert 0 < accepted < proposed
     drafter.release_finished()
     assert not drafter.caches
+    assert sum(len(d.blocks) for d in drafter.donors.values()) == drafter.pool.statistics().used
+    drafter.clear()
     assert drafter.pool.statistics().used == 0
 
 
@@ -283,6 +290,32 @@ def test_a_cache_follows_a_sequence_that_grew_by_several_tokens(pair: tuple[Path
         got = drafter.propose(stand_in, grown, 5)
         assert drafter.caches[1].sure == len(grown)
         assert got == DraftModel(runner).propose(stand_in, grown, 5), kept
+
+
+def test_a_later_sequence_starts_on_a_finished_ones_prefix(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the identical draft accepts everything only if the shared blocks hold the right K/V
+    shared = " ".join(PROMPTS[:3])  # 3 full blocks and more
+    prompts = [shared + " one", shared + " two", PROMPTS[5], shared + " three"]
+    want = [_tokens(_run(_engine(pair[0]), [p], GREEDY)[0]) for p in prompts]
+    engine = _engine(pair[0], pair[0], 4)
+    fed: list[int] = []
+    forward = DraftModel._forward
+
+    def spy(self: DraftModel, cache: DraftCache, ids: list[int], start: int) -> torch.Tensor:
+        fed.append(len(ids))
+        return forward(self, cache, ids, start)
+
+    monkeypatch.setattr(DraftModel, "_forward", spy)
+    firsts = []
+    for prompt, tokens in zip(prompts, want, strict=True):
+        fed.clear()
+        assert _tokens(_run(engine, [prompt], GREEDY)[0]) == tokens
+        firsts.append(fed[0])  # the draft's first forward: the prompt less what it reused
+    proposed, accepted = _counts(engine)
+    assert proposed > 50 and accepted == proposed
+    assert firsts[1] < firsts[0] - 40 and firsts[3] < firsts[0] - 40 and firsts[2] > 5
 
 
 def test_a_long_prompt_is_caught_up_a_chunk_a_step(
