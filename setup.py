@@ -3,7 +3,7 @@ _cpu_layers.c); everything else is in pyproject.toml.
 
 `optional=True`: where it cannot be built (no C compiler, another architecture) the install
 goes on without it and the engine uses torch's int4 kernel (see `native_kernel()` in
-neuron_trio/engine/model/packing.py). It needs only Python's headers, never torch's, so
+neuron_trio/engine/model/load/packing.py). It needs only Python's headers, never torch's, so
 build isolation pulls nothing but setuptools.
 """
 

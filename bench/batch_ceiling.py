@@ -51,7 +51,7 @@ from bench import table_format  # noqa: E402
 from bench.roofline import decode_weight_bytes, stream_bandwidth  # noqa: E402
 from bench.table_models import MODELS  # noqa: E402
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear  # noqa: E402
-from neuron_trio.engine.model.loader import load_transformer  # noqa: E402
+from neuron_trio.engine.model.load.loader import load_transformer  # noqa: E402
 
 STREAMS = 8
 HEADER = (

@@ -17,8 +17,8 @@ import time
 import torch
 from prompts import PROMPTS
 
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.gguf.builtin import builtin_model_path
 from neuron_trio.engine.types import SamplingParams
 
 

@@ -42,9 +42,9 @@ from bench import llamacpp_peer
 from bench.table_models import MODELS
 from bench.table_worker import WorkerError
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import Q4Linear
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.engine.model.transformer import Transformer
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from tests.engine.slot_runner import SlotRunner

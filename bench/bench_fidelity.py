@@ -99,7 +99,7 @@ def peer_agree(model: str, threads: int, cases_path: str) -> None:
 
 def make_file(kind: str, maker: str, out: Path, venv: Path, threads: int) -> Path:
     """The built-in model in `kind`, made once into `out`."""
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     source = builtin_model_path()
     if kind == "Q4_1":
@@ -156,8 +156,8 @@ def measure(path: Path, positions: int, tokens: int, venv: Path | None) -> dict[
 
     from bench.bench_decode import PROMPTS, greedy, time_llamacpp, time_ours, top1_agreement
     from neuron_trio.engine.gguf.file import GGUFFile
-    from neuron_trio.engine.model.load_phases import LoadPhases
-    from neuron_trio.engine.model.loader import load_transformer
+    from neuron_trio.engine.model.load.load_phases import LoadPhases
+    from neuron_trio.engine.model.load.loader import load_transformer
     from neuron_trio.engine.text.tokenizer import Tokenizer
     from tests.engine.slot_runner import SlotRunner
 

@@ -38,8 +38,8 @@ def chat(engine: Any, tokens: int) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from neuron_trio.engine.builtin import builtin_model_path
     from neuron_trio.engine.engine import Engine
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
     from neuron_trio.engine.warm_up import warm_up
 
     engines = {}

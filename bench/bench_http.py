@@ -96,8 +96,8 @@ async def measure(args: argparse.Namespace, counts: list[int]) -> None:
     if args.engine:
         from functools import partial
 
-        from neuron_trio.engine.builtin import builtin_model_path
         from neuron_trio.engine.engine import Engine
+        from neuron_trio.engine.gguf.builtin import builtin_model_path
 
         # Torch work off trio's thread, as in the daemon (an OpenMP pool on the main thread
         # slowed decode 2.5x on 2 cores: docs/ARCHITECTURE.md).

@@ -61,8 +61,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from neuron_trio.engine.builtin import builtin_model_path
     from neuron_trio.engine.engine import Engine
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
     from neuron_trio.engine.types import SamplingParams
     from neuron_trio.http.openai.responses_api import parse_responses_request
 

@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prompts import PROMPTS, TASKS
-from neuron_trio.engine.builtin import builtin_model_path
-from neuron_trio.engine.draft_model import load_draft
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.speculative import Speculator
+from neuron_trio.engine.gguf.builtin import builtin_model_path
+from neuron_trio.engine.speculation.draft_model import load_draft
+from neuron_trio.engine.speculation.speculative import Speculator
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import RequestError
 

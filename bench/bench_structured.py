@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import neuron_trio.engine.engine as engine_module
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
-from neuron_trio.engine.text.grammar import GrammarState
+from neuron_trio.engine.gguf.builtin import builtin_model_path
+from neuron_trio.engine.text.structured.grammar import GrammarState
 from neuron_trio.engine.types import Constraint, SamplingParams
 
 SCHEMA = json.dumps(

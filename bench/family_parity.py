@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load.loader import load_transformer
 from tests.engine.gguf.test_families import TEXTS, greedy, hf_model, prompt_ids, tokenizer_of
 from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_families import FAMILIES, write_tiny_family

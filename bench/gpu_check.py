@@ -326,7 +326,7 @@ def _both_logits(a: Any, b: Any, prompt: list[int]) -> tuple[torch.Tensor, torch
 
 def model_phase(base: torch.device, devices: list[torch.device] | None, dtype: str) -> None:
     from neuron_trio.config import ModelConfig
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
     from neuron_trio.executor.executor import build_executor
 
     try:

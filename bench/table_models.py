@@ -22,7 +22,7 @@ class BenchModel:
 
 
 def _builtin() -> Path:
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     return builtin_model_path()
 

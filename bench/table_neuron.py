@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
 from bench.roofline import decode_weight_bytes  # noqa: E402
 from bench.table_worker import serve  # noqa: E402
 from neuron_trio.engine.engine import Engine  # noqa: E402
-from neuron_trio.engine.speculative import Speculator  # noqa: E402
+from neuron_trio.engine.speculation.speculative import Speculator  # noqa: E402
 from neuron_trio.engine.types import SamplingParams  # noqa: E402
 from neuron_trio.errors import RequestError  # noqa: E402
 

@@ -100,7 +100,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # tokenizer) may take, downloads and warm-up not included: past it the load fails (422/500
     # at run time, exit 69 for a default model) instead of holding its slot forever.
     load_timeout_s: PositiveFloat = 900.0
-    # The packed-weight cache (engine/model/weight_cache.py): under dtype "auto" on the CPU
+    # The packed-weight cache (engine/model/load/weight_cache.py): under dtype "auto" on the CPU
     # the first load of a model file writes its packed layers here and later loads map them
     # (a 0.5B model: ready in a few seconds instead of tens; the built-in model: ~1 s sooner
     # and ~60 MB less resident). About 1.1-1.3x the GGUF file per model; the least recently
@@ -132,11 +132,11 @@ TpConfig = WatchdogConfig  # the old name, for code written against [tp]
 
 class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A model's `[default_models.speculative]`: decode steps verify a draft of the next
-    tokens in one forward (engine/speculative.py); greedy and sampled output unchanged."""
+    tokens in one forward (engine/speculation/speculative.py); greedy and sampled output unchanged."""
 
     # "ngram": prompt lookup, the draft copied from where the text's last tokens occurred
     # before (code edits, quoted documents, extracted fields); "draft": a small model of the
-    # same vocabulary (`source`) proposes the tokens greedily (engine/draft_model.py)
+    # same vocabulary (`source`) proposes the tokens greedily (engine/speculation/draft_model.py)
     method: Literal["ngram", "draft"] = "ngram"
     # the most tokens a draft has (each sequence adapts below it to its acceptance)
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
@@ -225,7 +225,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A chat request without max_tokens may generate this many tokens (cut to what the context
     # leaves after the prompt); 0: to the end of the context, as OpenAI does.
     default_max_tokens: Annotated[int, msgspec.Meta(ge=0, le=1_048_576)] = 0
-    # How the model writes tool calls (engine/text/tool_call_format.py); "auto": read from its
+    # How the model writes tool calls (engine/text/tools/tool_call_format.py); "auto": read from its
     # chat template (Hermes/Qwen unless the template writes Llama 3.x's or Mistral's syntax).
     tool_call_format: Literal["auto", "hermes", "llama3", "mistral", "mistral_args"] = "auto"
     # This model's own watchdog deadlines, over `[watchdog]`'s (e.g. a long prefill on a CPU:

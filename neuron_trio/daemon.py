@@ -231,7 +231,7 @@ def require_http_fixes() -> None:
     """Install hypercorn's fixes before anything starts (HypercornFixError, a ConfigError, if
     one does not fit the installed hypercorn: exit 78 then, rather than load models and serve
     without the HTTP/2 hardening)."""
-    from neuron_trio.http._hypercorn_fixes import apply_hypercorn_fixes
+    from neuron_trio.http.wire._hypercorn_fixes import apply_hypercorn_fixes
 
     apply_hypercorn_fixes()
 

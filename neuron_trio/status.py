@@ -2,7 +2,7 @@
 
 Reads the daemon over HTTP/1.1 with the standard library (no client dependency for a command
 an operator runs on the node), with the admin key, or the first API key, when the config sets
-one (`api_key`), and decodes `/v1/node` into the node's own types (`service/node_document.py`). Exit 0 only when the node is serving (`status` ok); 69 (EX_UNAVAILABLE) when it is
+one (`api_key`), and decodes `/v1/node` into the node's own types (`service/documents/node_document.py`). Exit 0 only when the node is serving (`status` ok); 69 (EX_UNAVAILABLE) when it is
 starting, draining, recovering, wedged, or cannot be reached.
 """
 
@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_trio.config import NeuronConfig, parse_listen
 from neuron_trio.errors import EX_OK, EX_UNAVAILABLE, ConfigError
-from neuron_trio.service.node_document import LastForensics, ModelInfo, NodeInfo
+from neuron_trio.service.documents.node_document import LastForensics, ModelInfo, NodeInfo
 
 TIMEOUT_S = 10.0  # /v1/node reads NVML live, bounded by its own timeout (5 s)
 

@@ -181,7 +181,7 @@ def skip_without_builtin_model() -> None:
     installed. (Imports neuron_trio and pytest when called, never at import.)"""
     import pytest
 
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
     from neuron_trio.errors import SourceError
 
     try:

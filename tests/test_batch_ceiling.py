@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from bench import batch_ceiling
-from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.load import packing
 
 
 def test_a_tables_steps_are_the_medians_as_step_seconds() -> None:
@@ -35,8 +35,8 @@ def test_a_tables_steps_are_the_medians_as_step_seconds() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(packing.native_kernel() is None, reason="the native kernel is not built here")
 def test_the_built_in_models_row_costs_two_passes_a_layer_and_one_for_the_head() -> None:
-    from neuron_trio.engine.builtin import builtin_model_path
-    from neuron_trio.engine.model.loader import load_transformer
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
+    from neuron_trio.engine.model.load.loader import load_transformer
 
     model = load_transformer(builtin_model_path(), dtype="auto")
     c = model.config

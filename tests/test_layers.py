@@ -12,12 +12,13 @@ TOP = NEURON | {"daemon", "cli", "status"}
 
 # The engine's shared vocabulary, which its sub-packages may use: plain data, no torch.
 ENGINE_CORE = {"engine.types", "engine.block_pool", "engine.kv_events"}
-# The engine's own modules beside its sub-packages: they join gguf, model and text together.
+# The engine's own modules beside its sub-packages, and speculation (a part of the step):
+# they join gguf, model and text together.
 ENGINE_TOP = {
     f"engine.{p.stem}"
     for p in (PACKAGE / "engine").glob("*.py")
     if p.stem != "__init__" and f"engine.{p.stem}" not in ENGINE_CORE
-}
+} | {"engine.speculation"}
 SERVICE_ACTORS = {"service.node", "service.model_actor"}
 
 # unit (a module or package under neuron_trio) -> what it must not import: modules or packages
@@ -33,6 +34,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "engine.gguf": {"engine.model", "engine.text"} | ENGINE_TOP,
     "engine.model": {"engine.text"} | ENGINE_TOP,
     "engine.text": {"engine.model"} | ENGINE_TOP,
+    # Speculation proposes from a sequence's tokens or a draft model: never from its text.
+    "engine.speculation": {"engine.text"},
     "executor": {"service", "http", "daemon", "cli", "status", "starlette", "hypercorn"},
     "executor.tp": {"executor.executor", "executor.api"},
     # The service sees the engine through one face, executor/api.py (ALLOWED below).
@@ -40,14 +43,16 @@ FORBIDDEN: dict[str, set[str]] = {
     "service.wedge": SERVICE_ACTORS,
     "service.process": SERVICE_ACTORS | {"service.wedge", "service.metrics", "torch"},
     "service.metrics": SERVICE_ACTORS | {"service.wedge", "service.process"},
-    # The actors' parts, one idea each (the queue, the executor's calls, a prompt's intake, a
-    # model's placement): none imports the actors.
-    "service.request_table": SERVICE_ACTORS,
-    "service.executor_calls": SERVICE_ACTORS,
-    "service.prompt_intake": SERVICE_ACTORS,
+    # The actors' parts, one idea each (a request's way through a model: the queue, the
+    # executor's calls, a prompt's intake; a model's start; the KV events): none imports the
+    # actors.
+    "service.requests": SERVICE_ACTORS,
+    "service.kv_events": SERVICE_ACTORS,
     "service.model_start": SERVICE_ACTORS,
+    # What the node reports (node_report reads the actors to write it): no torch.
+    "service.documents": {"torch"},
     # What `neuron status` decodes: plain types, neither torch nor trio.
-    "service.node_document": SERVICE_ACTORS | {"torch", "trio"},
+    "service.documents.node_document": SERVICE_ACTORS | {"torch", "trio"},
     "service.wedge.records": SERVICE_ACTORS | {"torch", "trio"},
     "http": {"engine", "executor", "daemon", "cli", "status", "torch"},
 }
@@ -118,11 +123,11 @@ def test_every_package_is_in_a_layer() -> None:
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import torch\nfrom neuron_trio.http import app\nfrom neuron_trio.engine.model import loader\n"
+        "import torch\nfrom neuron_trio.http import app\nfrom neuron_trio.engine.model.load import loader\n"
     )
     found = _imports(bad)
-    assert {"torch", "http", "http.app", "engine.model", "engine.model.loader"} <= found
-    assert _forbids(FORBIDDEN["engine.text"], "engine.model.loader")
+    assert {"torch", "http", "http.app", "engine.model.load", "engine.model.load.loader"} <= found
+    assert _forbids(FORBIDDEN["engine.text"], "engine.model.load.loader")
     assert not _forbids(FORBIDDEN["engine.text"], "engine.types")
 
 

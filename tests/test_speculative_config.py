@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from neuron_trio.config import SpeculativeConfig, load_config
 from neuron_trio.engine.types import EngineStatistics
 from neuron_trio.errors import ConfigError
+from neuron_trio.service.documents.node_document import SpeculationInfo
 from neuron_trio.service.metrics.model import ModelActorStatistics, NodeMetrics
-from neuron_trio.service.node_document import SpeculationInfo
 
 MODEL = "[[default_models]]\nname = 'a'\nsource = 'b'\n"
 

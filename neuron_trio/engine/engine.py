@@ -39,14 +39,13 @@ from neuron_trio.engine.block_pool import (
     blocks_for,
     salt_root,
 )
-from neuron_trio.engine.draft_model import DraftModel, load_draft
 from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.finish import token_event
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.kv_events import KVEventLog
-from neuron_trio.engine.model.loader import SingleRunner, load_transformer
+from neuron_trio.engine.model.load.loader import SingleRunner, load_transformer
+from neuron_trio.engine.model.load.sizing import engine_sizing
 from neuron_trio.engine.model.runner import Runner
-from neuron_trio.engine.model.sizing import engine_sizing
 from neuron_trio.engine.prompt import (
     PreparedPrompt,
     PromptLimits,
@@ -60,9 +59,16 @@ from neuron_trio.engine.prompt_logprobs import collect_prompt_logprobs, start_pr
 from neuron_trio.engine.sampling import Sampler, SamplingState
 from neuron_trio.engine.scheduler import NoFreeSlotError, Scheduler, StepPlan
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
-from neuron_trio.engine.speculative import Speculator, trim_blocks, verify
+from neuron_trio.engine.speculation.draft_model import DraftModel, load_draft
+from neuron_trio.engine.speculation.speculative import Speculator, trim_blocks, verify
 from neuron_trio.engine.text.chat import end_of_turn_ids
-from neuron_trio.engine.text.grammar import (
+from neuron_trio.engine.text.reasoning import (
+    ReasoningSplitter,
+    prompt_opens_thinking,
+    think_tag_ids,
+    thinks_in_tags,
+)
+from neuron_trio.engine.text.structured.grammar import (
     GrammarCompiler,
     GrammarState,
     ToolCallFormat,
@@ -70,17 +76,11 @@ from neuron_trio.engine.text.grammar import (
     detect_tool_format,
     fill_masks,
 )
-from neuron_trio.engine.text.reasoning import (
-    ReasoningSplitter,
-    prompt_opens_thinking,
-    think_tag_ids,
-    thinks_in_tags,
-)
 from neuron_trio.engine.text.textgen import TextPipeline
 from neuron_trio.engine.text.tokenizer import Tokenizer
-from neuron_trio.engine.text.tool_call_parser import ToolCallParser
-from neuron_trio.engine.text.tool_call_start import CallStartWatcher, begin_call_grammar
-from neuron_trio.engine.text.tool_calls import tool_marker_ids
+from neuron_trio.engine.text.tools.tool_call_parser import ToolCallParser
+from neuron_trio.engine.text.tools.tool_call_start import CallStartWatcher, begin_call_grammar
+from neuron_trio.engine.text.tools.tool_calls import tool_marker_ids
 from neuron_trio.engine.types import (
     Constraint,
     EngineStatistics,

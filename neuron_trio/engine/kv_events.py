@@ -3,7 +3,7 @@
 A router that knows which node holds which prompt prefix can send a conversation back to the
 node that has its K/V (llm-d's indexer does, from vLLM's KV-events stream). The block pool
 (`block_pool.BlockPool`) and the scheduler record the changes here as they happen; a publisher
-in the service layer (`service/kv_events_publisher.py`) drains them from its own thread and
+in the service layer (`service/kv_events/kv_events_publisher.py`) drains them from its own thread and
 sends them on. Recording a block costs about what computing its key already does (one
 `stored` call against one `block_key`: 0.8-1.0x in the same run, ~3 µs on a shared 2-core
 machine), once per block that becomes cached or leaves the cache: nothing next to the forward

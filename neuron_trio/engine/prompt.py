@@ -8,7 +8,7 @@ prompt `add` is given has passed the request's rules (`check_request`) against t
 limits exactly once, and `add` trusts it.
 
 A constraint's grammar is not compiled here: the service compiles it first on a thread of its
-own (`service/grammar_compiles.py`), a tool or test by `Engine.compile_constraint` or at
+own (`service/requests/grammar_compiles.py`), a tool or test by `Engine.compile_constraint` or at
 `add` (the grammar cache holds it from then on).
 
 The steps, each a function of the engine's parts: the chat template for a tokenizer, a chat
@@ -25,7 +25,7 @@ from neuron_trio.engine.block_pool import BLOCK_TOKENS, blocks_for
 from neuron_trio.engine.text.chat import ChatTemplate
 from neuron_trio.engine.text.chat_literals import ChatPrompt
 from neuron_trio.engine.text.tokenizer import Tokenizer
-from neuron_trio.engine.text.tool_calls import render_tools_as_text, template_tools
+from neuron_trio.engine.text.tools.tool_calls import render_tools_as_text, template_tools
 from neuron_trio.engine.types import SamplingParams, ToolFunction
 from neuron_trio.errors import ContextLengthError, RequestError
 

@@ -135,5 +135,7 @@ class EngineStatistics:
     prefix_cache_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_tokens: int = 0  # ... found there (not computed again)
     preemptions: int = 0  # sequences sent back to prefill when the pool ran out
-    speculative_proposed_tokens: int = 0  # draft tokens verified (engine/speculative.py)
+    speculative_proposed_tokens: int = (
+        0  # draft tokens verified (engine/speculation/speculative.py)
+    )
     speculative_accepted_tokens: int = 0  # ... that the model agreed with (kept)

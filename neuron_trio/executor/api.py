@@ -23,9 +23,9 @@ import msgspec
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.gguf import header_memo
+from neuron_trio.engine.gguf.builtin import builtin_model_path
 from neuron_trio.engine.kv_events import (
     DEFAULT_CAPACITY,
     AllClearedRecord,
@@ -36,8 +36,8 @@ from neuron_trio.engine.kv_events import (
 )
 from neuron_trio.engine.prompt import PreparedPrompt
 from neuron_trio.engine.text.chat_probe import probe_gguf_chat_template
-from neuron_trio.engine.text.compile_threads import CompileJob, CompileThreads
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
+from neuron_trio.engine.text.structured.compile_threads import CompileJob, CompileThreads
 from neuron_trio.engine.types import (
     GOOD_FINISH_REASONS,
     Constraint,
@@ -52,7 +52,7 @@ from neuron_trio.engine.types import (
 if TYPE_CHECKING:
     import torch
 
-    from neuron_trio.engine.model.weight_cache import WeightCache
+    from neuron_trio.engine.model.load.weight_cache import WeightCache
     from neuron_trio.engine.text.tokenizer import Tokenizer
     from neuron_trio.executor.comm import Communicator
 
@@ -103,7 +103,7 @@ class ServingEngine(Protocol):
     prepared and checked once (`prepare`), then sequences (`add` trusts the prepared prompt)
     and steps."""
 
-    tokenizer: Tokenizer  # /tokenize, /detokenize (service/tokenize.py): thread-safe reads
+    tokenizer: Tokenizer  # /tokenize, /detokenize (service/requests/tokenize.py): thread-safe reads
 
     # The effective context: the configured one capped by the model's own (sizing.py); what
     # /v1/models and /v1/node show once the model is loaded.
@@ -184,7 +184,7 @@ class ModelExecutor(Protocol):
 
 def weight_cache(directory: Path, max_bytes: int, *, min_file_bytes: int) -> WeightCache:
     """The packed-weight cache (`engine.model.weight_cache.WeightCache`) for `build_executor`."""
-    from neuron_trio.engine.model.weight_cache import WeightCache
+    from neuron_trio.engine.model.load.weight_cache import WeightCache
 
     return WeightCache(directory, max_bytes, min_file_bytes=min_file_bytes)
 
@@ -219,7 +219,7 @@ def estimate_gguf_bytes(
     the loader would store them (`engine.model.sizing`). Reads the header and tensor table
     only. ConfigError if the KV budget holds no block; ModelLoadError for an unusable file."""
     from neuron_trio.engine.gguf.file import GGUFFile
-    from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
+    from neuron_trio.engine.model.load.sizing import estimate_kv_bytes, estimate_weight_bytes
 
     with GGUFFile(path) as gguf:
         weights = estimate_weight_bytes(gguf, dtype, device)

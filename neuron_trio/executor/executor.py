@@ -27,17 +27,17 @@ import torch
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
-from neuron_trio.engine.draft_model import DraftModel, load_draft
 from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
 from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
-from neuron_trio.engine.model.load_phases import LoadPhases
-from neuron_trio.engine.model.loader import SingleRunner, load_transformer
+from neuron_trio.engine.model.load.load_phases import LoadPhases
+from neuron_trio.engine.model.load.loader import SingleRunner, load_transformer
+from neuron_trio.engine.model.load.sizing import EngineSizing, engine_sizing
+from neuron_trio.engine.model.load.weight_cache import WeightCache
 from neuron_trio.engine.model.runner import Runner
-from neuron_trio.engine.model.sizing import EngineSizing, engine_sizing
 from neuron_trio.engine.model.transformer import Transformer
-from neuron_trio.engine.model.weight_cache import WeightCache
+from neuron_trio.engine.speculation.draft_model import DraftModel, load_draft
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.types import SequenceEvent
 from neuron_trio.engine.warm_up import WarmUpReport, warm_up

@@ -38,7 +38,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuron_trio.config import OPERATOR_TENANT
 from neuron_trio.errors import RequestError
-from neuron_trio.http import body_discard
 from neuron_trio.http.access_log import ACCESS_SCOPE_KEY, AccessInfo, log_access
 from neuron_trio.http.metrics import HttpMetrics
 from neuron_trio.http.openai import error_body
@@ -49,6 +48,7 @@ from neuron_trio.http.tenancy import (
     TenantDirectory,
     key_tenant_name,
 )
+from neuron_trio.http.wire import body_discard
 
 __all__ = ["BodyTooLargeError", "NeuronMiddleware", "json_error_messages"]
 

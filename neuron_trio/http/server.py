@@ -22,9 +22,9 @@ from hypercorn.trio import serve
 from starlette.types import ASGIApp
 
 from neuron_trio.config import NeuronConfig
-from neuron_trio.http._hypercorn_fixes import apply_hypercorn_fixes
-from neuron_trio.http.connections import ConnectionTable
-from neuron_trio.http.h2_floods import NodeFloodBudget
+from neuron_trio.http.wire._hypercorn_fixes import apply_hypercorn_fixes
+from neuron_trio.http.wire.connections import ConnectionTable
+from neuron_trio.http.wire.h2_floods import NodeFloodBudget
 
 __all__ = ["BoundAddress", "RateLimitFilter", "hypercorn_config", "serve_http"]
 

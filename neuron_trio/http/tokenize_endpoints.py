@@ -13,7 +13,7 @@ a prompt's tokens before they send it.
 `model` may be left out (llama.cpp's clients never name one) while the node serves one model.
 They sit outside /v1, where llama.cpp and vLLM serve them, and need the API key as /v1 does
 (`middleware.KEYED_ROOT_ROUTES`). Inputs are bounded by the body limit, the messages by
-`server.max_messages`, a text by the model's context (service/tokenize.py), and a detokenized
+`server.max_messages`, a text by the model's context (service/requests/tokenize.py), and a detokenized
 list by MAX_DETOKENIZE_TOKENS.
 """
 

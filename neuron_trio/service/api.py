@@ -24,7 +24,7 @@ from neuron_trio.executor.api import (
     ToolCall,
     ToolFunction,
 )
-from neuron_trio.service.load_report import LoadReport
+from neuron_trio.service.documents.load_report import LoadReport
 
 __all__ = [
     "GOOD_FINISH_REASONS",
@@ -171,7 +171,7 @@ class NodeService(Protocol):
         ...
 
     async def tokenize(self, job: TokenizeJob) -> Tokenized:
-        """`job`'s token ids as its model's prompt would hold them (service/tokenize.py).
+        """`job`'s token ids as its model's prompt would hold them (service/requests/tokenize.py).
 
         Raises ModelNotFoundError (404), RequestError (400: no model named while several are
         loaded, a template that refuses the messages, a text far past the context),

@@ -14,7 +14,7 @@ that all stay alive (those 4,096 connections) is walked once or twice, not eight
 young collections stay as frequent as CPython's: most of a request's garbage dies there, and
 some of it holds native memory (a compiled grammar: megabytes in Rust), which a young
 generation of 10,000 instead of 700 kept ~250 MB longer in the grammar drill. With both, and
-with fix 8 of http/_hypercorn_fixes.py: /health answered within 0.6-0.8 s of those 4,096
+with fix 8 of http/wire/_hypercorn_fixes.py: /health answered within 0.6-0.8 s of those 4,096
 closes (1.5-2.2 s before), and within 0.4 s while they opened (0.4-1.5 s before).
 
 Frozen objects are still freed when their last reference goes; only a cycle among them would

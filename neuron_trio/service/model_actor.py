@@ -1,14 +1,14 @@
 """One trio actor per loaded model: a bounded queue in front of the engine's slots.
 
 Each request's prompt is prepared when it arrives, templated, tokenized and checked once
-(`service/prompt_intake.py`, `Engine.prepare`: a bad request gets its 400 before it waits
+(`service/requests/prompt_intake.py`, `Engine.prepare`: a bad request gets its 400 before it waits
 anywhere), then waits in a bounded queue; `engine.add` trusts the `PreparedPrompt`. The actor's
 loop is the only code that touches the engine's mutable state: between steps it admits queued
 requests into free slots and applies cancellations; while the engine has work it runs
 `executor.step()` on a worker thread (through the watchdog, which bounds it) and routes each
 event to its request's stream. Nothing blocking ever runs on the trio thread.
 
-Each request's events reach it through an `EventStream` (`service/event_stream.py`), bounded
+Each request's events reach it through an `EventStream` (`service/requests/event_stream.py`), bounded
 and never blocking the loop.
 """
 
@@ -40,21 +40,21 @@ from neuron_trio.executor.api import (
     panics_as_model_file_errors,
 )
 from neuron_trio.service.api import GenerationJob, Tokenized, TokenizeJob
-from neuron_trio.service.event_stream import EventStream
-from neuron_trio.service.executor_calls import ExecutorCalls
-from neuron_trio.service.grammar_compiles import GrammarCompiles, new_compile_threads
-from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
-from neuron_trio.service.model_state import ModelHealth, ModelState
-from neuron_trio.service.node_document import (
+from neuron_trio.service.documents.node_document import (
     KVCacheInfo,
     ModelInfo,
     ModelMemory,
     SpeculationInfo,
 )
-from neuron_trio.service.prompt_intake import prepare_job_prompt
-from neuron_trio.service.request_table import ActorRequest, RequestTable
-from neuron_trio.service.tenant_limits import TenantLimitError, TenantPolicy
-from neuron_trio.service.tokenize import detokenize_ids, tokenize_job
+from neuron_trio.service.metrics.model import ModelActorStatistics, ModelMetrics
+from neuron_trio.service.model_state import ModelHealth, ModelState
+from neuron_trio.service.requests.event_stream import EventStream
+from neuron_trio.service.requests.executor_calls import ExecutorCalls
+from neuron_trio.service.requests.grammar_compiles import GrammarCompiles, new_compile_threads
+from neuron_trio.service.requests.prompt_intake import prepare_job_prompt
+from neuron_trio.service.requests.request_table import ActorRequest, RequestTable
+from neuron_trio.service.requests.tenant_limits import TenantLimitError, TenantPolicy
+from neuron_trio.service.requests.tokenize import detokenize_ids, tokenize_job
 from neuron_trio.service.wedge.records import InflightRequest
 from neuron_trio.service.wedge.watchdog import Watchdog
 
@@ -98,7 +98,7 @@ class ModelActor:
     fails the in-flight and queued requests with UnavailableError (503), and the loop awaits
     `watchdog.recover(executor)`, which returns once serving again (or never: exit 70).
     Without a watchdog (tests, tools) steps run on a plain worker thread, unbounded
-    (`service/executor_calls.py`).
+    (`service/requests/executor_calls.py`).
     """
 
     def __init__(

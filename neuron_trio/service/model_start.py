@@ -31,8 +31,8 @@ from neuron_trio.executor.api import (
     use_gguf_header_store,
     weight_cache,
 )
-from neuron_trio.service.fingerprint import model_fingerprint
-from neuron_trio.service.node_document import ModelMemory
+from neuron_trio.service.documents.fingerprint import model_fingerprint
+from neuron_trio.service.documents.node_document import ModelMemory
 from neuron_trio.service.placement import (
     GpuSnapshotLike,
     ModelEstimate,

@@ -52,9 +52,15 @@ from neuron_trio.service.api import (
     Tokenized,
     TokenizeJob,
 )
-from neuron_trio.service.event_stream import EventStream
-from neuron_trio.service.kv_events_publisher import KVEventsCollector, KVEventsPublisher
-from neuron_trio.service.load_report import LoadReport, model_load, node_load
+from neuron_trio.service.documents.load_report import LoadReport, model_load, node_load
+from neuron_trio.service.documents.node_report import (
+    health_status,
+    live_gpus,
+    node_document,
+    node_statistics,
+)
+from neuron_trio.service.documents.timefmt import utc_iso
+from neuron_trio.service.kv_events.kv_events_publisher import KVEventsCollector, KVEventsPublisher
 from neuron_trio.service.metrics.model import ModelActorStatistics, NodeMetrics
 from neuron_trio.service.metrics.node import NodeCollector, NodeStatistics, TokenRates
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
@@ -69,12 +75,11 @@ from neuron_trio.service.model_start import (
     errors_naming_the_source,
     place_model,
 )
-from neuron_trio.service.node_report import health_status, live_gpus, node_document, node_statistics
 from neuron_trio.service.placement import host_memory_available
 from neuron_trio.service.process.download_progress import LOAD_SILENCE_S, DownloadProgress
+from neuron_trio.service.requests.event_stream import EventStream
+from neuron_trio.service.requests.tenant_limits import policies_from_config
 from neuron_trio.service.sources import HubLimits
-from neuron_trio.service.tenant_limits import policies_from_config
-from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.wedge.deadman import Deadman
 from neuron_trio.service.wedge.forensics import LastForensics, find_last_forensics
 from neuron_trio.service.wedge.watchdog import Watchdog

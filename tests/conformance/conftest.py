@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.engine.gguf.builtin import builtin_model_path
 from tests.neuron_process import builtin_daemon, skip_without_builtin_model
 
 MODEL = "smollm2-135m"

@@ -1,5 +1,5 @@
 """A real `neuron serve` fills the packed-weight cache on its first start and maps it on the
-next (engine/model/weight_cache.py), logging where the start-up time went each time."""
+next (engine/model/load/weight_cache.py), logging where the start-up time went each time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.load import packing
 from tests.engine.tiny_gguf import write_tiny_llama
 from tests.neuron_process import free_port, spawn_neuron, stop_neuron, wait_ready, write_config
 

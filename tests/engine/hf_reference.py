@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_trio.engine.builtin import builtin_model_path
+from neuron_trio.engine.gguf.builtin import builtin_model_path
 from neuron_trio.errors import SourceError
 
 

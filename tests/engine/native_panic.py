@@ -7,7 +7,7 @@ tokenizer is built from metadata, so gguf_checks' limit on token length is not i
 
 from __future__ import annotations
 
-from neuron_trio.engine.text.grammar import GrammarCompiler
+from neuron_trio.engine.text.structured.grammar import GrammarCompiler
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from tests.engine.tiny_gguf import tiny_vocab
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, RESERVED_BLOCKS, blocks_for
-from neuron_trio.engine.model.loader import SingleRunner
+from neuron_trio.engine.model.load.loader import SingleRunner
 from neuron_trio.engine.model.transformer import Transformer
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_trio.engine.builtin import builtin_model_path
 from neuron_trio.engine.engine import Engine
+from neuron_trio.engine.gguf.builtin import builtin_model_path
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import SourceError
 from tests.engine.drain import drain

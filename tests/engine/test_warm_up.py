@@ -183,7 +183,7 @@ def test_the_long_request_reaches_the_dense_rows_with_a_tokenizer_of_whole_words
     word as one token (the built-in model's: "hello" and " hello" are tokens), it still makes
     a prefill of NATIVE_DENSE_MIN_ROWS rows."""
     from neuron_trio.engine import warm_up as warm_up_module
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
     from neuron_trio.engine.gguf.file import GGUFFile
     from neuron_trio.engine.text.tokenizer import Tokenizer
 

@@ -12,9 +12,9 @@ import torch
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.engine import PREFILL_CHUNK
-from neuron_trio.engine.model import packing
-from neuron_trio.engine.model.load_phases import LoadPhases
-from neuron_trio.engine.model.weight_cache import WeightCache
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.load_phases import LoadPhases
+from neuron_trio.engine.model.load.weight_cache import WeightCache
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
 from neuron_trio.executor.api import RankInfo

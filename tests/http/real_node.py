@@ -17,7 +17,7 @@ MODEL = "smollm2-135m"
 
 
 def builtin_available() -> bool:
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     try:
         builtin_model_path()

@@ -19,16 +19,16 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 
 from neuron_trio.http import server as http_server
-from neuron_trio.http.connections import ConnectionTable
-from neuron_trio.http.h2_floods import (
+from neuron_trio.http.metrics import http_metrics
+from neuron_trio.http.middleware import NeuronMiddleware
+from neuron_trio.http.wire.connections import ConnectionTable
+from neuron_trio.http.wire.h2_floods import (
     ControlFrame,
     FloodGuard,
     FloodVerdict,
     NodeFloodBudget,
     TokenBucket,
 )
-from neuron_trio.http.metrics import http_metrics
-from neuron_trio.http.middleware import NeuronMiddleware
 from tests.http.fake_node import FakeNode
 from tests.http.h2_frames import Frames
 from tests.http.http_harness import chat_body, h2_client, make_config, run, serving

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_trio.service.fingerprint import EDGE_BYTES, model_fingerprint
+from neuron_trio.service.documents.fingerprint import EDGE_BYTES, model_fingerprint
 from tests.http.error_body import assert_error
 from tests.http.fake_node import FakeNode
 from tests.http.http_harness import chat_body, h2_client, run, serving, sse_events

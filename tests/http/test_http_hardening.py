@@ -134,7 +134,7 @@ def test_data_after_an_early_response_resets_the_stream_and_the_server_stays_up(
 ) -> None:
     """A 401 client that keeps sending body: at most DISCARD_* is read, then RST_STREAM;
     before, hypercorn's KeyError on DATA for the ended stream stopped the whole server."""
-    from neuron_trio.http import body_discard
+    from neuron_trio.http.wire import body_discard
 
     monkeypatch.setattr(body_discard, "BEFORE_END_BYTES", 10_000)
     monkeypatch.setattr(body_discard, "AFTER_END_BYTES", 10_000)
@@ -173,7 +173,7 @@ def test_data_after_an_early_response_resets_the_stream_and_the_server_stays_up(
 def test_a_trickled_body_after_401_does_not_hold_the_stream(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from neuron_trio.http import body_discard
+    from neuron_trio.http.wire import body_discard
 
     monkeypatch.setattr(body_discard, "BEFORE_END_TIMEOUT_S", 0.2)
     monkeypatch.setattr(body_discard, "AFTER_END_BYTES", 0)

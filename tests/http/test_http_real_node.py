@@ -52,7 +52,7 @@ def test_openai_client_and_disconnect_against_the_real_node(tmp_path: Path) -> N
                 assert usage is not None and usage.completion_tokens == 4
 
                 # the same prompt as token ids: the same greedy completion
-                from neuron_trio.engine.builtin import builtin_model_path
+                from neuron_trio.engine.gguf.builtin import builtin_model_path
                 from neuron_trio.engine.gguf.file import GGUFFile
                 from neuron_trio.engine.text.tokenizer import Tokenizer
 

@@ -29,12 +29,12 @@ from hypercorn.trio.worker_context import EventWrapper, TrioSingleTask
 
 from neuron_trio import daemon
 from neuron_trio.config import config_from_mapping
-from neuron_trio.http import _hypercorn_fixes as fixes
-from neuron_trio.http import _hypercorn_floods as floods
-from neuron_trio.http import _hypercorn_h2 as h2_fixes
-from neuron_trio.http import body_discard
-from neuron_trio.http.connections import ConnectionTable
-from neuron_trio.http.h2_floods import NodeFloodBudget
+from neuron_trio.http.wire import _hypercorn_fixes as fixes
+from neuron_trio.http.wire import _hypercorn_floods as floods
+from neuron_trio.http.wire import _hypercorn_h2 as h2_fixes
+from neuron_trio.http.wire import body_discard
+from neuron_trio.http.wire.connections import ConnectionTable
+from neuron_trio.http.wire.h2_floods import NodeFloodBudget
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""Admission between tenants (service/request_table.py with engine/fair_share.py) and each
-tenant's own limits (service/tenant_limits.py), over the fake engine; time is a MockClock."""
+"""Admission between tenants (service/requests/request_table.py with engine/fair_share.py) and each
+tenant's own limits (service/requests/tenant_limits.py), over the fake engine; time is a MockClock."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import QueueFullError
 from neuron_trio.service.api import GenerationJob
-from neuron_trio.service.event_stream import EventStream
 from neuron_trio.service.model_actor import ModelActor
-from neuron_trio.service.request_table import ActorRequest, RequestTable
-from neuron_trio.service.tenant_limits import (
+from neuron_trio.service.requests.event_stream import EventStream
+from neuron_trio.service.requests.request_table import ActorRequest, RequestTable
+from neuron_trio.service.requests.tenant_limits import (
     TenantLimitError,
     TenantPolicy,
     TokenWindow,

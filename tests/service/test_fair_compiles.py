@@ -9,9 +9,9 @@ import threading
 import trio
 import trio.testing
 
-from neuron_trio.engine.text.compile_threads import CompileJob, CompileThreads
+from neuron_trio.engine.text.structured.compile_threads import CompileJob, CompileThreads
 from neuron_trio.engine.types import Constraint
-from neuron_trio.service.grammar_compiles import GrammarCompiles
+from neuron_trio.service.requests.grammar_compiles import GrammarCompiles
 
 WAIT_S = 30.0  # a bound on a wait that should take microseconds: never reached when it works
 

@@ -23,8 +23,8 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.service.api import ChatMessage, GenerationJob
-from neuron_trio.service.event_stream import EventStream, merge_events
 from neuron_trio.service.model_actor import ModelActor
+from neuron_trio.service.requests.event_stream import EventStream, merge_events
 
 from .actor_harness import (
     PROBE_INTERVAL,

@@ -86,7 +86,7 @@ def test_explicit_devices_must_exist() -> None:
 
 @pytest.mark.slow
 def test_estimate_builtin_model() -> None:
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     path = builtin_model_path()
     f32 = estimate_model_bytes(spec(dtype="float32", max_batch=8, context=4096), path)

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_trio.config import config_from_mapping
 from neuron_trio.engine.types import EngineStatistics
-from neuron_trio.service.kv_events_publisher import KVEventsPublisher
-from neuron_trio.service.load_report import IDLE, LoadReport, model_load, node_load
+from neuron_trio.service.documents.load_report import IDLE, LoadReport, model_load, node_load
+from neuron_trio.service.kv_events.kv_events_publisher import KVEventsPublisher
 from neuron_trio.service.metrics.model import ModelActorStatistics
 from neuron_trio.service.node import Node
 

@@ -1,4 +1,4 @@
-"""GGML block formats → torch (the weights' packing for the kernels: engine/model/packing.py).
+"""GGML block formats → torch (the weights' packing for the kernels: engine/model/load/packing.py).
 
 Dequantisation works on the raw bytes of a tensor (a uint8 view of the memory-mapped file,
 `[n_blocks, type_size]`) with vectorised torch ops: the whole tensor at once, no Python loop

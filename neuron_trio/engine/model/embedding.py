@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from neuron_trio.engine.gguf import quant
-from neuron_trio.engine.model.layer_parts import LayerParts, expect, int_field
+from neuron_trio.engine.model.load.layer_parts import LayerParts, expect, int_field
 
 
 class QuantizedEmbedding(nn.Module):

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_trio.engine.gguf import quant
-from neuron_trio.engine.model import packing
-from neuron_trio.engine.model.layer_parts import (
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.layer_parts import (
     LayerParts,
     dtype_name,
     dtype_of,

@@ -48,7 +48,7 @@ from neuron_trio.errors import ApiError
 T = TypeVar("T")
 
 # The largest string or list one operation may produce (characters or items). A prompt is at
-# most context x 64 characters (service/prompt_intake.py): 4 MiB covers a 64k context.
+# most context x 64 characters (service/requests/prompt_intake.py): 4 MiB covers a 64k context.
 MAX_VALUE_CHARS = 4 << 20
 # Everything one render produces, summed over its operations (the render's memory bound).
 MAX_RENDER_CHARS = 64 << 20

@@ -8,7 +8,7 @@ bound, past MAX_TENANT_LABELS distinct names the rest count under OTHER_LABEL, a
 without a tenant (no key configured) under NO_TENANT_LABEL. Neither can be a tenant's name
 (config.TenantName starts with a letter or digit).
 
-Counted by the model actors (service/request_table.py) as each event happens, over all
+Counted by the model actors (service/requests/request_table.py) as each event happens, over all
 models: a tenant's figures are the node's, whichever model served them.
 """
 

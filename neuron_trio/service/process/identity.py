@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from neuron_trio.errors import ConfigError
-from neuron_trio.service.timefmt import utc_iso
+from neuron_trio.service.documents.timefmt import utc_iso
 
 log = logging.getLogger(__name__)
 

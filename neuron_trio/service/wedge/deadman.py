@@ -25,7 +25,7 @@ import msgspec
 import trio
 
 from neuron_trio.errors import EX_SOFTWARE
-from neuron_trio.service.timefmt import utc_iso
+from neuron_trio.service.documents.timefmt import utc_iso
 from neuron_trio.service.wedge import forensics
 
 log = logging.getLogger("neuron.deadman")

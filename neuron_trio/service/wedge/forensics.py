@@ -26,7 +26,7 @@ import msgspec
 
 from neuron_trio.gpu.nvml import GpuProbe, NvmlProbe
 from neuron_trio.gpu.smi import run_nvidia_smi
-from neuron_trio.service.timefmt import utc_iso
+from neuron_trio.service.documents.timefmt import utc_iso
 
 T = TypeVar("T")
 

@@ -42,9 +42,9 @@ import trio
 from neuron_trio.config import WatchdogConfig
 from neuron_trio.errors import StepTimeoutError, UnavailableError
 from neuron_trio.executor.api import ModelExecutor
+from neuron_trio.service.documents.timefmt import utc_iso
 from neuron_trio.service.metrics.watchdog import WatchdogMetrics
 from neuron_trio.service.model_state import HealthReport
-from neuron_trio.service.timefmt import utc_iso
 from neuron_trio.service.wedge.deadman import Deadman
 from neuron_trio.service.wedge.records import (
     InflightRequest,

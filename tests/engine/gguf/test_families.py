@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.engine.model.placement import WINDOW_ALIGN
 from neuron_trio.engine.model.transformer import Transformer
 from neuron_trio.engine.text.chat import ChatTemplate, end_of_turn_ids

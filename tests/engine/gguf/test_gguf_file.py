@@ -12,7 +12,7 @@ import torch
 
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.gguf.file import GGUFFile, permute_qk, unpermute_qk
-from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.load import packing
 from neuron_trio.errors import ModelLoadError, UnsupportedModelError
 from tests.engine.tiny_gguf import (
     BOS_ID,
@@ -193,7 +193,7 @@ def test_auto_on_cpu_keeps_new_formats_quantised(
     Q2_K and Q3_K's scales per 16 weights, Q6_K) take its wider int8 layer; without the
     kernel, all of them torch's int8 kernel. The layer's dense copy (kept for prefill: here
     asked for) equals the file's float32 dequantisation (to bfloat16)."""
-    from neuron_trio.engine.model.loader import load_transformer
+    from neuron_trio.engine.model.load.loader import load_transformer
 
     monkeypatch.setenv("NEURON_DENSE_COPIES", "1")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from neuron_trio.engine.model import packing
+from neuron_trio.engine.model.load import packing
 
 KERNEL = packing.native_kernel()
 # "avx2-int8": AVX2 without its int16 paths (each pass as int8 dots), kept to hold them to its bits

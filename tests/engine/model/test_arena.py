@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_trio.engine.model import arena, packing
+from neuron_trio.engine.model import arena
 from neuron_trio.engine.model.linear import NativeLinear
-from neuron_trio.engine.model.loader import load_transformer
-from neuron_trio.engine.model.module_codec import Snapshot
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.loader import load_transformer
+from neuron_trio.engine.model.load.module_codec import Snapshot
+from neuron_trio.engine.model.load.weight_cache import WeightCache
 from neuron_trio.engine.model.transformer import Transformer
-from neuron_trio.engine.model.weight_cache import WeightCache
 from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_families import write_tiny_family
 

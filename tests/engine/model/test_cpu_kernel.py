@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf import quant
-from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS, Q4Linear, Q8Linear
+from neuron_trio.engine.model.load import packing
 from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture, usable_isas
 
 KERNEL = packing.native_kernel()
@@ -449,7 +449,7 @@ def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
     """4-bit weights take Q4Linear; weights beyond float16's range (its scales) or with rows
     not a multiple of its tile take torch's int4 kernel."""
     from neuron_trio.engine.model.linear import Int4Linear
-    from neuron_trio.engine.model.loader import make_linear
+    from neuron_trio.engine.model.load.loader import make_linear
 
     cpu = torch.device("cpu")
     w = torch.randn(32, 64)
@@ -468,7 +468,7 @@ def test_the_native_layers_keep_a_prefill_copy_only_when_asked(
     (memory first: issue 49). The native layers follow it; torch's int kernels keep their copy
     always (their large-batch GEMM is far slower than a dense one)."""
     from neuron_trio.engine.model.linear import Int4Linear
-    from neuron_trio.engine.model.loader import make_linear
+    from neuron_trio.engine.model.load.loader import make_linear
 
     if forced is None:
         monkeypatch.delenv("NEURON_DENSE_COPIES", raising=False)
@@ -693,8 +693,8 @@ def test_the_models_native_rope_is_as_close_to_float32_as_torchs() -> None:
     """The built-in model under "auto" with RoPE and the K/V write in the kernel, against the
     same with torch's RoPE, both against float32: over a prefill and decode steps, on
     scattered blocks (the write's index case) and on consecutive ones (its slice case)."""
-    from neuron_trio.engine.builtin import builtin_model_path
-    from neuron_trio.engine.model.loader import load_transformer
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
+    from neuron_trio.engine.model.load.loader import load_transformer
     from tests.engine.slot_runner import SlotRunner
 
     path = builtin_model_path()

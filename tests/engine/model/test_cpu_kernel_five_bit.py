@@ -14,9 +14,9 @@ import torch
 
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear, StackedLinear
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.loader import load_transformer
 from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture
 from tests.engine.model.weight_reads import record_weight_reads
 from tests.engine.tiny_gguf import write_tiny_llama

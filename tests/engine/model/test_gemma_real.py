@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from tests.engine.slot_runner import SlotRunner
 from tests.gemma_model import PROMPTS, gemma_path

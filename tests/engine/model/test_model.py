@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model import loader, packing
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import (
     DENSE_MIN_ROWS,
@@ -26,9 +25,10 @@ from neuron_trio.engine.model.linear import (
     RefinedHead,
     dense_prefill_rows,
 )
-from neuron_trio.engine.model.loader import ShardFn, SingleRunner, load_transformer
+from neuron_trio.engine.model.load import loader, packing
+from neuron_trio.engine.model.load.loader import ShardFn, SingleRunner, load_transformer
+from neuron_trio.engine.model.load.sizing import estimate_kv_bytes, estimate_weight_bytes
 from neuron_trio.engine.model.runner import Runner
-from neuron_trio.engine.model.sizing import estimate_kv_bytes, estimate_weight_bytes
 from tests.engine.model.weight_reads import record_weight_reads
 from tests.engine.slot_runner import SlotRunner, slot_pool_blocks, slot_tables
 from tests.engine.tiny_gguf import tiny_vocab, tiny_weights, write_tiny_llama

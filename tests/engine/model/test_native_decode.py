@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from neuron_trio.engine.block_pool import BLOCK_TOKENS, NULL_BLOCK
-from neuron_trio.engine.model import native_decode, packing, placement
+from neuron_trio.engine.model import native_decode, placement
 from neuron_trio.engine.model import transformer as transformer_module
 from neuron_trio.engine.model.linear import Q8Linear
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.engine.model.transformer import Transformer
 from tests.engine.model.kernel_isas import ALL_ISAS, isa_fixture
 from tests.engine.slot_runner import SlotRunner

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.engine.model.transformer import Transformer
 from tests.engine.hf_reference import load_hf_reference
 from tests.engine.slot_runner import SlotRunner

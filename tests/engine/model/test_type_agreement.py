@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from neuron_trio.engine.model import packing
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.loader import load_transformer
 
 pytestmark = pytest.mark.skipif(
     packing.native_kernel() is None, reason="needs the native kernel (AVX2 or AVX-512 VNNI)"
@@ -55,7 +55,7 @@ def test_auto_agrees_with_float32_on_each_type(
     tmp_path_factory: pytest.TempPathFactory, fmt: str
 ) -> None:
     from bench.bench_decode import PROMPTS, top1_agreement
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
     from neuron_trio.engine.gguf.file import GGUFFile
     from neuron_trio.engine.text.tokenizer import Tokenizer
     from tests.engine.model.requantize import requantize

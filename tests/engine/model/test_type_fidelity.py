@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf import quant
-from neuron_trio.engine.model import packing
 from neuron_trio.engine.model.linear import Q4Linear, Q8Linear
-from neuron_trio.engine.model.load_phases import LoadPhases
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load import packing
+from neuron_trio.engine.model.load.load_phases import LoadPhases
+from neuron_trio.engine.model.load.loader import load_transformer
 from tests.engine.tiny_gguf import write_tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -210,7 +210,7 @@ def test_int8_codes_are_the_files_weights(fmt: quant.QType) -> None:
 def test_a_grouped_int8_layer_is_cached_and_rebuilt_by_its_constructor() -> None:
     """The weight cache stores a layer by its class and parts: the grouped int8 layer (one
     Q8Linear with a scale per 32) comes back with its scales and kind, the same bits."""
-    from neuron_trio.engine.model.module_codec import Snapshot, decode
+    from neuron_trio.engine.model.load.module_codec import Snapshot, decode
 
     kernel = packing.native_kernel()
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))

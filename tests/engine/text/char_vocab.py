@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from neuron_trio.engine.text.grammar import (
+from neuron_trio.engine.text.structured.grammar import (
     GrammarCompiler,
     allowed_tokens,
     detect_tool_format,

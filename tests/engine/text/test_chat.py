@@ -114,7 +114,7 @@ def test_end_of_turn_ids() -> None:
 
 @pytest.fixture(scope="module")
 def builtin_path() -> Path:
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     return builtin_model_path()
 

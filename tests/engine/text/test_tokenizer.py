@@ -337,7 +337,7 @@ DIGIT_TEXTS = ["   12  34 \n 5", "a  12", "x = 1", "½ ² ³ ٣"]
 
 @pytest.fixture(scope="module")
 def builtin_path() -> Path:
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     return builtin_model_path()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model.loader import load_transformer
+from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.errors import ConfigError
 from neuron_trio.executor.tp.inprocess import InProcessCommunicator
 from neuron_trio.executor.tp.sharding import check_tp, rank_shapes, shard_fn

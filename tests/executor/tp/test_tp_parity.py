@@ -26,7 +26,7 @@ CONTEXT = 64
 
 
 def _builtin() -> Path:
-    from neuron_trio.engine.builtin import builtin_model_path
+    from neuron_trio.engine.gguf.builtin import builtin_model_path
 
     try:
         return builtin_model_path()
@@ -36,7 +36,7 @@ def _builtin() -> Path:
 
 def _runners(dtype: str, slots: int = 1):
     from neuron_trio.engine.gguf.file import GGUFFile
-    from neuron_trio.engine.model.loader import load_transformer
+    from neuron_trio.engine.model.load.loader import load_transformer
 
     with GGUFFile(_builtin()) as gguf:
         config = gguf.config

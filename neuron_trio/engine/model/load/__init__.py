@@ -1,0 +1,1 @@
+"""Loading a model file: read, pack, cache and restore its layers."""

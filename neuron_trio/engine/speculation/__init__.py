@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals from the prompt or a draft model, verified."""

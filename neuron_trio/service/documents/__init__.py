@@ -1,0 +1,1 @@
+"""What the node reports about itself: /v1/node, `neuron status`, load reports."""

@@ -1,0 +1,1 @@
+"""KV-cache events published to routers: the wire format and the publisher."""
