@@ -282,18 +282,7 @@ def build_executor(
             max_batch=spec.max_batch,
             context=spec.context,
         )
-        models = [
-            load_transformer(
-                gguf,
-                dtype=spec.dtype,
-                device=rank_devices[rank],
-                shard=shard_fn(config, rank, tp) if tp > 1 else None,
-                tp=tp,
-                weight_cache=weight_cache if tp == 1 else None,
-                phases=phases,
-            )
-            for rank in range(tp)
-        ]
+        models = _load_ranks(gguf, spec, rank_devices, weight_cache, phases)
         with phases.phase("tokenizer"):
             store = None if weight_cache is None else CachedMerges(weight_cache, phases)
             tokenizer = Tokenizer.from_gguf(gguf, merges_store=store)
@@ -325,6 +314,30 @@ def build_executor(
         ranks=_ranks(config, rank_devices),
         failpoints=failpoints,
     )
+
+
+def _load_ranks(
+    gguf: GGUFFile,
+    spec: ModelConfig,
+    rank_devices: list[torch.device],
+    weight_cache: WeightCache | None,
+    phases: LoadPhases,
+) -> list[Transformer]:
+    """Each rank's part of the model (the whole model at tp = 1, the only case the packed-weight
+    cache serves)."""
+    tp = spec.tp
+    return [
+        load_transformer(
+            gguf,
+            dtype=spec.dtype,
+            device=rank_devices[rank],
+            shard=shard_fn(gguf.config, rank, tp) if tp > 1 else None,
+            tp=tp,
+            weight_cache=weight_cache if tp == 1 else None,
+            phases=phases,
+        )
+        for rank in range(tp)
+    ]
 
 
 def _draft_model(
