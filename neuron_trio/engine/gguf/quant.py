@@ -260,10 +260,7 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
         return flat.view(torch.float16).float().reshape(shape)
     if qtype == QType.BF16:
         return flat.view(torch.bfloat16).float().reshape(shape)
-    block, type_size = BLOCK_SIZES[qtype]
-    if shape[-1] % block:
-        raise ValueError(f"{qtype.name}: last dimension {shape[-1]} is not a multiple of {block}")
-    return _DEQUANT[qtype](flat.reshape(-1, type_size)).reshape(shape)
+    return _DEQUANT[qtype](flat.reshape(-1, _block_bytes(qtype, shape))).reshape(shape)
 
 
 # The formats whose weights are w = scale · q + minimum per group of 32 inputs, with q the
@@ -311,10 +308,7 @@ def affine_codes(
     if qtype not in AFFINE:
         raise ValueError(f"{qtype.name} has no 4- or 5-bit affine codes")
     out_f, in_f = shape
-    block, type_size = BLOCK_SIZES[qtype]
-    if in_f % block:
-        raise ValueError(f"{qtype.name}: last dimension {in_f} is not a multiple of {block}")
-    q, scale, minimum = _block_codes(raw.reshape(-1, type_size), qtype)
+    q, scale, minimum = _block_codes(raw.reshape(-1, _block_bytes(qtype, shape)), qtype)
     groups = in_f // 32
     return (
         q.reshape(out_f, in_f),
@@ -330,6 +324,15 @@ def five_bit_codes(
     if qtype not in FIVE_BIT:
         raise ValueError(f"{qtype.name} is not a 5-bit format")
     return affine_codes(raw, qtype, shape)
+
+
+def _block_bytes(qtype: QType, shape: tuple[int, ...]) -> int:
+    """The bytes of one of `qtype`'s blocks, once the rows of `shape` are seen to be whole
+    blocks (ValueError naming the type otherwise)."""
+    block, type_size = BLOCK_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"{qtype.name}: last dimension {shape[-1]} is not a multiple of {block}")
+    return type_size
 
 
 def raw_nbytes(qtype: QType, n_elements: int) -> int:
@@ -390,9 +393,7 @@ def int8_codes(
     if qtype not in GROUPED8:
         raise ValueError(f"{qtype.name} has no int8 codes per 32")
     out_f, in_f = shape
-    block, type_size = BLOCK_SIZES[qtype]
-    if in_f % block:
-        raise ValueError(f"{qtype.name}: last dimension {in_f} is not a multiple of {block}")
+    type_size = _block_bytes(qtype, shape)
     if qtype not in GROUPED8_EXACT:
         return grid8(dequantize(raw, qtype, shape))
     q, scale = _grouped8_blocks(raw.reshape(-1, type_size), qtype)
