@@ -376,6 +376,24 @@ class Engine:
             seq.finish_reason = "cancelled"
         return sorted({seq.group_id or seq.seq_id for seq in dropped})
 
+    def park(self, seq_id: int) -> bool:
+        """Give request `seq_id`'s slot back for now (a lighter tenant waits): its sequence is
+        preempted, its full blocks stay cached, and it produces nothing until `resume`; its
+        output then goes on exactly as if it had not stopped. False (nothing done) unless it
+        is one decoding sequence (not n choices, nor collecting prompt logprobs)."""
+        seq = self.scheduler.get(seq_id)
+        if seq is None or seq_id in self._groups or seq.status is not SequenceStatus.DECODING:
+            return False
+        if seq.collects_prompt_logprobs:
+            return False
+        self.scheduler.park(seq)
+        return True
+
+    def resume(self, seq_id: int) -> None:
+        """Run parked `seq_id` again (NoFreeSlotError without a free slot; `can_admit` with
+        its prompt and output says whether the pool holds it now)."""
+        self.scheduler.resume(seq_id)
+
     @property
     def free_slots(self) -> int:
         return self.scheduler.free_slots

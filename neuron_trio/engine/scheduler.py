@@ -26,6 +26,10 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   preempt any younger sequence, or an older one of a tenant that has received more service
   than its own; among those, the heaviest tenant's youngest (itself, if that is it). One
   tenant (or none): exactly the rules above;
+- `park` takes a decoding sequence out of the running set (its slot goes to a lighter
+  tenant's waiting request: service/requests/request_table.py): it is preempted as above
+  (its full blocks stay cached) and waits outside max_batch until `resume` takes it back as
+  the youngest, to be prefilled again without sampling;
 - `cache_blocks` (after a step) registers the blocks that became full in the prefix cache;
 - `release` gives a finished or cancelled sequence's blocks back at once.
 """
@@ -87,6 +91,8 @@ class Scheduler:
         # blocks of the pool.
         self._active: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self._looked_up: set[int] = set()  # sequences whose prefill start checked the cache
+        # Parked sequences (`park`): preempted, holding no block and no slot, until `resume`.
+        self._parked: dict[int, Sequence] = {}
         self.preemptions = 0
         # The tenants' counters (the model actor's, read during a step): None, one tenant.
         self.fair: FairShare | None = None
@@ -105,7 +111,9 @@ class Scheduler:
         return list(self._active.values())
 
     def get(self, seq_id: int) -> Sequence | None:
-        return self._active.get(seq_id)
+        """The sequence `seq_id`, running or parked."""
+        seq = self._active.get(seq_id)
+        return seq if seq is not None else self._parked.get(seq_id)
 
     def count(self, status: SequenceStatus) -> int:
         return sum(1 for seq in self._active.values() if seq.status is status)
@@ -120,15 +128,36 @@ class Scheduler:
         seq.prefilled = 0
         self._active[seq.seq_id] = seq
 
+    def park(self, seq: Sequence) -> None:
+        """Free `seq`'s slot: it is preempted (blocks back, full ones cached) and waits,
+        holding nothing, for `resume`. Only a DECODING sequence may be parked."""
+        if self._active.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.DECODING:
+            raise ValueError(f"sequence {seq.seq_id} is not decoding here")
+        del self._active[seq.seq_id]
+        self._preempt(seq)
+        self._parked[seq.seq_id] = seq
+
+    def resume(self, seq_id: int) -> None:
+        """Take parked `seq_id` back as the youngest (it prefills again, without sampling);
+        NoFreeSlotError if max_batch run."""
+        if seq_id not in self._parked:
+            raise ValueError(f"sequence {seq_id} is not parked")
+        if len(self._active) >= self.max_batch:
+            raise NoFreeSlotError(f"all {self.max_batch} sequences of max_batch are running")
+        self._active[seq_id] = self._parked.pop(seq_id)
+
     def release(self, seq: Sequence) -> None:
         """Mark `seq` finished and give its blocks back (no-op if it is not active)."""
-        if self._active.pop(seq.seq_id, None) is None:
+        if (
+            self._active.pop(seq.seq_id, None) is None
+            and self._parked.pop(seq.seq_id, None) is None
+        ):
             return
         seq.status = SequenceStatus.FINISHED
         self._drop_blocks(seq)
 
     def release_all(self) -> list[Sequence]:
-        dropped = list(self._active.values())
+        dropped = [*self._active.values(), *self._parked.values()]
         for seq in dropped:
             self.release(seq)
         return dropped

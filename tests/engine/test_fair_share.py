@@ -204,3 +204,49 @@ def test_fair_preemption_keeps_every_output_exact_and_always_progresses(trial: i
     assert not pending and not engine.has_work, "stalled"
     for seq_id, (_, prompt, max_tokens) in requests.items():
         assert tokens[seq_id] == run_alone(prompt, greedy(max_tokens))
+
+
+def test_a_parked_sequence_frees_its_slot_and_resumes_with_the_same_tokens() -> None:
+    # Parking (a lighter tenant takes the slot: request_table.py) is a preemption out of
+    # max_batch: the stream pauses, then every token is the one it would have had.
+    engine, _ = fake_engine(max_batch=2, prefill_chunk=64, blocks=12)
+    heavy, light = prompt_ids(21, 1), prompt_ids(9, 2)
+    a = engine.add(heavy, greedy(30), chat=False, tenant="flood")
+    engine.add(prompt_ids(12, 3), greedy(30), chat=False, tenant="flood")
+    assert not engine.park(a)  # still prefilling: nothing to park yet
+    events: dict[int, list[SequenceEvent]] = {}
+
+    def step() -> None:
+        for event in engine.step():
+            events.setdefault(event.seq_id, []).append(event)
+
+    for _ in range(6):
+        step()
+    assert engine.free_slots == 0 and engine.park(a)
+    seq_a = engine.scheduler.get(a)
+    assert seq_a is not None and seq_a.blocks == [] and engine.free_slots == 1
+    c = engine.add(light, greedy(5), chat=False, tenant="calm")  # the freed slot
+    produced = len(events[a])
+    while c not in events or events[c][-1].finish_reason is None:
+        step()
+        assert len(events[a]) == produced  # parked: nothing produced
+    engine.resume(a)
+    while engine.has_work:
+        step()
+    got = [t for e in events[a] for t in e.token_ids]
+    assert got == run_alone(heavy, greedy(30))
+    assert [e.completion_tokens for e in events[a]] == list(range(1, 31))  # no gap but time
+    assert [t for e in events[c] for t in e.token_ids] == run_alone(light, greedy(5))
+
+
+def test_parked_sequences_are_cancelled_like_running_ones() -> None:
+    engine, _ = fake_engine(max_batch=2, prefill_chunk=64, blocks=12)
+    a = engine.add(prompt_ids(9, 1), greedy(30), chat=False)
+    b = engine.add(prompt_ids(9, 2), greedy(30), chat=False)
+    engine.step()
+    assert engine.park(a) and engine.park(b)
+    engine.cancel(a)
+    assert engine.scheduler.get(a) is None
+    assert engine.cancel_all() == [b] and engine.scheduler.get(b) is None
+    with pytest.raises(ValueError, match="not parked"):
+        engine.resume(b)

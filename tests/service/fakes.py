@@ -108,6 +108,8 @@ class FakeEngine:
         self.tenants: list[str | None] = []  # tenant of each add
         self.fair: Any = None  # what the actor handed to share_fairly
         self.cancelled: list[int] = []
+        self.parked: dict[int, list[Any]] = {}  # taken out by park, until resume
+        self.parks: list[int] = []  # seq_ids parked, in order
         self.steps = 0
         self.batches: list[int] = []  # sequences in each step
         self.rendered_on: list[bool] = []  # True: on the trio (main) thread
@@ -181,10 +183,24 @@ class FakeEngine:
     def cancel(self, seq_id: int) -> None:
         self.cancelled.append(seq_id)
         self.seqs.pop(seq_id, None)
+        self.parked.pop(seq_id, None)
+
+    def park(self, seq_id: int) -> bool:
+        state = self.seqs.get(seq_id)
+        if state is None or state[1] == 0:  # as the engine: only a decoding sequence
+            return False
+        self.parked[seq_id] = self.seqs.pop(seq_id)
+        self.parks.append(seq_id)
+        return True
+
+    def resume(self, seq_id: int) -> None:
+        assert self.free_slots > 0
+        self.seqs[seq_id] = self.parked.pop(seq_id)
 
     def cancel_all(self) -> list[int]:
-        ids = list(self.seqs)
+        ids = [*self.seqs, *self.parked]
         self.seqs.clear()
+        self.parked.clear()
         return ids
 
     @property

@@ -13,11 +13,15 @@ import trio.testing
 
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.types import SamplingParams
-from neuron_trio.errors import QueueFullError
+from neuron_trio.errors import QueueFullError, UnavailableError
 from neuron_trio.service.api import GenerationJob
 from neuron_trio.service.model_actor import ModelActor
 from neuron_trio.service.requests.event_stream import EventStream
-from neuron_trio.service.requests.request_table import ActorRequest, RequestTable
+from neuron_trio.service.requests.request_table import (
+    MIN_TOKENS_BEFORE_PARK,
+    ActorRequest,
+    RequestTable,
+)
 from neuron_trio.service.requests.tenant_limits import (
     TenantLimitError,
     TenantPolicy,
@@ -250,5 +254,98 @@ def test_the_actor_refuses_a_tenant_past_its_limit_with_a_429_and_serves_the_oth
                 async with actor.generate(job("u")):
                     pass  # another tenant is not held by t's limits
             nursery.cancel_scope.cancel()
+
+    _run(main)
+
+
+# ---- parking a heavier tenant's stream for a lighter one -----------------------------------
+
+
+def _flood_all_slots(node: Node, streams: int = 4) -> None:
+    """`flood` holds every slot with long streams, each past MIN_TOKENS_BEFORE_PARK tokens."""
+    node.send("flood", streams + 8, max_tokens=1000)
+    for _ in range(MIN_TOKENS_BEFORE_PARK + 1):
+        node.step()
+    assert node.table.running("flood") == node.engine.max_batch
+
+
+def test_a_lighter_tenant_gets_a_slot_within_one_step_while_a_heavier_holds_them_all() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4)
+        _flood_all_slots(node)  # flood's streams are seq_ids 1-4
+        short, long = node.send("calm", 1, max_tokens=5) + node.send("calm", 1, max_tokens=1000)
+        node.step()
+        # without parking, calm would wait for a 1000-token stream to end
+        assert node.table.running("calm") == 1 and short.tokens == 1
+        assert node.engine.parks == [4]  # the flood's youngest stream
+        first = node.table.parked[4]
+        held = first.tokens
+        node.step()
+        assert node.engine.parks == [4, 3] and long.tokens == 1  # calm: 2 of 4, flood 2
+        for _ in range(3):
+            node.step()
+        assert short.done and short.tokens == 5
+        assert first.tokens == held  # parked: nothing produced
+        node.step()  # the slot short freed goes to flood's oldest waiting: the first parked
+        assert 4 in node.table.active and list(node.table.parked) == [3]
+        assert first.tokens == held + 1  # it goes on from where it stopped
+        for _ in range(30):
+            node.step()
+        assert node.engine.parks == [4, 3]  # 2 and 2: nobody is parked again
+
+    _run(main)
+
+
+@pytest.mark.parametrize("tenant", ["solo", None])
+def test_one_tenant_is_never_parked(tenant: str | None) -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=4)
+        node.send(tenant, 6, max_tokens=40)
+        for _ in range(20):
+            node.step()
+        node.send(tenant, 6, max_tokens=40)  # newer requests of the same tenant wait
+        while not node.table.engine_idle:
+            node.step()
+        assert node.engine.parks == [] and len(node.engine.added) == 12
+
+    _run(main)
+
+
+def test_two_equal_tenants_settle_at_half_the_slots_each_without_ping_pong() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=6)
+        _flood_all_slots(node, streams=6)
+        node.send("calm", 10, max_tokens=1000)
+        for _ in range(400):
+            node.step()
+            assert node.table.running("calm") <= 3  # never more than its half
+        assert node.table.running("calm") == 3 and node.table.running("flood") == 3
+        # three parks gave calm its half; the counters then never sent a slot back and forth
+        assert len(node.engine.parks) == 3, node.engine.parks
+
+    _run(main)
+
+
+def test_a_parked_request_can_be_cancelled_and_is_failed_on_a_wedge() -> None:
+    async def main(clock: trio.testing.MockClock) -> None:
+        node = Node(max_batch=2)
+        _flood_all_slots(node, streams=2)
+        node.send("calm", 2, max_tokens=500)
+        node.step()
+        (parked,) = node.table.parked.values()
+        # the parked one waits again, beside flood's 8 and calm's second
+        assert [i.state for i in node.table.inflight()].count("queued") == 1 + 8 + 1
+        node.table.leave(parked)  # its client went away
+        node.step()
+        assert parked.outcome == "cancelled" and not node.table.parked
+        assert parked.seq_id in node.engine.cancelled and not node.engine.parked
+        assert node.engine.parks == [parked.seq_id]  # 1 and 1: no second park for calm
+        wedged = Node(max_batch=2)
+        _flood_all_slots(wedged, streams=2)
+        wedged.send("calm", 1, max_tokens=500)
+        wedged.step()
+        (parked,) = wedged.table.parked.values()
+        wedged.table.fail_all(UnavailableError("wedged"))
+        assert parked.outcome == "unavailable" and wedged.table.engine_idle
 
     _run(main)

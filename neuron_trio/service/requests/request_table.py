@@ -15,6 +15,15 @@ refuse them past `max_queued` or `tokens_per_minute`. While a tenant seen before
 nothing, a tenant already running never takes the last free slot: the other's next request
 then starts at the next step instead of after a long stream ends. Without tenants (all None)
 admission is first come, first served, as before.
+
+Running streams keep their slots, so admission alone cannot serve a lighter tenant while a
+heavier one holds every slot with long streams. Then (`_park_for_lighter`, at most one per
+step) the heaviest running tenant's youngest stream is parked (`engine.park`: preempted, its
+full blocks stay cached) and its slot goes to the lighter tenant's waiting request. A parked
+request waits as its tenant's oldest and resumes at its tenant's turn; its client sees a
+pause, not a token changed. Against thrash, a stream is parked only after it produced
+`MIN_TOKENS_BEFORE_PARK` tokens since it last started, and only while its tenant would still
+hold at least the other's slots (over the weights): two equal tenants settle at equal halves.
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ from neuron_trio.service.wedge.records import InflightRequest
 # Tenants remembered for the last-slot rule: names come from the configuration (bounded there);
 # this is a second bound on memory.
 MAX_TENANTS_SEEN = 4096
+# A stream runs at least this many tokens after it is admitted or resumed before it may be
+# parked: each park costs a recompute of its prompt's last partial block and its output.
+MIN_TOKENS_BEFORE_PARK = 8
 
 
 @dataclass(eq=False)
@@ -52,6 +64,7 @@ class ActorRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tokens: int = 0
+    started_at_tokens: int = 0  # `tokens` when it last started running (admitted, resumed)
     done: bool = False
     outcome: str = ""
 
@@ -77,6 +90,9 @@ class RequestTable:
         # them, between steps, and it leaves both when its stream ends.
         self.queue: deque[ActorRequest] = deque()
         self.active: dict[int, ActorRequest] = {}
+        # Requests taken out of the engine for a lighter tenant (`engine.park`), parked
+        # first; they keep their seq_id, and wait beside `queue` as their tenant's oldest.
+        self.parked: dict[int, ActorRequest] = {}
         self.cancels: list[int] = []  # seq_ids to cancel in the engine at the next boundary
         self._open = 0  # generate() contexts not yet left
         self._idle_lot = trio.lowlevel.ParkingLot()
@@ -87,7 +103,7 @@ class RequestTable:
     @property
     def engine_idle(self) -> bool:
         """No request queued or running (consumers may still read their last events)."""
-        return not self.queue and not self.active
+        return not self.queue and not self.active and not self.parked
 
     @property
     def idle(self) -> bool:
@@ -156,6 +172,7 @@ class RequestTable:
         self.fair.leave(request.job.tenant)
         if request.seq_id is not None and outcome != "cancelled":
             self.active.pop(request.seq_id, None)
+            self.parked.pop(request.seq_id, None)
         self.count(outcome, request.job.tenant)
         m = self._metrics
         if m is not None and request.tokens > 1:
@@ -166,10 +183,11 @@ class RequestTable:
 
     def fail_all(self, error: UnavailableError) -> None:
         """Every queued and running request ends with `error` (a wedge, an unload)."""
-        for request in [*self.queue, *self.active.values()]:
+        for request in [*self.queue, *self.parked.values(), *self.active.values()]:
             request.stream.fail(error)
             self.finish(request, "unavailable")
         self.queue.clear()
+        self.parked.clear()
         self.active.clear()
         self._idle_lot.unpark_all()
 
@@ -184,12 +202,27 @@ class RequestTable:
         for seq_id in self.cancels:
             engine.cancel(seq_id)
             self.active.pop(seq_id, None)
+            self.parked.pop(seq_id, None)
         self.cancels.clear()
 
     def admit(self, engine: ServingEngine) -> None:
+        """Start waiting requests while slots are free; then, if a lighter tenant still
+        waits, park one stream of the heaviest and give the lighter its slot."""
+        self._admit_waiting(engine)
+        if self._park_for_lighter(engine):
+            self._admit_waiting(engine)
+
+    def _admit_waiting(self, engine: ServingEngine) -> None:
         # A request of n choices takes n of max_batch at once (its prompt is prefilled once,
         # shared), and waits until the KV pool has its prompt's blocks.
         while (request := self._next_admission(engine.free_slots)) is not None:
+            if request.seq_id is not None:  # parked: its prompt was charged when admitted
+                if not engine.can_admit(len(request.prompt.ids) + request.tokens):
+                    return
+                engine.resume(request.seq_id)
+                self.active[request.seq_id] = self.parked.pop(request.seq_id)
+                request.started_at_tokens = request.tokens
+                continue
             tokens = len(request.prompt.ids)
             if not engine.can_admit(tokens, request.job.params.n):
                 return
@@ -206,17 +239,62 @@ class RequestTable:
                 waited = trio.current_time() - request.enqueued_at
                 self._metrics.tenants.admitted(tenant, tokens, waited)
 
+    def _heads(self) -> dict[str | None, ActorRequest]:
+        """Each waiting tenant's next request: its oldest parked one, else its oldest queued."""
+        heads: dict[str | None, ActorRequest] = {}
+        for request in [*self.parked.values(), *self.queue]:  # parked ones are the older
+            heads.setdefault(request.job.tenant, request)
+        return heads
+
     def _next_admission(self, free_slots: int) -> ActorRequest | None:
         """The oldest waiting request of the lightest tenant that may start one now."""
-        heads: dict[str | None, ActorRequest] = {}
-        for request in self.queue:  # arrival order: each tenant's oldest, oldest first
-            heads.setdefault(request.job.tenant, request)
+        heads = self._heads()
         startable = [t for t, r in heads.items() if self._may_start(t, r.job.params.n, free_slots)]
         if not startable:
             return None
         # Equal counters (a tenant just lifted from idle): the one running fewer goes first.
         startable.sort(key=self.running)
         return heads[self.fair.pick(startable)]
+
+    def _park_for_lighter(self, engine: ServingEngine) -> bool:
+        """With too few slots free for the lightest waiting tenant that could start, park
+        the youngest parkable stream of the heaviest running tenant (by the counters), if
+        that tenant would keep at least the lighter one's slots (over their weights)."""
+        heads = self._heads()
+        running = {r.job.tenant for r in self.active.values()}
+        if len(running | heads.keys()) < 2:
+            return False  # one tenant (or none): first come, first served
+        free = engine.free_slots
+        waiting = [
+            t
+            for t, r in heads.items()
+            if free < r.job.params.n and self._may_start(t, r.job.params.n, r.job.params.n)
+        ]
+        if not waiting or not running:
+            return False
+        fair = self.fair
+        light = fair.pick(sorted(waiting, key=self.running))
+        # The victim's tenant: served at least as much as `light` (equal counters: a tenant
+        # lifted from idle to the flood's), holding the most slots over its weight.
+        heavier = [t for t in running if t != light and fair.counter(t) >= fair.counter(light)]
+        if not heavier:
+            return False
+        heavy = max(heavier, key=lambda t: (self.running(t) / fair.weight(t), fair.counter(t)))
+        # (one park a step: a request of n choices gets its n slots over n steps)
+        after = (self.running(heavy) - 1) / fair.weight(heavy)
+        if after < (self.running(light) + 1) / fair.weight(light):
+            return False  # the heavier would end below the lighter's share: no ping-pong
+        for request in reversed(list(self.active.values())):  # the youngest first
+            if request.job.tenant != heavy or request.job.params.n != 1:
+                continue
+            if request.tokens - request.started_at_tokens < MIN_TOKENS_BEFORE_PARK:
+                continue
+            assert request.seq_id is not None
+            if engine.park(request.seq_id):
+                del self.active[request.seq_id]
+                self.parked[request.seq_id] = request
+                return True
+        return False
 
     def _may_start(self, tenant: str | None, n: int, free_slots: int) -> bool:
         running = self.running(tenant)
@@ -269,10 +347,10 @@ class RequestTable:
             InflightRequest(
                 model=self.name,
                 seq_id=r.seq_id,
-                state="queued" if r.seq_id is None else "running",
+                state="running" if r.seq_id in self.active else "queued",
                 age_s=round(now - r.enqueued_wall, 3),
                 prompt_tokens=len(r.prompt.ids),
                 generated_tokens=r.tokens,
             )
-            for r in [*list(self.active.values()), *list(self.queue)]
+            for r in [*list(self.active.values()), *list(self.parked.values()), *list(self.queue)]
         ]
