@@ -55,7 +55,7 @@ class SamplingState:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_unique: dict[torch.device, torch.Tensor] = {}
         self._bias: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # structured output: the grammar the tokens must follow (engine.text.grammar.GrammarState)
+        # structured output: the grammar the tokens must follow (engine.text.structured.grammar.GrammarState)
         self.grammar: Any = None
 
     @property

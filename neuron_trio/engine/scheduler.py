@@ -16,8 +16,9 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   (vLLM's recompute): its blocks go back to the pool (its full ones stay cached, so
   recomputing is cheap) and it is prefilled again when blocks are free, ahead of every
   younger sequence: prompt + output but the last token, without sampling, then decodes on.
-  Prefill chunks never preempt running decodes; they wait. `Engine.validate` refuses a
-  request that could not fit in the pool alone, so the oldest sequence always progresses;
+  Prefill chunks never preempt running decodes; they wait. `Engine.prepare`
+  (prompt.check_prompt) refuses a request that could not fit in the pool alone, so the
+  oldest sequence always progresses;
 - with tenants (`fair`, engine/fair_share.py), prefills go first for the tenant holding the
   fewest sequences (over its weight; oldest first within a tenant), and a busier tenant's
   chunk joins another's step no wider than it, so a flood of long prompts neither delays nor

@@ -27,7 +27,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must be, enforced by a token mask at every step (`engine.text.grammar`).
+    """What the output must be, enforced by a token mask at every step (`engine.text.structured.grammar`).
 
     "json": JSON valid against `schema` (JSON Schema text; `{"type":"object"}` is OpenAI's
     json_object). "tool_call": a call, in the model's tool-call format, to one of `tools`

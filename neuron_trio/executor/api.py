@@ -185,7 +185,7 @@ class ModelExecutor(Protocol):
 
 
 def weight_cache(directory: Path, max_bytes: int, *, min_file_bytes: int) -> WeightCache:
-    """The packed-weight cache (`engine.model.weight_cache.WeightCache`) for `build_executor`."""
+    """The packed-weight cache (`engine.model.load.weight_cache.WeightCache`) for `build_executor`."""
     from neuron_trio.engine.model.load.weight_cache import WeightCache
 
     return WeightCache(directory, max_bytes, min_file_bytes=min_file_bytes)
@@ -218,7 +218,7 @@ def estimate_gguf_bytes(
     path: Path, dtype: str, device: str, *, kv_cache_mb: int, max_batch: int, context: int
 ) -> tuple[int, int]:
     """(weights, KV pool) bytes of the GGUF file at `path` on a `device` ("cuda", "cpu") as
-    the loader would store them (`engine.model.sizing`). Reads the header and tensor table
+    the loader would store them (`engine.model.load.sizing`). Reads the header and tensor table
     only. ConfigError if the KV budget holds no block; ModelLoadError for an unusable file."""
     from neuron_trio.engine.gguf.file import GGUFFile
     from neuron_trio.engine.model.load.sizing import estimate_kv_bytes, estimate_weight_bytes

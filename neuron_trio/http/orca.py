@@ -8,7 +8,7 @@ it named none, or one not loaded), in the native HTTP format Envoy's ORCA parser
     endpoint-load-metrics: TEXT application_utilization:0.5,named_metrics.kv_cache_usage_perc:0.25,named_metrics.num_requests_waiting:0,named_metrics.num_requests_running:2
     endpoint-load-metrics: JSON {"application_utilization":0.5,"named_metrics":{"kv_cache_usage_perc":0.25,...}}
 
-The figures are `service.load_report.LoadReport`'s, taken when the response starts (for a
+The figures are `service.documents.load_report.LoadReport`'s, taken when the response starts (for a
 stream: when its first byte goes out). Without the request header nothing is added; `bin`
 (a serialized protobuf) is not offered.
 """

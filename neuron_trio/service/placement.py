@@ -191,7 +191,7 @@ def estimate_model_bytes(spec: ModelConfig, path: Path, *, on_gpu: bool = True) 
     """Weights (as `spec.dtype` will hold them on a GPU, or on the CPU) plus the KV pool
     (`kv_cache_mb`, or by default `max_batch` × `context` tokens, plus two reserved blocks).
 
-    The engine's own accounting (`engine.model.sizing.estimate_weight_bytes`): under "auto" a GPU
+    The engine's own accounting (`engine.model.load.sizing.estimate_weight_bytes`): under "auto" a GPU
     holds bfloat16 weights, about 3.5x a Q4 file, so the file's size is no estimate. Reads the
     GGUF header and tensor table (memory-mapped; ~0.2 s for the built-in model). Raises
     ModelLoadError (UnsupportedModelError) if the file is not a usable GGUF model.

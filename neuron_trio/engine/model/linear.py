@@ -5,7 +5,7 @@
 `Q8Linear` (int8, one scale per row: the output head's coarse pass, and weights in 6- and
 8-bit formats), `StackedLinear` (one projection whose rows are held by layers of different
 kernels), and `RefinedHead` (a coarse pass, then each row's best logits exact). The loader
-(`engine.model.loader`) picks one per weight; `Block` calls the interface only.
+(`engine.model.load.loader`) picks one per weight; `Block` calls the interface only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The seam between the scheduler and the model: one forward pass over a batch of rows.
 
-`SingleRunner` (here, written with the model) drives one unsharded model; the parallel layer's
+`SingleRunner` (engine/model/load/loader.py, written with the model) drives one unsharded model; the parallel layer's
 `TPRunner` drives one shard per rank and all-reduces their partial sums. The scheduler only
 sees this protocol, so batching never depends on how the model is split. Block tables are
 computed once, by the engine, and are the same for every rank.

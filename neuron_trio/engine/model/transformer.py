@@ -4,7 +4,7 @@ biases, QK-norm, post-attention/post-FFN norms, GELU-tanh, scaled embeddings, so
 attention scores and logits, sliding-window layers (a mask over the full KV rows) with their
 own RoPE tables, Llama 3.x's per-frequency RoPE factors.
 
-Built on the meta device by `engine.model.loader`, which then assigns every weight (fused QKV and
+Built on the meta device by `engine.model.load.loader`, which then assigns every weight (fused QKV and
 fused gate/up projections, dense or weight-only int4/int8). The forward pass is a generator,
 `Transformer.forward_steps`: a tensor-parallel shard (`partial_sums=True`) yields the partial
 output of each row-parallel projection (attention output, MLP down) and continues with the

@@ -27,7 +27,7 @@ the same schema (issue 47); Lark grammars of auto tool calls are scoped the same
 size and shape are bounded (`schema_limits`) and client conventions made explicit
 (`schema_prep`: strict mode, `$ref`s inside a tool call); a Rust panic in the compiler is a
 400. The service layer runs compiles on the model's own compile thread (`compile_threads`,
-`service.grammar_compiles`), never on the event loop or trio's shared worker threads.
+`service.requests.grammar_compiles`), never on the event loop or trio's shared worker threads.
 """
 
 from __future__ import annotations
