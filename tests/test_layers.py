@@ -136,3 +136,18 @@ def test_the_service_sees_the_engine_through_executor_api_only() -> None:
     for name in ("engine.types", "engine.block_pool", "executor.executor", "executor.tp"):
         assert _forbids(service, name) and not _forbids(ALLOWED["service"], name), name
     assert _forbids(ALLOWED["service"], "executor.api.SequenceEvent")
+
+
+MOST_MODULES_A_FOLDER = 14
+
+
+def test_every_folder_holds_at_most_14_modules() -> None:
+    """A folder that outgrows this is split by concept (as engine/text/structured and tools
+    were from engine/text), so that each folder can be read as one idea."""
+    crowded = {
+        str(folder.relative_to(PACKAGE)): n
+        for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]
+        if (n := len([m for m in folder.glob("*.py") if m.name != "__init__.py"]))
+        > MOST_MODULES_A_FOLDER
+    }
+    assert not crowded, crowded
