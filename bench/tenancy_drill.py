@@ -457,6 +457,14 @@ def kv_pool_bytes(target: Target) -> int:
         return int(c.get("/v1/node").json()["models"][0]["memory"]["kv_cache_bytes"])
 
 
+def preemptions(target: Target) -> int:
+    """Sequences the model sent back to prefill so far (`/v1/node`): KV shortages, and the
+    streams parked for a lighter tenant's request (service/requests/request_table.py)."""
+    with _client(target, timeout=30) as c:
+        kv = c.get("/v1/node").json()["models"][0].get("kv_cache") or {}
+        return int(kv.get("preemptions", 0))
+
+
 def memory_mb(pid: int, kv_bytes: int) -> dict[str, int]:
     """The daemon's RSS, and how much of it is the KV pool's pages written so far.
 
@@ -535,11 +543,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["kv events"] = probe_kv_events(calm.pid, kv_port, config)
         report["idle"] = idle = phase(calm, args, "idle")
         memory["before flood"] = memory_mb(calm.pid, kv_bytes)
+        before = preemptions(calm)
         kinds = tuple(k for k in args.flood.split(",") if k)
         flood = FloodProcess(Flood(flood_target, args.flood_streams, args.flood_tokens, kinds))
         flood.start()
         time.sleep(5)  # the flood fills the slots and the compile queue
         report["flood"] = under = phase(calm, args, "flood")
+        report["preemptions under flood (parks + KV)"] = preemptions(calm) - before
         start, end = under.pop("window")
         idle.pop("window")
         say("flood: stopping")
