@@ -962,7 +962,9 @@ TARGET_AVX2 static inline __m256 load8s(const char *base, int bf16, long long at
 }
 
 /* Each query head's scores [G, L] in place: softmax over the keys (a key masked with -inf
-   gets exactly 0; every key masked: zeros, not NaN). */
+   gets exactly 0; every key masked: zeros, not NaN). The total runs in chunks of 8 keys from
+   key 0, a last partial chunk padded with zeros, so that masked keys after a row's own
+   (however many) change no bit of it. */
 TARGET_AVX2 static void softmax_scores(float *scores, int G, int L) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int g = 0; g < G; g++) {
@@ -980,11 +982,19 @@ TARGET_AVX2 static void softmax_scores(float *scores, int G, int L) {
             _mm256_storeu_ps(s + l, e);
             total += hsum8(e);
         }
-        for (; l < L; l++) {
-            float x[8] = {s[l] - top, 0, 0, 0, 0, 0, 0, 0}, e[8];
-            _mm256_storeu_ps(e, exp256(_mm256_loadu_ps(x)));
-            s[l] = s[l] == -INFINITY ? 0.0f : e[0];
-            total += s[l];
+        if (l < L) { /* the last keys as a chunk of 8 padded with masked ones (-inf: weight
+                        0), summed as a whole chunk: the same total as a row reading more keys
+                        whose keys past this row's end are masked (a decode row beside longer
+                        ones, as a speculative verification's rows are): one key at a time,
+                        the total's rounding depended on how many masked keys followed */
+            float x[8], e[8];
+            for (int j = 0; j < 8; j++) x[j] = l + j < L ? s[l + j] : -INFINITY;
+            const __m256 xv = _mm256_loadu_ps(x);
+            __m256 ev = exp256(_mm256_sub_ps(xv, t));
+            ev = _mm256_andnot_ps(_mm256_cmp_ps(xv, ninf, _CMP_EQ_OQ), ev);
+            _mm256_storeu_ps(e, ev);
+            for (int j = 0; l + j < L; j++) s[l + j] = e[j];
+            total += hsum8(ev);
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (l = 0; l < L; l++) s[l] *= inv;

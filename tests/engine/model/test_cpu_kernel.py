@@ -445,6 +445,31 @@ def test_decode_attention_has_the_same_bits_on_either_instruction_set(
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_alone_has_its_bits_beside_longer_rows(isa: str, dtype: torch.dtype) -> None:
+    """A row of `end` keys alone (no mask) and the same row in a batch whose longest row reads
+    more keys (its keys past `end` masked with -inf): the same bits, for every end not a
+    multiple of 8. A speculative verification runs k + 1 such rows where decoding ran one:
+    the softmax's sum must not change with how many masked keys follow a row's own."""
+    from neuron_trio.engine.model.attention import native_attention
+
+    g = torch.Generator().manual_seed(17)
+    kv, groups, d, length = 2, 3, 64, 53
+    pool = (3.0 * torch.randn(1, 2 * kv, length, d, generator=g)).to(dtype)
+    keys, values = pool[:, :kv], pool[:, kv:]
+    q = (3.0 * torch.randn(2, kv, groups, d, generator=g)).to(dtype)
+    for end in range(33, length):
+        alone = native_attention(
+            KERNEL, q[:1], keys[..., :end, :], values[..., :end, :], None, None
+        )
+        mask = torch.zeros(2, 1, 1, length, dtype=dtype)
+        mask[0, ..., end:] = float("-inf")  # row 0 ends at `end`; row 1 reads all the keys
+        both = native_attention(KERNEL, q, keys.expand(2, -1, -1, -1),
+                                values.expand(2, -1, -1, -1), mask, None)  # fmt: skip
+        assert torch.equal(both[:1], alone), f"end {end}"
+
+
+@needs_kernel
 def test_loader_picks_the_native_kernel_only_where_it_fits() -> None:
     """4-bit weights take Q4Linear; weights beyond float16's range (its scales) or with rows
     not a multiple of its tile take torch's int4 kernel."""
