@@ -61,6 +61,11 @@ class FairShare:
     def active(self, tenant: Tenant) -> int:
         return self._active.get(tenant, 0)
 
+    def served(self) -> tuple[Tenant, ...]:
+        """The tenants served since the node was last idle (those with a counter). Read by
+        the scheduler during a step: one copy of the keys, whatever the actor adds meanwhile."""
+        return tuple(self._counters)
+
     def charge(self, tenant: Tenant, *, prompt: int = 0, output: int = 0) -> None:
         """`tenant` received `prompt` prompt tokens and `output` output tokens of service."""
         cost = prompt * PROMPT_COST + output * OUTPUT_COST

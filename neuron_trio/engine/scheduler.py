@@ -22,7 +22,10 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
 - with tenants (`fair`, engine/fair_share.py), prefills go first for the tenant holding the
   fewest sequences (over its weight; oldest first within a tenant), and a busier tenant's
   chunk joins another's step no wider than it, so a flood of long prompts neither delays nor
-  pads another tenant's first token; the pool's
+  pads another tenant's first token; and while another tenant has been served since the
+  node was last idle, a tenant holding more sequences than another prefills at most
+  `prefill_chunk // 4` tokens a step (`_chunk_cap`): a step stays short, so the other's
+  next request, arriving mid-step, waits for a short step, not a long prompt's; the pool's
   shortage is taken from the tenant with the largest virtual token counter: a row may
   preempt any younger sequence, or an older one of a tenant that has received more service
   than its own; among those, the heaviest tenant's youngest (itself, if that is it). One
@@ -188,7 +191,7 @@ class Scheduler:
                 break
             if seq.seq_id not in self._looked_up:
                 self._reuse_cached_prefix(seq)
-            end = min(seq.prefill_len, seq.prefilled + room)
+            end = min(seq.prefill_len, seq.prefilled + room, seq.prefilled + self._chunk_cap(seq))
             if prefill and self._heavier(seq, prefill[0].seq):
                 # A lighter tenant's prefill leads this step: a heavier tenant's row joins it
                 # without widening the batch (its long prompt does not pad the other's step).
@@ -215,6 +218,21 @@ class Scheduler:
             return 0.0
         held = sum(1 for s in self._active.values() if s.tenant == tenant)
         return held / fair.weight(tenant)
+
+    def _chunk_cap(self, seq: Sequence) -> int:
+        """The most of `seq`'s prompt one step may prefill: the whole budget, but a quarter
+        of it (a block at least) for a tenant holding more of a step than another tenant
+        served since the node was last idle (that one's next request may come any moment)."""
+        fair = self.fair
+        if fair is None:
+            return self.prefill_chunk
+        served = fair.served()
+        if len(served) < 2 or seq.tenant not in served:
+            return self.prefill_chunk
+        mine = self._load(seq.tenant)
+        if all(mine <= self._load(t) for t in served if t != seq.tenant):
+            return self.prefill_chunk
+        return max(BLOCK_TOKENS, self.prefill_chunk // 4)
 
     def _heavier(self, seq: Sequence, than: Sequence) -> bool:
         """`seq`'s tenant takes more of a step than `than`'s (another tenant's)."""

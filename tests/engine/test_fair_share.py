@@ -120,6 +120,27 @@ def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -
     assert spans == [(2, 0, 36), (1, 0, 36)]
 
 
+def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served() -> None:
+    # The other tenant's next request, arriving during a step, waits for that step: a
+    # quarter of the budget, not a whole 256-token chunk of the flood's long prompt.
+    sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
+    fair = FairShare()
+    fair.arrive("flood")
+    fair.charge("flood", prompt=500)
+    sched.fair = fair
+    flood = _seq(1, 500, "flood")
+    sched.admit(flood)
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 256)]  # one tenant
+    flood.prefilled = 256  # (the engine advances it after the step)
+    fair.arrive("calm")
+    fair.charge("calm", prompt=10)
+    fair.leave("calm")  # served, now between requests: it holds nothing
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(256, 256 + 64)]
+    sched.admit(_seq(2, 300, "calm"))  # each holds one now: neither is capped
+    plan = sched.schedule()
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(1, 256, 500)]
+
+
 def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
     engine, _ = fake_engine(max_batch=2, prefill_chunk=64, blocks=3, prefix_cache=False)
     fair = FairShare()
