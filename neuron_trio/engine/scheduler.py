@@ -23,8 +23,8 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   fewest sequences (over its weight; oldest first within a tenant), and a busier tenant's
   chunk joins another's step no wider than it, so a flood of long prompts neither delays nor
   pads another tenant's first token; and while another tenant has been served since the
-  node was last idle, a tenant holding more sequences than another prefills at most
-  `prefill_chunk // 4` tokens a step (`_chunk_cap`): a step stays short, so the other's
+  node was last idle, a tenant holding more sequences than another gets a quarter of the
+  prefill budget (`_chunk_cap`: its rows × width within `prefill_chunk // 4`): a step stays short, so the other's
   next request, arriving mid-step, waits for a short step, not a long prompt's; the pool's
   shortage is taken from the tenant with the largest virtual token counter: a row may
   preempt any younger sequence, or an older one of a tenant that has received more service
@@ -186,12 +186,12 @@ class Scheduler:
             # The widest chunk this row may have so that rows × width fits the budget. When
             # it is narrower than a row already planned, joining would cut that row short:
             # the rest waits for the next step, keeping the oldest first.
-            room = self.prefill_chunk // (len(prefill) + 1)
+            room = self._chunk_cap(seq) // (len(prefill) + 1)
             if room < max(width, 1):
                 break
             if seq.seq_id not in self._looked_up:
                 self._reuse_cached_prefix(seq)
-            end = min(seq.prefill_len, seq.prefilled + room, seq.prefilled + self._chunk_cap(seq))
+            end = min(seq.prefill_len, seq.prefilled + room)
             if prefill and self._heavier(seq, prefill[0].seq):
                 # A lighter tenant's prefill leads this step: a heavier tenant's row joins it
                 # without widening the batch (its long prompt does not pad the other's step).

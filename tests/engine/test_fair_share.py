@@ -136,6 +136,10 @@ def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served
     fair.charge("calm", prompt=10)
     fair.leave("calm")  # served, now between requests: it holds nothing
     assert [(c.start, c.end) for c in sched.schedule().prefill] == [(256, 256 + 64)]
+    second = _seq(3, 500, "flood")
+    sched.admit(second)  # the quarter bounds the step, not each row: no second row of 64
+    assert [(c.seq.seq_id, c.end) for c in sched.schedule().prefill] == [(1, 256 + 64)]
+    sched.release(second)
     sched.admit(_seq(2, 300, "calm"))  # each holds one now: neither is capped
     plan = sched.schedule()
     assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(1, 256, 500)]
