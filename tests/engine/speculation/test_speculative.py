@@ -16,7 +16,7 @@ from neuron_trio.engine.model.load.loader import SingleRunner, load_transformer
 from neuron_trio.engine.speculation.speculative import DraftState, Speculator, propose
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent
-from tests.engine.drain import drain
+from tests.engine.speculation.spec_runs import run_prompts, text_of, tokens_of
 from tests.engine.tiny_gguf import write_tiny_llama
 
 PROMPTS = [
@@ -63,20 +63,6 @@ def _engine(path: Path, k: int = 0, *, max_batch: int = 8, blocks: int = 0) -> E
     if engine.speculator is not None:
         engine.speculator.max_rows = max_batch  # drafts however many rows decode together
     return engine
-
-
-def _run(engine: Engine, prompts: list[str], params: SamplingParams) -> list[list[SequenceEvent]]:
-    ids = [engine.add(engine.encode_prompt(p, chat=False), params, chat=False) for p in prompts]
-    events = drain(engine)
-    return [events[i] for i in ids]
-
-
-def _tokens(events: list[SequenceEvent]) -> list[int]:
-    return [t for e in events for t in e.token_ids]
-
-
-def _text(events: list[SequenceEvent]) -> str:
-    return "".join(e.text for e in events)
 
 
 def _accepted(engine: Engine) -> int:
@@ -128,11 +114,11 @@ def test_num_tokens_is_bounded() -> None:
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_output_is_the_same_with_speculation(tiny_path: Path, k: int) -> None:
-    plain = [_tokens(e) for e in _run(_engine(tiny_path), PROMPTS, GREEDY)]
+    plain = [tokens_of(e) for e in run_prompts(_engine(tiny_path), PROMPTS, GREEDY)]
     spec_engine = _engine(tiny_path, k)
     # one at a time (batch 1) and all together (speculating and plain rows in one step)
-    alone = [_tokens(_run(spec_engine, [p], GREEDY)[0]) for p in PROMPTS]
-    together = [_tokens(e) for e in _run(spec_engine, PROMPTS, GREEDY)]
+    alone = [tokens_of(run_prompts(spec_engine, [p], GREEDY)[0]) for p in PROMPTS]
+    together = [tokens_of(e) for e in run_prompts(spec_engine, PROMPTS, GREEDY)]
     assert alone == plain
     assert together == plain
     assert _accepted(spec_engine) > 0  # drafts were proposed and kept
@@ -142,10 +128,10 @@ def test_max_tokens_cuts_inside_an_accepted_run(tiny_path: Path) -> None:
     plain_engine, spec_engine = _engine(tiny_path), _engine(tiny_path, 8)
     for max_tokens in range(1, 24):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        plain = _run(plain_engine, PROMPTS[:2], params)
-        spec = _run(spec_engine, PROMPTS[:2], params)
-        assert [_tokens(e) for e in spec] == [_tokens(e) for e in plain], max_tokens
-        assert all(len(_tokens(e)) == max_tokens for e in spec)
+        plain = run_prompts(plain_engine, PROMPTS[:2], params)
+        spec = run_prompts(spec_engine, PROMPTS[:2], params)
+        assert [tokens_of(e) for e in spec] == [tokens_of(e) for e in plain], max_tokens
+        assert all(len(tokens_of(e)) == max_tokens for e in spec)
         assert all(e[-1].finish_reason == "length" for e in spec)
     assert _accepted(spec_engine) > 0
 
@@ -153,16 +139,16 @@ def test_max_tokens_cuts_inside_an_accepted_run(tiny_path: Path) -> None:
 def test_stop_strings_cut_inside_an_accepted_run(tiny_path: Path) -> None:
     plain_engine, spec_engine = _engine(tiny_path), _engine(tiny_path, 8)
     prompts = PROMPTS[2:3]  # "in the beginning": its answer repeats runs of tokens
-    full = _text(_run(plain_engine, prompts, GREEDY)[0])
+    full = text_of(run_prompts(plain_engine, prompts, GREEDY)[0])
     assert len(full) > 30
     for cut in (5, 11, 17, 23, 29):
         stop = full[cut : cut + 2]
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=(stop,))
-        plain = _run(plain_engine, prompts, params)[0]
-        spec = _run(spec_engine, prompts, params)[0]
-        assert _text(spec) == _text(plain), stop
+        plain = run_prompts(plain_engine, prompts, params)[0]
+        spec = run_prompts(spec_engine, prompts, params)[0]
+        assert text_of(spec) == text_of(plain), stop
         assert spec[-1].finish_reason == plain[-1].finish_reason == "stop"
-        assert stop not in _text(spec)
+        assert stop not in text_of(spec)
     assert _accepted(spec_engine) > 0
 
 
@@ -175,9 +161,9 @@ def test_logprobs_and_penalties_are_those_without_speculation(tiny_path: Path) -
     )
     for p in (params, penalised):
         plain_engine, spec_engine = _engine(tiny_path), _engine(tiny_path, 6)
-        plain = _run(plain_engine, PROMPTS, p)
-        spec = _run(spec_engine, PROMPTS, p)
-        assert [_tokens(e) for e in spec] == [_tokens(e) for e in plain]
+        plain = run_prompts(plain_engine, PROMPTS, p)
+        spec = run_prompts(spec_engine, PROMPTS, p)
+        assert [tokens_of(e) for e in spec] == [tokens_of(e) for e in plain]
         assert spec_engine.speculator is not None
         # (penalties make repeats rare: drafts are verified, seldom kept)
         assert _accepted(spec_engine) if p.logprobs else spec_engine.speculator.counts.proposed
@@ -195,9 +181,9 @@ def test_logprobs_and_penalties_are_those_without_speculation(tiny_path: Path) -
 def test_seeded_choices_are_those_without_speculation(sharp_path: Path) -> None:
     # each token takes one draw of the sequence's generator with or without speculation
     params = SamplingParams(temperature=3.0, max_tokens=30, ignore_eos=True, seed=11, n=3)
-    plain = _run(_engine(sharp_path), PROMPTS[:2], params)
+    plain = run_prompts(_engine(sharp_path), PROMPTS[:2], params)
     spec_engine = _engine(sharp_path, 4)
-    spec = _run(spec_engine, PROMPTS[:2], params)
+    spec = run_prompts(spec_engine, PROMPTS[:2], params)
 
     def by_choice(events: list[SequenceEvent]) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -213,8 +199,8 @@ def test_preempted_sequences_give_the_same_tokens(tiny_path: Path) -> None:
     # 12 blocks for 4 sequences of up to ~60 tokens: they preempt one another
     plain_engine = _engine(tiny_path, max_batch=4, blocks=12)
     spec_engine = _engine(tiny_path, 4, max_batch=4, blocks=12)
-    plain = [_tokens(e) for e in _run(plain_engine, PROMPTS[:4], GREEDY)]
-    spec = [_tokens(e) for e in _run(spec_engine, PROMPTS[:4], GREEDY)]
+    plain = [tokens_of(e) for e in run_prompts(plain_engine, PROMPTS[:4], GREEDY)]
+    spec = [tokens_of(e) for e in run_prompts(spec_engine, PROMPTS[:4], GREEDY)]
     assert spec == plain
     assert spec_engine.scheduler.preemptions > 0
     assert _accepted(spec_engine) > 0
@@ -225,10 +211,10 @@ def test_a_constrained_sequence_is_not_speculated(tiny_path: Path) -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=20, constraint=Constraint("json", '{"type":"object"}')
     )
-    plain = _run(_engine(tiny_path), PROMPTS[:1], params)[0]
+    plain = run_prompts(_engine(tiny_path), PROMPTS[:1], params)[0]
     spec_engine = _engine(tiny_path, 4)
-    spec = _run(spec_engine, PROMPTS[:1], params)[0]
-    assert _tokens(spec) == _tokens(plain)
+    spec = run_prompts(spec_engine, PROMPTS[:1], params)[0]
+    assert tokens_of(spec) == tokens_of(plain)
     assert spec_engine.speculator is not None
     assert spec_engine.speculator.counts.proposed == 0
 
@@ -237,7 +223,7 @@ def test_no_drafts_while_more_rows_decode_than_max_rows(tiny_path: Path) -> None
     engine = _engine(tiny_path, 4)
     assert engine.speculator is not None
     engine.speculator.max_rows = 3
-    _run(engine, PROMPTS[:4], GREEDY)
+    run_prompts(engine, PROMPTS[:4], GREEDY)
     assert engine.speculator.counts.proposed == 0
 
 

@@ -32,6 +32,7 @@ from neuron_trio.engine.types import Constraint, SamplingParams, SequenceEvent
 from neuron_trio.errors import ConfigError
 from neuron_trio.executor.executor import build_executor
 from tests.engine.drain import drain
+from tests.engine.speculation.spec_runs import run_prompts, text_of, tokens_of
 from tests.engine.tiny_gguf import write_tiny_llama
 
 PROMPTS = [
@@ -88,20 +89,6 @@ def _engine(
     return engine
 
 
-def _run(engine: Engine, prompts: list[str], params: SamplingParams) -> list[list[SequenceEvent]]:
-    ids = [engine.add(engine.encode_prompt(p, chat=False), params, chat=False) for p in prompts]
-    events = drain(engine)
-    return [events[i] for i in ids]
-
-
-def _tokens(events: list[SequenceEvent]) -> list[int]:
-    return [t for e in events for t in e.token_ids]
-
-
-def _text(events: list[SequenceEvent]) -> str:
-    return "".join(e.text for e in events)
-
-
 def _counts(engine: Engine) -> tuple[int, int]:
     assert engine.speculator is not None
     return engine.speculator.counts.proposed, engine.speculator.counts.accepted
@@ -114,7 +101,7 @@ def _drafter(engine: Engine) -> DraftModel:
 
 @pytest.fixture(scope="module")
 def plain(pair: tuple[Path, Path]) -> list[list[int]]:
-    return [_tokens(e) for e in _run(_engine(pair[0]), PROMPTS, GREEDY)]
+    return [tokens_of(e) for e in run_prompts(_engine(pair[0]), PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -124,8 +111,8 @@ def test_greedy_output_is_the_same_with_a_draft_model(
     engine = _engine(*pair, k)
     # one at a time (batch 1) and all together (drafting and plain rows in one step; six
     # sequences' draft caches do not fit the draft's pool: the oldest are dropped)
-    alone = [_tokens(_run(engine, [p], GREEDY)[0]) for p in PROMPTS]
-    together = [_tokens(e) for e in _run(engine, PROMPTS, GREEDY)]
+    alone = [tokens_of(run_prompts(engine, [p], GREEDY)[0]) for p in PROMPTS]
+    together = [tokens_of(e) for e in run_prompts(engine, PROMPTS, GREEDY)]
     assert alone == plain
     assert together == plain
     proposed, accepted = _counts(engine)
@@ -143,7 +130,7 @@ def test_a_draft_identical_to_the_target_has_every_token_accepted(
     # the draft's K/V must follow the accepted tokens exactly for its greedy picks to be
     # the target's at every position, across whole runs
     engine = _engine(pair[0], pair[0], 4)
-    assert [_tokens(_run(engine, [p], GREEDY)[0]) for p in PROMPTS] == plain
+    assert [tokens_of(run_prompts(engine, [p], GREEDY)[0]) for p in PROMPTS] == plain
     proposed, accepted = _counts(engine)
     assert proposed > 100 and accepted == proposed
 
@@ -157,14 +144,14 @@ def test_a_mixed_batch_with_plain_and_constrained_sequences(
     base = _engine(pair[0])
     ids = [base.add(base.encode_prompt(p, chat=False), json, chat=False) for p in PROMPTS[:2]]
     events = drain(base)
-    constrained = [_tokens(events[i]) for i in ids]
+    constrained = [tokens_of(events[i]) for i in ids]
 
     engine = _engine(pair[0], pair[0], 4)
     greedy = [engine.add(engine.encode_prompt(p, chat=False), GREEDY, chat=False) for p in PROMPTS]
     ids = [engine.add(engine.encode_prompt(p, chat=False), json, chat=False) for p in PROMPTS[:2]]
     events = drain(engine)
-    assert [_tokens(events[i]) for i in greedy] == plain
-    assert [_tokens(events[i]) for i in ids] == constrained  # never drafted, same tokens
+    assert [tokens_of(events[i]) for i in greedy] == plain
+    assert [tokens_of(events[i]) for i in ids] == constrained  # never drafted, same tokens
     proposed, accepted = _counts(engine)
     assert proposed == accepted > 0
 
@@ -174,18 +161,18 @@ def test_max_tokens_and_stop_strings_cut_inside_an_accepted_run(pair: tuple[Path
     plain_engine, engine = _engine(pair[0]), _engine(pair[0], pair[0], 8)
     for max_tokens in range(1, 20):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        want = _run(plain_engine, PROMPTS[:2], params)
-        got = _run(engine, PROMPTS[:2], params)
-        assert [_tokens(e) for e in got] == [_tokens(e) for e in want], max_tokens
-        assert all(len(_tokens(e)) == max_tokens for e in got)
+        want = run_prompts(plain_engine, PROMPTS[:2], params)
+        got = run_prompts(engine, PROMPTS[:2], params)
+        assert [tokens_of(e) for e in got] == [tokens_of(e) for e in want], max_tokens
+        assert all(len(tokens_of(e)) == max_tokens for e in got)
         assert all(e[-1].finish_reason == "length" for e in got)
-    full = _text(_run(plain_engine, PROMPTS[2:3], GREEDY)[0])
+    full = text_of(run_prompts(plain_engine, PROMPTS[2:3], GREEDY)[0])
     for cut in (5, 11, 17, 23):
         stop = full[cut : cut + 2]
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=(stop,))
-        want_events = _run(plain_engine, PROMPTS[2:3], params)[0]
-        got_events = _run(engine, PROMPTS[2:3], params)[0]
-        assert _text(got_events) == _text(want_events), stop
+        want_events = run_prompts(plain_engine, PROMPTS[2:3], params)[0]
+        got_events = run_prompts(engine, PROMPTS[2:3], params)[0]
+        assert text_of(got_events) == text_of(want_events), stop
         assert got_events[-1].finish_reason == "stop"
     assert _counts(engine)[1] > 0
 
@@ -196,9 +183,9 @@ def test_seeded_sampling_and_logprobs_are_those_without_speculation(
     params = SamplingParams(
         temperature=0.8, max_tokens=30, ignore_eos=True, seed=11, n=2, logprobs=True
     )
-    want = _run(_engine(pair[0]), PROMPTS[:3], params)
+    want = run_prompts(_engine(pair[0]), PROMPTS[:3], params)
     engine = _engine(pair[0], pair[0], 4)  # its greedy drafts are often the draw
-    got = _run(engine, PROMPTS[:3], params)
+    got = run_prompts(engine, PROMPTS[:3], params)
 
     def by_choice(events: list[SequenceEvent]) -> dict[int, list[tuple[int, float]]]:
         out: dict[int, list[tuple[int, float]]] = {}
@@ -216,7 +203,7 @@ def test_preempted_sequences_give_the_same_tokens(
     pair: tuple[Path, Path], plain: list[list[int]]
 ) -> None:
     engine = _engine(*pair, 4, max_batch=4, blocks=12)
-    assert [_tokens(e) for e in _run(engine, PROMPTS[:4], GREEDY)] == plain[:4]
+    assert [tokens_of(e) for e in run_prompts(engine, PROMPTS[:4], GREEDY)] == plain[:4]
     assert engine.scheduler.preemptions > 0
     assert _counts(engine)[1] > 0
     assert engine.pool.statistics().used == 0
@@ -263,7 +250,7 @@ def test_each_draft_is_what_a_fresh_draft_model_proposes(
         return out
 
     monkeypatch.setattr(DraftModel, "propose", spy)
-    _run(engine, PROMPTS[:3], GREEDY)
+    run_prompts(engine, PROMPTS[:3], GREEDY)
     proposed, accepted = _counts(engine)
     assert len(seen) > 10 and 0 < accepted < proposed
     monkeypatch.undo()
@@ -298,7 +285,7 @@ def test_a_later_sequence_starts_on_a_finished_ones_prefix(
     # the identical draft accepts everything only if the shared blocks hold the right K/V
     shared = " ".join(PROMPTS[:3])  # 3 full blocks and more
     prompts = [shared + " one", shared + " two", PROMPTS[5], shared + " three"]
-    want = [_tokens(_run(_engine(pair[0]), [p], GREEDY)[0]) for p in prompts]
+    want = [tokens_of(run_prompts(_engine(pair[0]), [p], GREEDY)[0]) for p in prompts]
     engine = _engine(pair[0], pair[0], 4)
     fed: list[int] = []
     forward = DraftModel._forward
@@ -311,7 +298,7 @@ def test_a_later_sequence_starts_on_a_finished_ones_prefix(
     firsts = []
     for prompt, tokens in zip(prompts, want, strict=True):
         fed.clear()
-        assert _tokens(_run(engine, [prompt], GREEDY)[0]) == tokens
+        assert tokens_of(run_prompts(engine, [prompt], GREEDY)[0]) == tokens
         firsts.append(fed[0])  # the draft's first forward: the prompt less what it reused
     proposed, accepted = _counts(engine)
     assert proposed > 50 and accepted == proposed
@@ -323,7 +310,7 @@ def test_a_long_prompt_is_caught_up_a_chunk_a_step(
 ) -> None:
     monkeypatch.setattr(draft_model, "CATCHUP", 8)
     prompt = " ".join(PROMPTS[:2])  # ~30 tokens: four catch-up steps before the first draft
-    want = _tokens(_run(_engine(pair[0]), [prompt], GREEDY)[0])
+    want = tokens_of(run_prompts(_engine(pair[0]), [prompt], GREEDY)[0])
     engine = _engine(pair[0], pair[0], 4)
     seq_id = engine.add(engine.encode_prompt(prompt, chat=False), GREEDY, chat=False)
     events: list[SequenceEvent] = []
@@ -332,7 +319,7 @@ def test_a_long_prompt_is_caught_up_a_chunk_a_step(
         events += engine.step()
         if first_draft is None and _counts(engine)[0]:
             first_draft = engine._steps
-    assert _tokens([e for e in events if e.seq_id == seq_id]) == want
+    assert tokens_of([e for e in events if e.seq_id == seq_id]) == want
     assert first_draft is not None and first_draft >= 4
 
 
