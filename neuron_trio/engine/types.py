@@ -134,7 +134,7 @@ class EngineStatistics:
     kv_blocks_cached: int = 0  # ... held by no one but a cached prefix (evictable)
     prefix_cache_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_tokens: int = 0  # ... found there (not computed again)
-    preemptions: int = 0  # sequences sent back to prefill when the pool ran out
+    preemptions: int = 0  # sent back to prefill: the pool ran out, or parked for a lighter tenant
     speculative_proposed_tokens: int = (
         0  # draft tokens verified (engine/speculation/speculative.py)
     )

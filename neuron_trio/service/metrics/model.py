@@ -161,7 +161,7 @@ _PER_MODEL: tuple[tuple[_Family, str, str, Callable[[ModelActorStatistics], floa
      "Fraction (0..1) of KV cache blocks held by running sequences",
      lambda s: s.kv_cache_usage),
     (CounterMetricFamily, "neuron_model_preemptions",
-     "Sequences paused and recomputed later because the KV cache ran out",
+     "Sequences paused and recomputed later: the KV cache ran out, or a lighter tenant took the slot",
      lambda s: s.engine.preemptions),
     (CounterMetricFamily, "neuron_model_speculative_proposed_tokens",
      "Draft tokens verified by speculative decoding",
