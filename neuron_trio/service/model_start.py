@@ -164,6 +164,14 @@ async def place_model(
             ),
             abandon_on_cancel=True,
         )
+        draft = spec.speculative.source if spec.speculative else None
+        if draft is not None and hub_limits is not None:
+            # A runtime load's draft is fetched here, under the same hub limits as its model;
+            # the executor's own resolve of it then finds it in the cache.
+            await trio.to_thread.run_sync(
+                partial(resolve_source, draft, config, progress=progress, limits=hub_limits),
+                abandon_on_cancel=True,
+            )
         snapshot: GpuSnapshotLike | None = None
         if gpus is not None and spec.devices != "cpu":
             snapshot = await gpus.live()
