@@ -123,10 +123,14 @@ class DraftModel:
 
     def _adopt(self, cache: DraftCache, tokens: np.ndarray) -> DraftCache:
         """A new cache on the donor blocks that hold the longest prefix of `tokens` (not
-        its last token, which is always fed)."""
+        its last token, which is always fed). Only a donor of the same cache salt (tenant,
+        or prefix-cache group) is used, as in the prefix cache: a skipped catch-up would tell
+        one tenant that another sent the same prefix."""
         full, source = 0, None
         for donor in self.donors.values():
             assert donor.prefix is not None
+            if donor.seq.cache_root != cache.seq.cache_root:
+                continue
             n = min(len(donor.prefix), len(tokens) - 1)
             same = donor.prefix[:n] == tokens[:n]
             common = n if same.all() else int(np.argmin(same))

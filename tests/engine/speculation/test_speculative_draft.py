@@ -350,3 +350,29 @@ def test_vocabulary_mismatch() -> None:
     assert vocabulary_mismatch(["a", "b"], ["a", "b"]) is None
     assert vocabulary_mismatch(["a", "b"], ["a"]) == "1 tokens, the target has 2"
     assert vocabulary_mismatch(["a", "b"], ["a", "c"]) == "token 1 is 'c', the target's is 'b'"
+
+
+def test_a_finished_sequence_lends_its_prefix_only_within_its_cache_salt(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another tenant's identical prefix is caught up again: a skipped catch-up would be a
+    # timing hint that someone sent it, as a shared prefix cache would be.
+    shared = " ".join(PROMPTS[:3])
+    engine = _engine(pair[0], pair[0], 4)
+    fed: list[int] = []
+    forward = DraftModel._forward
+
+    def spy(self: DraftModel, cache: DraftCache, ids: list[int], start: int) -> torch.Tensor:
+        fed.append(len(ids))
+        return forward(self, cache, ids, start)
+
+    monkeypatch.setattr(DraftModel, "_forward", spy)
+    firsts = []
+    for suffix, salt in ((" one", b"a"), (" two", b"b"), (" three", b"a")):
+        fed.clear()
+        ids = engine.encode_prompt(shared + suffix, chat=False)
+        engine.add(ids, GREEDY, chat=False, cache_salt=salt)
+        drain(engine)
+        firsts.append(fed[0])
+    assert firsts[1] > firsts[0] - 10  # another salt: nothing reused
+    assert firsts[2] < firsts[0] - 40  # the same salt: the donor's blocks
