@@ -91,17 +91,24 @@ def top1_agreement(
     """
     context = max(len(p) for p in prompts) + n_tokens + 1
     ref_runner = SlotRunner(reference, slots=1, context=context)
-    cand_runner = SlotRunner(candidate, slots=1, context=context)
+    cases = [{"prompt": list(p), "cont": greedy(ref_runner, p, n_tokens)} for p in prompts]
+    return forced_agreement(SlotRunner(candidate, slots=1, context=context), cases)
+
+
+def forced_agreement(
+    runner: SlotRunner, cases: Sequence[dict[str, list[int]]]
+) -> tuple[float, int]:
+    """`top1_agreement` on continuations already made (`cases`: each a "prompt" and the
+    reference's greedy "cont"), so that the reference need not stay loaded beside `runner`'s
+    model. Returns (share, positions compared)."""
     same = total = 0
-    for prompt in prompts:
-        cont = greedy(ref_runner, prompt, n_tokens)
-        logits = cand_runner.forward(
-            torch.tensor([list(prompt)]), torch.tensor([0]), torch.tensor([0])
-        )
+    for case in cases:
+        prompt, cont = case["prompt"], case["cont"]
+        logits = runner.forward(torch.tensor([list(prompt)]), torch.tensor([0]), torch.tensor([0]))
         picks = [int(logits[0].argmax())]
         for i, token in enumerate(cont[:-1]):
             pos = torch.tensor([len(prompt) + i])
-            logits = cand_runner.forward(torch.tensor([[token]]), pos, torch.tensor([0]))
+            logits = runner.forward(torch.tensor([[token]]), pos, torch.tensor([0]))
             picks.append(int(logits[0].argmax()))
         same += sum(int(a == b) for a, b in zip(picks, cont, strict=True))
         total += len(cont)

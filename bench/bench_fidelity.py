@@ -7,6 +7,7 @@ engines' batch-1 decode speed.
     python bench/bench_fidelity.py --types Q4_0,IQ4_NL --positions 24
     python bench/bench_fidelity.py --maker gguf         # gguf's quantizers: Q4_0..Q8_0 only
     python bench/bench_fidelity.py --threads 1 --markdown  # README's table, after the rows
+    python bench/bench_fidelity.py --types '' --files gemma3  # one real file only
 
 Agreement is bench_decode.py's `top1_agreement`: float32 continues each of the 8 parity
 prompts greedily by `--positions` tokens; each engine prefills the prompt, then decodes one
@@ -22,6 +23,11 @@ runs llama.cpp's `llama_model_quantize` with `allow_requantize` and the type's u
 `--maker gguf` requantises the projections only, with the `gguf` package's quantizers
 (tests/engine/model/requantize.py, which the tests' agreement floors use too).
 
+After the made types, the real files of the table (`--files`, default Gemma 3 270M and
+Qwen2.5-Coder-0.5B, their published Q4_K_M: bench/table_models.py) are measured the same way:
+the float32 reference is the same file dequantised to float32 by neuron's loader, as for the
+made files.
+
 This file is also the peer's side (`--peer quantize|agree`, run by the peer venv's Python):
 so its top level imports the standard library only.
 """
@@ -34,7 +40,9 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +144,13 @@ def llamacpp_agreement(
     """llama.cpp's share of positions whose argmax is float32's token, or None (no peer)."""
     if venv is None:
         return None
-    cases_path = path.with_suffix(".cases.json")
-    cases_path.write_text(json.dumps(cases))
-    argv = [str(venv / "bin" / "python"), __file__, "--peer", "agree", str(path), str(cases_path)]
-    argv += ["--threads", str(threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
+    with tempfile.TemporaryDirectory(prefix="bench-fidelity-") as tmp:
+        cases_path = Path(tmp) / "cases.json"  # not beside `path`: a real file's cache
+        cases_path.write_text(json.dumps(cases))
+        argv = [str(venv / "bin" / "python"), __file__, "--peer", "agree", str(path)]
+        argv += [str(cases_path), "--threads", str(threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
     picks = json.loads(done.stdout.strip().splitlines()[-1])["picks"]
     same = total = 0
     for case, row in zip(cases, picks, strict=True):
@@ -154,7 +163,7 @@ def measure(path: Path, positions: int, tokens: int, venv: Path | None) -> dict[
     """One file's row: agreement and decode speed of neuron's auto and of llama.cpp."""
     import torch
 
-    from bench.bench_decode import PROMPTS, greedy, time_llamacpp, time_ours, top1_agreement
+    from bench.bench_decode import PROMPTS, forced_agreement, greedy, time_llamacpp, time_ours
     from neuron_trio.engine.gguf.file import GGUFFile
     from neuron_trio.engine.model.load.load_phases import LoadPhases
     from neuron_trio.engine.model.load.loader import load_transformer
@@ -163,14 +172,14 @@ def measure(path: Path, positions: int, tokens: int, venv: Path | None) -> dict[
 
     with GGUFFile(path) as gf:
         prompts = [Tokenizer.from_gguf(gf).encode(p, add_special_tokens=True) for p in PROMPTS]
-    phases = LoadPhases()
-    auto = load_transformer(path, dtype="auto", phases=phases)
-    reference = load_transformer(path, dtype="float32")
-    share, count = top1_agreement(reference, auto, prompts, positions)
     context = max(len(p) for p in prompts) + positions + 1
+    reference = load_transformer(path, dtype="float32")
     ref_runner = SlotRunner(reference, slots=1, context=context)
     cases = [{"prompt": p, "cont": greedy(ref_runner, p, positions)} for p in prompts]
-    del reference, ref_runner
+    del reference, ref_runner  # a 0.5B model's float32 is 2 GB: not beside the packed one
+    phases = LoadPhases()
+    auto = load_transformer(path, dtype="auto", phases=phases)
+    share, count = forced_agreement(SlotRunner(auto, slots=1, context=context), cases)
     threads = torch.get_num_threads()
     peer_share = llamacpp_agreement(venv, path, cases, threads)
     ours = time_ours(SlotRunner(auto, slots=1, context=512), prompts[0], tokens)
@@ -237,6 +246,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--threads", type=int, default=0, help="torch's and llama.cpp's (0: torch's)")
     ap.add_argument("--llamacpp-venv", type=Path, default=None)
+    ap.add_argument(
+        "--files",
+        default="gemma3,qwen2.5-0.5b",
+        help="real files after the made types (bench/table_models.py keys; '' for none)",
+    )
     ap.add_argument("--markdown", action="store_true", help="the rows again as README's table")
     ap.add_argument("--peer", choices=("quantize", "agree"), help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
@@ -276,19 +290,32 @@ def main() -> None:
     print(
         f"{'type':8} {'neuron auto':>11} {'llama.cpp':>9} {'neuron tok/s':>12} {'llama.cpp tok/s':>15}"
     )
+    files = [(k, lambda k=k: make_file(k, maker, args.out, venv, threads)) for k in kinds]
+    files += real_files([k for k in args.files.split(",") if k])
     rows = []
-    for kind in kinds:
-        path = make_file(kind, maker, args.out, venv, threads)
-        row = measure(path, args.positions, args.tokens, venv if has_peer else None)
-        rows.append((kind, row))
+    for label, resolve in files:
+        row = measure(resolve(), args.positions, args.tokens, venv if has_peer else None)
+        rows.append((label, row))
         print(
-            f"{kind:8} {row['neuron']:>11.4f} {_cell(row['llamacpp'], '.4f'):>9} "
+            f"{label:8} {row['neuron']:>11.4f} {_cell(row['llamacpp'], '.4f'):>9} "
             f"{row['neuron_tok_s']:>12.1f} {_cell(row['llamacpp_tok_s'], '.1f'):>15}  "
             f"({row['positions']} positions; {row['schemes']})",
             flush=True,
         )
     if args.markdown:
         print(markdown(rows))
+
+
+def real_files(keys: list[str]) -> list[tuple[str, Callable[[], Path]]]:
+    """The table's published files named by `keys` (bench/table_models.py), each labelled
+    "<model> (published file)" and resolved (assembled) only when its row is measured."""
+    from bench.table_models import MODELS
+
+    unknown = [k for k in keys if k not in MODELS or MODELS[k].builtin]
+    if unknown:
+        known = ", ".join(k for k, m in MODELS.items() if not m.builtin)
+        raise SystemExit(f"unknown files {unknown}; known: {known}")
+    return [(f"{MODELS[k].label} (published file)", MODELS[k].resolve) for k in keys]
 
 
 def _cpu_name() -> str:
