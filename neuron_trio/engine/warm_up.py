@@ -7,14 +7,19 @@ a long prefill chunk takes the dense GEMM path and its oneDNN kernels, a shorter
 decode rows the int kernels; padded rows of different lengths; n choices forking K/V rows);
 the chat template's common start (a default system prompt), computed and then kept by the
 prefix cache; the sampler's greedy fast path and its full path (penalties, top-k/top-p, a
-seeded draw, logprobs); structured output's grammar compiler (built on first use, with the
-tool-call format detection) and a JSON mask filled and applied; the detokeniser. `warm_up`
+seeded draw, logprobs); the detokeniser. `warm_up`
 runs each once, through the engine's public calls only (render_chat, encode_prompt, add,
 step; and the runner's dense_prefill_rows), so it follows the engine as it changes: whatever
 a step does for a request, it does here first.
 
 Every sequence ends by `max_tokens` (2) and gives its slot back; the engine is left with no
 work. The steps and tokens are counted in `Engine.statistics()` like any other.
+
+Not warmed: structured output. Its grammar engine's tokenizer (llguidance's, built from the
+whole vocabulary: ~1.1 s of GIL-holding Rust for Gemma 3's 262,144 tokens, ~0.5 s for
+Qwen2.5's 151,936) is built by the first constrained request, on the compile thread
+(`GrammarCompiler`), not before ready: a first plain chat never needs it, and a warm-up
+request that built it made every start that much longer.
 
 Prefill rows are most of the warm-up's time (a 0.5B model computes ~80-120 rows a second on 2
 cores), so a request runs no more of them than its purpose needs. Every prompt is rendered
@@ -33,7 +38,7 @@ from neuron_trio.engine.engine import Engine
 from neuron_trio.engine.model.linear import NATIVE_DENSE_MIN_ROWS
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.text.template_sandbox import TemplateLimitError
-from neuron_trio.engine.types import Constraint, SamplingParams
+from neuron_trio.engine.types import SamplingParams
 from neuron_trio.errors import ModelFileError, RequestError
 
 WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
@@ -41,15 +46,15 @@ WARM_UP_TOKENS = 2  # per sequence: the prefill's token, then one decode step
 WARM_UP_PROMPT_TOKENS = 8
 # A plain chat: the shape of the usual first request (one row, a short prefill).
 _CHAT = [{"role": "user", "content": "Say hello."}]
-# A prompt of at least the rows where prefill leaves the int kernels for the dense copies
-# (linear.py's NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: DENSE_MIN_ROWS, 16) with any
-# tokenizer: a word a token at least. Its last `runner.dense_prefill_rows` tokens run.
-_LONG_TEXT = " ".join(["hello"] * NATIVE_DENSE_MIN_ROWS)
+# A chat with a system message (its prompt's last WARM_UP_PROMPT_TOKENS run).
 _SYSTEM_CHAT = [
     {"role": "system", "content": "You answer in JSON."},
     {"role": "user", "content": "Give me an object."},
 ]
-_JSON_OBJECT = Constraint(kind="json", schema='{"type":"object"}')  # OpenAI's json_object
+# A prompt of at least the rows where prefill leaves the int kernels for the dense copies
+# (linear.py's NATIVE_DENSE_MIN_ROWS, 48; torch's int kernels: DENSE_MIN_ROWS, 16) with any
+# tokenizer: a word a token at least. Its last `runner.dense_prefill_rows` tokens run.
+_LONG_TEXT = " ".join(["hello"] * NATIVE_DENSE_MIN_ROWS)
 
 
 @dataclass
@@ -92,22 +97,20 @@ def _requests(max_batch: int, dense_rows: int | None) -> list[list[_Request]]:
         top_logprobs=2,
         n=2 if max_batch >= 4 else 1,
     )
-    constrained = SamplingParams(
-        max_tokens=WARM_UP_TOKENS, temperature=0.0, constraint=_JSON_OBJECT
-    )
-    json_chat = _Request("json_object", _SYSTEM_CHAT, constrained)
+    # one row alone, greedy: the single-row decode (a request whose choices fork decodes
+    # them together, and the greedy ones below run batched)
+    single = _Request("single greedy", _SYSTEM_CHAT, greedy)
     sampled_chat = _Request("sampled", _CHAT, sampled, rows=None)
     greedy_chat = _Request("greedy chat", _CHAT, greedy, rows=None)
     short = _Request("short completion", None, greedy, text="Hi")
     long = _Request("long completion", None, greedy, text=_LONG_TEXT, rows=dense_rows)
-    # A batch takes the sampler's greedy argmax fast path only when every row is greedy and
-    # unmasked, a masked path when any row has a grammar, the per-row path otherwise: so the
-    # constrained and the sampled requests run alone (single-row prefill and decode), and the
-    # greedy ones together (prefill rows of different lengths, padded; a batched decode), the
-    # long one alone (one row on the dense path). The sampled chat computes the template's
-    # start, which the greedy chat then finds cached.
+    # A batch takes the sampler's greedy argmax fast path only when every row is greedy, the
+    # per-row path otherwise: so the single greedy and the sampled requests run alone
+    # (single-row prefill and decode), and the greedy ones together (prefill rows of different lengths, padded; a
+    # batched decode), the long one alone (one row on the dense path). The sampled chat
+    # computes the template's start, which the greedy chat then finds cached.
     longs = [] if dense_rows is None else [[long]]
-    return [[json_chat], [sampled_chat], *longs, [greedy_chat, short]]
+    return [[single], [sampled_chat], *longs, [greedy_chat, short]]
 
 
 def warm_up(engine: Engine) -> WarmUpReport:
@@ -120,7 +123,7 @@ def warm_up(engine: Engine) -> WarmUpReport:
     """
     if engine.has_work:
         raise RuntimeError("warm_up needs an idle engine")
-    with panics_as_model_file_errors("warm-up"):  # e.g. the grammar engine's, on the vocabulary
+    with panics_as_model_file_errors("warm-up"):  # e.g. the tokenizer's, on a prompt
         return _warm_up(engine)
 
 

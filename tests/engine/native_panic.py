@@ -7,7 +7,9 @@ tokenizer is built from metadata, so gguf_checks' limit on token length is not i
 
 from __future__ import annotations
 
-from neuron_trio.engine.text.structured.grammar import GrammarCompiler
+import llguidance
+
+from neuron_trio.engine.text.structured.grammar import _Wrapper
 from neuron_trio.engine.text.tokenizer import Tokenizer
 from tests.engine.tiny_gguf import tiny_vocab
 
@@ -30,8 +32,9 @@ def long_token_tokenizer(length: int = 1025) -> Tokenizer:
 def make_panic() -> BaseException:
     """A PanicException raised by llguidance (its message: an assertion in its token trie)."""
     tokenizer = long_token_tokenizer()
+    wrapper = llguidance.TokenizerWrapper(_Wrapper(tokenizer, len(tokenizer.tokens)))
     try:
-        GrammarCompiler(tokenizer, stop_ids={2}, vocab_size=len(tokenizer.tokens), tool_format=None)
+        llguidance.LLTokenizer(wrapper, n_vocab=len(tokenizer.tokens), eos_token=[2])
     except BaseException as exc:
         if isinstance(exc, Exception):
             raise

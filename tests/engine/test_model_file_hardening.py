@@ -20,8 +20,9 @@ from neuron_trio.engine.gguf.checks import MAX_TOKEN_BYTES
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.text.native_errors import is_native_panic, panics_as_model_file_errors
 from neuron_trio.engine.text.tokenizer import Tokenizer
+from neuron_trio.engine.types import Constraint
 from neuron_trio.engine.warm_up import warm_up
-from neuron_trio.errors import ModelFileError
+from neuron_trio.errors import ApiError, ModelFileError
 from tests.engine.hostile_gguf import kv, kv_str, kv_u32, llama_kvs, llama_tensors, raw_gguf
 from tests.engine.native_panic import long_token_tokenizer, make_panic
 from tests.engine.tiny_gguf import write_with_vocab, write_with_weights
@@ -73,14 +74,23 @@ def test_a_token_longer_than_1024_bytes_is_refused_at_the_header(tmp_path: Path)
     GGUFFile(path).close()
 
 
-def test_a_grammar_engine_panic_in_warm_up_is_a_model_file_error(tmp_path: Path) -> None:
-    # The warm-up's json_object request builds llguidance's tokenizer, which panics on a
-    # 1025-byte token: warm_up reports the file, not a BaseException that ends the process.
+def test_a_grammar_engine_panic_fails_structured_output_only(tmp_path: Path) -> None:
+    # llguidance's tokenizer panics on a 1025-byte token (the header checks refuse such a file;
+    # this vocabulary is built from metadata). It is built by the first constrained request,
+    # not the warm-up: the model warms up and serves plain chats, and a JSON request gets a
+    # 500 that says structured output is unavailable (its panic caught, never a BaseException
+    # that ends the process), again at once for the next one.
     engine = Engine.from_gguf(tiny.write_tiny_llama(tmp_path / "m.gguf"), max_batch=2, context=64)
     engine.tokenizer = long_token_tokenizer()
     engine.vocab_size = len(engine.tokenizer.tokens)
-    with pytest.raises(ModelFileError, match="warm-up: a native library panicked"):
-        warm_up(engine)
+    warm_up(engine)
+    json = Constraint(kind="json", schema='{"type":"object"}')
+    for _ in range(2):
+        with pytest.raises(ApiError, match="structured output is not available") as info:
+            engine.compile_constraint(json)
+        assert info.value.status == 500 and info.value.code == "grammar_unavailable"
+    with pytest.raises(ValueError, match="structured output is not available"):
+        engine.grammar.compile_lark('start: "x"')  # an auto tool call's rest: unconstrained
 
 
 def test_panics_are_recognised_and_only_panics_translated() -> None:

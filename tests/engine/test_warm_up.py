@@ -99,10 +99,11 @@ SAMPLED = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.9, seed=1, logpr
 JSON = SamplingParams(
     max_tokens=6, temperature=0.0, constraint=Constraint(kind="json", schema='{"type":"object"}')
 )
+# What the warm-up prepares: a first plain chat; structured output (JSON below) is built by
+# its first request (the grammar engine's tokenizer: engine.text.structured.grammar).
 FIRST_REQUESTS = [
     ("a greedy chat", GREEDY),
     ("a sampled chat with logprobs", SAMPLED),
-    ("a json_object chat", JSON),
 ]
 SHORT = "the cat sat on the mat today"
 LONG = " ".join([SHORT] * 12)  # past NATIVE_DENSE_MIN_ROWS tokens: the dense prefill
@@ -121,8 +122,25 @@ def test_a_first_request_after_warm_up_runs_nothing_new(
     assert not any(built), f"{what}: the first request built lazy parts {built}"
 
 
+def test_ready_does_not_wait_for_the_grammar_engine_a_first_json_request_builds_it(
+    tiny_q4: Path,
+) -> None:
+    """llguidance's tokenizer (~1.1 s of GIL-holding Rust for a 262,144-token vocabulary) is
+    not built by the warm-up; the first json_object request builds it and is served."""
+    engine = _engine(tiny_q4)
+    warm_up(engine)
+    assert engine._grammar is None or not engine._grammar.tokenizer_built
+    prompt = engine.encode_prompt(engine.render_chat([{"role": "user", "content": "x"}]), chat=True)
+    engine.add(prompt, JSON, chat=True)
+    events = []
+    while engine.has_work:
+        events.extend(engine.step())
+    assert engine._grammar is not None and engine._grammar.tokenizer_built
+    assert all(e.error is None for e in events) and events[-1].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize(("content", "path"), [(SHORT, "int"), (LONG, "dense")])
-@pytest.mark.parametrize(("what", "params"), FIRST_REQUESTS)
+@pytest.mark.parametrize(("what", "params"), [*FIRST_REQUESTS, ("a json_object chat", JSON)])
 def test_without_warm_up_the_first_request_does_run_new_work(
     tiny_q4: Path,
     what: str,
@@ -149,7 +167,13 @@ def test_warm_up_leaves_the_engine_idle_with_every_slot_free(
     report = warm_up(engine)
     assert not engine.has_work and engine.free_slots == max_batch
     longs = ["long completion"] if copies else []
-    assert report.requests == ["json_object", "sampled", *longs, "greedy chat", "short completion"]
+    assert report.requests == [
+        "single greedy",
+        "sampled",
+        *longs,
+        "greedy chat",
+        "short completion",
+    ]
     assert report.steps >= 6 and report.tokens >= 8  # every request got its 2 tokens
     # and the engine serves as before
     _chat(engine, "hello", GREEDY)
@@ -197,8 +221,9 @@ def test_the_long_request_reaches_the_dense_rows_with_a_tokenizer_of_whole_words
 def test_each_request_runs_no_more_prompt_rows_than_its_purpose_needs(
     tiny_q4: Path, copies: bool
 ) -> None:
-    """The json chat (first) runs only the last WARM_UP_PROMPT_TOKENS of its 54 tokens, the
-    long request exactly the rows that take the dense copies, and none runs without them."""
+    """The single greedy chat (first) runs only the last WARM_UP_PROMPT_TOKENS of its 54
+    tokens, the long request exactly the rows that take the dense copies, and none runs
+    without them."""
     engine = _engine(tiny_q4)
     spy = WorkSpy(engine)
     warm_up(engine)

@@ -33,7 +33,9 @@ size and shape are bounded (`schema_limits`) and client conventions made explici
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import llguidance
@@ -60,7 +62,7 @@ from neuron_trio.engine.text.tools.tool_call_format import (
     detect_tool_format,
 )
 from neuron_trio.engine.types import Constraint
-from neuron_trio.errors import RequestError
+from neuron_trio.errors import ApiError, RequestError
 
 # The grammar's public surface in one place (the engine imports it from here): the compiler
 # and a sequence's state, with the masks (grammar_masks) and tool-call formats
@@ -215,12 +217,53 @@ class GrammarCompiler:
     ) -> None:
         self.vocab_size = vocab_size
         self.tool_format = tool_format
-        wrapper = _Wrapper(tokenizer, vocab_size)
-        stops = sorted(set(stop_ids)) or [wrapper.eos_token_id]
-        self._tokenizer = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(wrapper), n_vocab=vocab_size, eos_token=stops
-        )
+        self._wrapper = _Wrapper(tokenizer, vocab_size)
+        self._stops = sorted(set(stop_ids)) or [self._wrapper.eos_token_id]
+        self._ll_tokenizer: Any = None  # llguidance's: built by the first compile
+        self._ll_failed: ApiError | None = None
+        self._ll_lock = threading.Lock()
         self.cache = GrammarCache()
+
+    @property
+    def tokenizer_built(self) -> bool:
+        """Whether llguidance's tokenizer exists yet (the first compile builds it)."""
+        return self._ll_tokenizer is not None
+
+    def _tokenizer(self) -> Any:
+        """llguidance's tokenizer of the vocabulary, built on first use (thread-safe, once).
+
+        Why not at load: building it is Rust that holds the GIL throughout, ~1.1 s for Gemma
+        3's 262,144 tokens and ~0.5 s for Qwen2.5's 151,936 on a 2-core Xeon (its token trie
+        and the mask slices' regexes over every token), and a plain chat never needs it. So
+        the first constrained request pays it, on the compile thread; a plain chat right
+        after ready does not. ApiError (500, `grammar_unavailable`) if llguidance cannot take
+        the vocabulary (a panic: the GGUF checks refuse the tokens known to cause one), then
+        at once for every later request."""
+        if self._ll_tokenizer is None:
+            with self._ll_lock:
+                if self._ll_failed is not None:
+                    raise self._ll_failed
+                if self._ll_tokenizer is None:
+                    self._ll_tokenizer = self._build_tokenizer()
+        return self._ll_tokenizer
+
+    def _build_tokenizer(self) -> Any:
+        try:
+            return llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(self._wrapper),
+                n_vocab=self.vocab_size,
+                eos_token=self._stops,
+            )
+        except BaseException as exc:
+            if isinstance(exc, Exception) or is_rust_panic(exc):
+                self._ll_failed = ApiError(
+                    "structured output is not available for this model: the grammar engine "
+                    f"cannot take its vocabulary ({one_line(str(exc))[:200]})",
+                    code="grammar_unavailable",
+                )
+                log.error("grammar: %s", self._ll_failed)
+                raise self._ll_failed from None
+            raise
 
     def is_cached(self, constraint: Constraint) -> bool:
         return self.cache.get(constraint) is not None
@@ -247,8 +290,12 @@ class GrammarCompiler:
             # the tools' schemas passed `prepare_parameters`' bounds as the grammar was written
             weight = (4 << 20) + 256 * len(lark)
             try:
+                tokenizer = self._tokenizer()
+            except ApiError as exc:  # the call goes on unconstrained (tool_call_start)
+                raise ValueError(exc.message) from None
+            try:
                 matcher = llguidance.LLMatcher(
-                    self._tokenizer,
+                    tokenizer,
                     llguidance.LLMatcher.grammar_from_lark(lark),
                     log_level=0,
                     limits=_LIMITS,
@@ -270,28 +317,16 @@ class GrammarCompiler:
     def _build(self, constraint: Constraint) -> tuple[Any, int]:
         param = _param_of(constraint)
         field = "response_format.json_schema.schema" if constraint.kind == "json" else param
-        try:
+        with _as_schema_errors(field, param):
             grammar, size = _lark_of(constraint, self.tool_format)
             weight = size.estimated_bytes()
             self.cache.admit(weight, param=param)  # before the compile: refused costs nothing
-            with HeapMeter() as meter:
-                matcher = llguidance.LLMatcher(
-                    self._tokenizer, grammar, log_level=0, limits=_LIMITS
-                )
-                if not matcher.is_error():
-                    self._first_mask(matcher)
-        except RequestError:
-            raise
-        except BaseException as exc:
-            # pyo3's PanicException derives from BaseException (a Rust panic in the compiler:
-            # 20 000 const keys did it); catch it here, where llguidance is called.
-            if not isinstance(exc, Exception) and not is_rust_panic(exc):
-                raise
-            raise RequestError(
-                f"{field}: invalid JSON schema: {one_line(str(exc))}",
-                param=param,
-                code="invalid_schema",
-            ) from None
+        # after the bounds (a refused schema never builds it), and its own error (ApiError)
+        tokenizer = self._tokenizer()
+        with _as_schema_errors(field, param), HeapMeter() as meter:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_LIMITS)
+            if not matcher.is_error():
+                self._first_mask(matcher)
         if matcher.is_error():
             raise RequestError(
                 f"{field}: {one_line(matcher.get_error())}", param=param, code="invalid_schema"
@@ -318,6 +353,25 @@ class ScopedCompiler:
 
     def compile_lark(self, lark: str) -> GrammarState:
         return self._compiler.compile_lark(lark, scope=self._scope)
+
+
+@contextmanager
+def _as_schema_errors(field: str, param: str) -> Iterator[None]:
+    """A schema's failure in llguidance as the 400 that names it (RequestErrors pass)."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except BaseException as exc:
+        # pyo3's PanicException derives from BaseException (a Rust panic in the compiler:
+        # 20 000 const keys did it); catch it here, where llguidance is called.
+        if not isinstance(exc, Exception) and not is_rust_panic(exc):
+            raise
+        raise RequestError(
+            f"{field}: invalid JSON schema: {one_line(str(exc))}",
+            param=param,
+            code="invalid_schema",
+        ) from None
 
 
 def is_rust_panic(exc: BaseException) -> bool:
