@@ -37,7 +37,7 @@ from neuron_trio.engine.gguf import families, quant
 from neuron_trio.engine.gguf.file import GGUFFile, unpermute_qk
 from neuron_trio.engine.gguf.llama_config import LlamaConfig
 from neuron_trio.engine.model import arena
-from neuron_trio.engine.model.embedding import QuantizedEmbedding
+from neuron_trio.engine.model.embedding import FileEmbedding, FileRows, QuantizedEmbedding
 from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.linear import (
     Int4Linear,
@@ -374,9 +374,14 @@ class _Load:
             and quantized_rows_fit(self.gf, c.dim)
         ):
             # only looked up (and, tied, read by the refinement): the file's blocks, rows
-            # dequantised per step (embedding.py)
+            # dequantised per step (embedding.py); untied, only a step's rows are read, from
+            # the file itself: neither held nor in the weight cache
             with self.phases.phase("tables"):
-                model.embedding = self.cached.slot("token_embd", lambda: _rows(self.gf))
+                model.embedding = (
+                    self.cached.slot("token_embd", lambda: _rows(self.gf))
+                    if c.tied_output
+                    else _file_rows(self.gf)
+                )
             model.tok_embeddings = torch.empty(0, c.dim, device=self.device)
             return
 
@@ -475,6 +480,15 @@ def _rows(gf: GGUFFile) -> QuantizedEmbedding:
     qtype = quant.QType(info.qtype)
     rows = gf.raw("token_embd.weight").reshape(info.shape[0], -1).clone()
     return QuantizedEmbedding(rows, qtype, info.shape[1])
+
+
+def _file_rows(gf: GGUFFile) -> FileEmbedding:
+    """The embedding's blocks read from the file a step's rows at a time."""
+    info = gf.tensors["token_embd.weight"]
+    qtype = quant.QType(info.qtype)
+    row_bytes = quant.raw_nbytes(qtype, info.shape[1])
+    rows = FileRows(gf.path, info.offset, info.shape[0], row_bytes)
+    return FileEmbedding(rows, qtype, info.shape[1])
 
 
 def make_linear(

@@ -126,8 +126,10 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
             name == "token_embd.weight"
             and quantized_rows_fit(gf, c.dim)
             and (not c.tied_output or (native and q8_0_rows(gf, name, c.dim)))
-        ):  # the file's blocks (QuantizedEmbedding; tied: the head's table too)
-            total += info.nbytes + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
+        ):  # tied: the file's blocks, the head's table too (QuantizedEmbedding); untied:
+            # read from the file a step's rows at a time (FileEmbedding), nothing held
+            if c.tied_output:
+                total += info.nbytes + _coarse_head_bytes(n, c.vocab_size)
         elif name == "token_embd.weight":  # float32 table (+ the tied head's coarse pass)
             total += n * 4 + (_coarse_head_bytes(n, c.vocab_size) if c.tied_output else 0)
         elif info.qtype in FOUR_BIT:  # int4 + its scales (and minimums) + bf16 dense copy

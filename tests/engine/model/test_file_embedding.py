@@ -1,0 +1,80 @@
+"""An untied quantised embedding is read from the model file a step's rows at a time
+(embedding.FileEmbedding): not held in memory, not in the weight cache, the same values."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_trio.engine.gguf import quant
+from neuron_trio.engine.gguf.file import GGUFFile
+from neuron_trio.engine.model.embedding import FileEmbedding, FileRows
+from neuron_trio.engine.model.load.loader import load_transformer
+from neuron_trio.errors import ModelFileError
+from tests.engine.tiny_gguf import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("untied") / "m.gguf", qtype="Q4_1", tied=False)
+
+
+def test_an_untied_quantised_embedding_stays_in_the_file(untied: Path) -> None:
+    model = load_transformer(untied, dtype="auto", device="cpu")
+    assert isinstance(model.embedding, FileEmbedding)
+    with GGUFFile(untied) as gf:
+        info = gf.tensors["token_embd.weight"]
+        table = quant.dequantize(
+            gf.raw("token_embd.weight"), quant.QType(info.qtype), (info.shape[0], info.shape[1])
+        )
+        row_bytes = info.nbytes // info.shape[0]
+    # no buffer of the model holds the table's blocks
+    held = [n for n, b in model.named_buffers() if b.shape[-1:] == (row_bytes,)]
+    assert held == []
+    ids = torch.tensor([5, 0, 5, info.shape[0] - 1, 3])
+    assert torch.equal(model.embedding(ids), table[ids])
+
+
+def _file(tmp_path: Path) -> tuple[Path, bytes]:
+    data = bytes(range(256)) * 4  # 64 rows of 16 bytes after a 0-byte header
+    path = tmp_path / "rows.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_file_rows_read_what_was_asked(tmp_path: Path) -> None:
+    path, data = _file(tmp_path)
+    rows = FileRows(path, 16, 63, 16)
+    got = rows.take(torch.tensor([[2, 0], [2, 62]]))
+    want = [data[16 + r * 16 : 32 + r * 16] for r in (2, 0, 2, 62)]
+    assert [bytes(row.tolist()) for row in got] == want
+    with pytest.raises(IndexError):
+        rows.take(torch.tensor([63]))
+    with pytest.raises(ModelFileError, match="pass its end"):
+        FileRows(path, 32, 63, 16)
+
+
+def test_a_file_replaced_by_a_rename_is_still_the_one_read(tmp_path: Path) -> None:
+    path, data = _file(tmp_path)
+    rows = FileRows(path, 0, 64, 16)
+    other = tmp_path / "new.bin"
+    other.write_bytes(b"\xff" * len(data))
+    os.replace(other, path)
+    assert bytes(rows.take(torch.tensor([1]))[0].tolist()) == data[16:32]
+
+
+@pytest.mark.parametrize("change", ["cut short", "rewritten"])
+def test_a_file_changed_in_place_is_refused(tmp_path: Path, change: str) -> None:
+    path, _ = _file(tmp_path)
+    rows = FileRows(path, 0, 64, 16)
+    with open(path, "r+b") as f:
+        if change == "cut short":
+            f.truncate(100)
+        else:
+            f.write(b"\x00" * 16)
+    os.utime(path, ns=(1, 1))  # a rewrite within the same clock tick still moves mtime
+    with pytest.raises(ModelFileError, match="changed on disk"):
+        rows.take(torch.tensor([0]))
