@@ -142,6 +142,7 @@ class GrammarCompiles:
 
 
 def new_compile_threads(model: str) -> CompileThreads:
-    """The compile threads of one model: one, so that a two-core node keeps a core for the
-    engine's step while a schema compiles (a cache hit never waits for it)."""
+    """The compile threads of one model: one, at the lowest scheduling priority
+    (`compile_threads.COMPILE_NICE`), so that a schema compiles on what the engine's step
+    leaves of the cores rather than slowing every step (a cache hit never waits for it)."""
     return CompileThreads(1, name=f"neuron-grammar-{model}")

@@ -4,6 +4,8 @@ the test drives; one test runs the model actor with the real compile thread."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from typing import Any
 
@@ -11,7 +13,11 @@ import pytest
 import trio
 import trio.testing
 
-from neuron_trio.engine.text.structured.compile_threads import CompileJob, CompileThreads
+from neuron_trio.engine.text.structured.compile_threads import (
+    COMPILE_NICE,
+    CompileJob,
+    CompileThreads,
+)
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import RequestError
 from neuron_trio.service.api import GenerationJob
@@ -155,6 +161,30 @@ def test_compile_threads_run_jobs_with_a_large_stack_and_withdrawn_ones_never() 
     assert seen[0] == ("grammar-compile-0", None)
     assert len(seen) == 2 and isinstance(seen[1][1], ZeroDivisionError)
     assert not first.withdraw()  # done: too late
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's nice value: Linux")
+def test_compile_threads_run_at_the_lowest_priority_and_leave_the_callers_own() -> None:
+    """A compile takes a core only when the step's threads leave one (issue 47: at the step's
+    priority it slowed 2-core steps ~9x); the thread that created the pool keeps its priority."""
+    niceness: list[int] = []
+    done = threading.Event()
+
+    def on_done(job: CompileJob) -> None:
+        niceness.append(job.result)
+        done.set()
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    threads = CompileThreads(1, name="test-nice")
+    try:
+        threads.submit(
+            CompileJob(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), on_done)
+        )
+        assert done.wait(10)
+    finally:
+        threads.close()
+    assert niceness == [COMPILE_NICE] and COMPILE_NICE == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 # ---- the model actor, with its real compile thread ------------------------------------------
