@@ -258,35 +258,42 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.device
 
-    def init_rope(self, positions: int) -> None:
+    def init_rope(self, positions: int, *, torch_tables: bool = False) -> None:
         """Precompute RoPE tables for positions 0..positions-1 on the model's device.
 
         cos is `[P, D]` (each frequency twice); sin carries the sign of rotate-half,
-        (-sin, +sin), so that RoPE(x) = x·cos + roll(x, D/2)·sin.
+        (-sin, +sin), so that RoPE(x) = x·cos + roll(x, D/2)·sin. With the native kernel
+        only its float32 tables are kept; the tables in the activations' dtype, for torch's
+        RoPE, are built when a forward takes that path (`torch_tables`): not a second copy
+        beside them (Gemma 3 at 4,096 positions: 8 of 24 MiB; 64 MiB at 32,768).
         """
         c = self.config
         native = self.native_kernel is not None
-        if (
-            self.rope_cos.device == self.device
-            and self.rope_cos.shape[0] >= positions
-            and (not native or self.rope_f32[0].shape[0] >= positions)
-        ):
+        want_torch = torch_tables or not native
+        have_torch = self.rope_cos.device == self.device and self.rope_cos.shape[0] >= positions
+        have_native = not native or self.rope_f32[0].shape[0] >= positions
+        if (have_torch or not want_torch) and have_native:
             return
+        if native:  # never fewer positions than the native tables have
+            positions = max(positions, self.rope_f32[0].shape[0])
         half = c.head_dim // 2
         exponents = torch.arange(half, dtype=torch.float64) / half
         inv = 1.0 / (c.rope_base**exponents)  # [D/2]
         if c.rope_freq_factors:  # Llama 3.x: each frequency divided by its factor
             inv = inv / torch.tensor(c.rope_freq_factors, dtype=torch.float64)
-        cos, sin = rope_table(inv / c.rope_scale, positions)
-        self.rope_cos, self.rope_sin = self._in_act(cos), self._in_act(sin)
-        if native:
-            self.rope_f32 = (cos.float(), sin.float())
+        tables = [rope_table(inv / c.rope_scale, positions)]
         if c.has_local_rope:  # gemma3's sliding layers: their own base, unscaled
-            inv_local = 1.0 / ((c.rope_base_local or c.rope_base) ** exponents)
-            cos, sin = rope_table(inv_local, positions)
-            self.rope_cos_local, self.rope_sin_local = self._in_act(cos), self._in_act(sin)
-            if native:
-                self.rope_f32_local = (cos.float(), sin.float())
+            tables.append(
+                rope_table(1.0 / ((c.rope_base_local or c.rope_base) ** exponents), positions)
+            )
+        if want_torch:  # (a native model's stay on the meta device until then)
+            self.rope_cos, self.rope_sin = (self._in_act(t) for t in tables[0])
+            if c.has_local_rope:
+                self.rope_cos_local, self.rope_sin_local = (self._in_act(t) for t in tables[1])
+        if native:
+            self.rope_f32 = (tables[0][0].float(), tables[0][1].float())
+            if c.has_local_rope:
+                self.rope_f32_local = (tables[1][0].float(), tables[1][1].float())
 
     def _in_act(self, table: torch.Tensor) -> torch.Tensor:
         return table.to(self.act_dtype).to(self.device)
@@ -342,6 +349,7 @@ class Transformer(nn.Module):
             rope = self.rope_f32
             rope_local = self.rope_f32_local if c.has_local_rope else rope
         else:
+            self.init_rope(at.length, torch_tables=True)
             rope = rope_rows(c, positions, self.rope_cos, self.rope_sin)
             rope_local = rope
             if c.has_local_rope:

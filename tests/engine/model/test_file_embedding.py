@@ -1,5 +1,6 @@
-"""An untied quantised embedding is read from the model file a step's rows at a time
-(embedding.FileEmbedding): not held in memory, not in the weight cache, the same values."""
+"""What a loaded model does not hold (issue 49's memory): an untied quantised embedding is
+read from the model file a step's rows at a time (embedding.FileEmbedding), the same values;
+a native model keeps its float32 RoPE tables only."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.gguf.file import GGUFFile
 from neuron_trio.engine.model.embedding import FileEmbedding, FileRows
+from neuron_trio.engine.model.load import packing
 from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.errors import ModelFileError
+from tests.engine.slot_runner import SlotRunner
 from tests.engine.tiny_gguf import write_tiny_llama
 
 
@@ -78,3 +81,21 @@ def test_a_file_changed_in_place_is_refused(tmp_path: Path, change: str) -> None
     os.utime(path, ns=(1, 1))  # a rewrite within the same clock tick still moves mtime
     with pytest.raises(ModelFileError, match="changed on disk"):
         rows.take(torch.tensor([0]))
+
+
+@pytest.mark.skipif(packing.native_kernel() is None, reason="the native kernel is not built")
+def test_a_native_model_keeps_one_rope_table_and_builds_torchs_when_asked(untied: Path) -> None:
+    model = load_transformer(untied, dtype="auto", device="cpu")
+    assert model.native_kernel is not None and model.rope_f32[0].shape[0] > 0
+    assert model.rope_cos.is_meta and model.rope_sin.is_meta  # no second copy in bfloat16
+    prompt = torch.tensor([[1, 5, 3, 7, 2]])
+    native = SlotRunner(model, slots=1, context=32).forward(
+        prompt, torch.tensor([0]), torch.tensor([0])
+    )
+    model._native_rope = lambda kv: False  # type: ignore[method-assign]  # torch's RoPE
+    plain = SlotRunner(model, slots=1, context=32).forward(
+        prompt, torch.tensor([0]), torch.tensor([0])
+    )
+    assert model.rope_cos.shape[0] >= prompt.shape[1] and model.rope_cos.dtype == model.act_dtype
+    assert (native.argmax(-1) == plain.argmax(-1)).all()
+    assert torch.allclose(native, plain, atol=0.1, rtol=0.02)
