@@ -183,6 +183,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return EX_CONFIG
+    from neuron_trio.service import heap
+
+    heap.defer_collections()  # until the daemon has imported torch (service/heap.py)
     from neuron_trio import daemon  # heavy (torch, hypercorn): only when serving
 
     return daemon.run(config)

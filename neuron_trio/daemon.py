@@ -86,9 +86,11 @@ ServeHttp = Callable[..., Awaitable[None]]
 def _default_node_factory(
     config: NeuronConfig, *, identity: Identity, gpus: GpuActor, notifier: Notifier
 ) -> DaemonNode:
+    from neuron_trio.service import heap
     from neuron_trio.service.model_start import use_header_store
     from neuron_trio.service.node import Node
 
+    heap.freeze_imports()  # the last heavy import (torch) is done: service/heap.py
     use_header_store(config)  # before the node reads its first header
     node: DaemonNode = Node(
         config, identity=identity, gpus=gpus, notifier=notifier, settle_heap=True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ class Blob:
 def collector_restored() -> Iterator[None]:
     saved = gc.get_threshold()
     yield
+    gc.enable()
     gc.unfreeze()
     gc.set_threshold(*saved)
 
@@ -49,3 +51,18 @@ def test_release_frees_a_cycle_that_died_frozen_and_freezes_the_rest_again() -> 
     heap.release()
     assert freed() is None
     assert gc.get_freeze_count() > 0
+
+
+def test_the_daemons_imports_are_frozen_before_its_first_load(tmp_path: Path) -> None:
+    # The real daemon's node factory runs once its imports (torch's) are done: it freezes
+    # them and turns automatic collections back on (cli's `serve` turned them off), so that
+    # the load's collections and `settle`'s do not walk ~170,000 imported objects again.
+    from neuron_trio import daemon
+    from neuron_trio.config import config_from_mapping
+
+    heap.defer_collections()
+    assert not gc.isenabled()
+    state = {"node": {"state_dir": str(tmp_path / "state")}}
+    config = config_from_mapping(state, origin="test", environ={})
+    daemon._default_node_factory(config, identity=None, gpus=None, notifier=None)  # type: ignore[arg-type]
+    assert gc.isenabled() and gc.get_freeze_count() > 0
