@@ -4,7 +4,10 @@ a wedged collective aborted and the communicator re-created, the failpoints it h
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from neuron_trio.engine.engine import PREFILL_CHUNK
 from neuron_trio.engine.model.load import packing
 from neuron_trio.engine.model.load.load_phases import LoadPhases
 from neuron_trio.engine.model.load.weight_cache import WeightCache
+from neuron_trio.engine.text.tokenizer import Tokenizer
 from neuron_trio.engine.types import Constraint, SamplingParams
 from neuron_trio.errors import CommAbortedError, ConfigError, FailpointError
 from neuron_trio.executor.api import RankInfo
@@ -204,6 +208,52 @@ def test_the_start_up_phases_are_logged_once_after_the_warm_up(
     if packing.int4_available():  # "auto" is cpu-int: the cache is used
         assert "dequantize" in lines[0] and "pack " in lines[0] and "pack " not in lines[1]
         assert "weight cache miss: stored" in lines[0] and "weight cache hit" in lines[1]
+
+
+def test_the_tokenizer_is_built_beside_the_weights_load(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on a thread of its own, running while the load runs (the load waits for it to finish:
+    # the tokenizer must be started before the load ends, and end after the load began)
+    from neuron_trio.executor import executor as executor_module
+
+    seen: dict[str, tuple[str, float, float]] = {}
+    load_began = threading.Event()
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            if name == "load":
+                load_began.set()
+            else:  # a tiny vocabulary builds in milliseconds: end after the load began
+                load_began.wait(10)
+            out = fn(*args, **kwargs)
+            seen[name] = (threading.current_thread().name, started, time.perf_counter())
+            return out
+
+        return run
+
+    monkeypatch.setattr(
+        executor_module.Tokenizer, "from_gguf", timed("tokenizer", Tokenizer.from_gguf)
+    )
+    monkeypatch.setattr(
+        executor_module, "load_transformer", timed("load", executor_module.load_transformer)
+    )
+    executor = build_executor(_spec(1, "auto"), tiny, CPU)
+    executor.close()
+    (tok_thread, tok_start, tok_end), (load_thread, load_start, load_end) = (
+        seen["tokenizer"],
+        seen["load"],
+    )
+    assert tok_thread != load_thread
+    assert tok_start < load_end and load_start < tok_end
+    assert any("tokenizer built beside the weights" in n for n in executor_notes(executor))
+
+
+def executor_notes(executor: Executor) -> tuple[str, ...]:
+    phases = executor.load_phases
+    assert phases is not None
+    return phases.statistics().notes
 
 
 def test_derived_merges_are_kept_in_the_weight_cache(tmp_path: Path) -> None:
