@@ -27,6 +27,7 @@ import itertools
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from neuron_trio.engine.kv_events import KVEventLog
 from neuron_trio.engine.model.load.loader import SingleRunner, load_transformer
 from neuron_trio.engine.model.load.sizing import engine_sizing
 from neuron_trio.engine.model.runner import Runner
+from neuron_trio.engine.model.step_threads import StepThreads
 from neuron_trio.engine.prompt import (
     PreparedPrompt,
     PromptLimits,
@@ -131,6 +133,8 @@ class Engine:
         self._tool_style = tool_call_format  # "auto": read from the chat template
         self._groups: dict[int, list[Sequence]] = {}  # requests of n > 1 choices, by id
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks beside the forward
+        # the kernels' threads: fewer while other work keeps cores busy (step_threads)
+        self._threads = StepThreads() if runner.device.type == "cpu" else None
         self._ids = itertools.count(1)
         self._epoch = 0  # bumped by cancel_all: a step that was in flight then is void
         self._steps = 0
@@ -462,8 +466,9 @@ class Engine:
             masks = self._mask_thread().submit(fill_masks, grammars, self.vocab_size)
         with torch.inference_mode():
             prompt_rows: dict[int, torch.Tensor] = {}  # prefill chunk -> all its logits
-            logits = run_plan(self.runner, plan, prompt_rows)
-            checked = verify(self.runner, drafted, drafts) if drafted else []
+            with self._threads.forward() if self._threads else nullcontext():
+                logits = run_plan(self.runner, plan, prompt_rows)
+                checked = verify(self.runner, drafted, drafts) if drafted else []
             bitmask = masks.result() if masks is not None else None
             results = self._sample(rows, logits, bitmask) if rows else []
         # The forwards returned: only now is any sequence's state advanced.
