@@ -652,10 +652,13 @@ class RefinedHead(nn.Module):
     weight-only int kernel, then the `refine` best of each row recomputed exactly (float32)
     from the table `[V, dim]`.
 
-    The table is float32, or (`q8_dim`: the row length) the file's own Q8_0 blocks `[V, dim /
-    32 · 34]` uint8, dequantised row by row where they are read: the same float32 values
-    (quant.dequantize's products) in a quarter of the memory. A 262,144 x 640 table is 671 MB
-    in float32, 178 MB as Q8_0, and a step reads only its candidates' rows.
+    The table is float32, or (`q8_dim`: the row length) the file's own blocks `[V, bytes a
+    row]` uint8 (Q8_0, or another block format: `qtype`), dequantised row by row where they
+    are read: the same float32 values (quant.dequantize's products) in a quarter of the memory
+    or less. A 262,144 x 640 table is 671 MB in float32, 178 MB as Q8_0, and a step reads only
+    its candidates' rows. The native kernel's refine reads Q8_0 rows or float32; other
+    formats take torch's topk, gather and bmm (a head that is not Q8_0 is rare, and its
+    float32 table was 4 bytes a weight: 524 MB for a 32,000 x 4,096 Q6_K head).
 
     The int kernels return bfloat16 logits: steps of 1/16 at typical magnitudes, so close
     candidates tie and logprobs come out coarse. The candidates that decide greedy picks, the
@@ -666,42 +669,53 @@ class RefinedHead(nn.Module):
     table: torch.Tensor
 
     def __init__(
-        self, coarse: nn.Module, table: torch.Tensor, refine: int, *, q8_dim: int = 0
+        self,
+        coarse: nn.Module,
+        table: torch.Tensor,
+        refine: int,
+        *,
+        q8_dim: int = 0,
+        qtype: quant.QType = quant.QType.Q8_0,
     ) -> None:
         super().__init__()
         self.coarse = coarse  # Q8Linear, Int8Linear or Int4Linear without a dense copy
         self.register_buffer("table", table)  # shared with the embedding when tied
         self.refine = refine
         self.q8_dim = q8_dim
+        self.qtype = int(qtype)  # the blocks' format, with q8_dim
         self.out_features = table.shape[0]
         self.in_features = q8_dim or table.shape[1]
         # With a native coarse pass (and the table on the CPU), the kernel's `refine`: the k
         # best and their exact logits in one call, ~1 ms less a step at batch 8 than topk,
         # gather and bmm.
-        kinds = (torch.uint8,) if q8_dim else (torch.float32,)
+        q8 = bool(q8_dim) and qtype == quant.QType.Q8_0
+        kinds = (torch.uint8,) if q8 else () if q8_dim else (torch.float32,)
         fits = table.dtype in kinds and table.is_contiguous() and table.device.type == "cpu"
         native = fits and isinstance(coarse, (Q8Linear, Q4Linear))
         self._kernel: Any = coarse.kernel if native else None
 
     def layer_parts(self) -> LayerParts:
-        fields = {"refine": self.refine, "q8_dim": self.q8_dim}
+        fields = {"refine": self.refine, "q8_dim": self.q8_dim, "qtype": self.qtype}
         return LayerParts({"table": self._buffers["table"]}, fields, (self.coarse,))
 
     @classmethod
     def from_parts(cls, parts: LayerParts, kernel: Any = None) -> RefinedHead:
         table, (coarse,) = parts.tensors["table"], parts.children
         refine, q8_dim = int_field(parts.fields, "refine"), int_field(parts.fields, "q8_dim")
+        qtype = quant.QType(int_field(parts.fields, "qtype"))
         if table is None or table.dim() != 2:
             raise ValueError("table: not a 2-D tensor")
         vocab, dim = int(table.shape[0]), q8_dim or int(table.shape[1])
-        if q8_dim:  # the kernel's refine reads whole Q8_0 rows of q8_dim
-            row = quant.raw_nbytes(quant.QType.Q8_0, q8_dim)
-            expect(table, "table", torch.uint8, (vocab, row))
+        if q8_dim:  # whole rows of q8_dim in blocks of `qtype`
+            block, _ = quant.BLOCK_SIZES[qtype]
+            if q8_dim % block:
+                raise ValueError(f"rows of {q8_dim} are not whole blocks of {qtype.name}")
+            expect(table, "table", torch.uint8, (vocab, quant.raw_nbytes(qtype, q8_dim)))
         if not 0 < refine <= vocab or not isinstance(coarse, LinearLayer):
             raise ValueError(f"refine {refine} of {vocab}, or a coarse pass that is no layer")
         if (coarse.out_features, coarse.in_features) != (vocab, dim):
             raise ValueError("the coarse pass and the table disagree on the head's shape")
-        return cls(coarse, table, refine, q8_dim=q8_dim)
+        return cls(coarse, table, refine, q8_dim=q8_dim, qtype=qtype)
 
     def _rows(self, index: torch.Tensor | slice) -> torch.Tensor:
         """Table rows as float32 (or the dense table's dtype): `index` a tensor or a slice."""
@@ -709,7 +723,7 @@ class RefinedHead(nn.Module):
         if not self.q8_dim:
             return rows
         shape = (*rows.shape[:-1], self.q8_dim)
-        return quant.dequantize(rows.contiguous(), quant.QType.Q8_0, shape)
+        return quant.dequantize(rows.contiguous(), quant.QType(self.qtype), shape)
 
     def _all_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Every logit exact: the dense table, or Q8_0 rows dequantised a slice at a time
@@ -741,6 +755,9 @@ class RefinedHead(nn.Module):
             return logits.reshape(*lead, self.out_features)
         top = logits.topk(self.refine, dim=-1).indices  # [N, k]
         rows = self._rows(top)  # [N, k, dim]
-        exact = torch.bmm(rows, x2.to(rows.dtype).unsqueeze(-1)).squeeze(-1)  # [N, k]
+        # each row's dot products on their own (not bmm, whose kernel and so whose sums'
+        # order follow the batch): a row gets the same bits in a batch as alone, as the
+        # kernel's refine gives them (a speculative verification's rows rely on it)
+        exact = torch.stack([r @ v for r, v in zip(rows, x2.to(rows.dtype), strict=True)])
         logits.scatter_(1, top, exact.float())
         return logits.reshape(*lead, self.out_features)

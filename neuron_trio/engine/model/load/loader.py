@@ -357,20 +357,20 @@ class _Load:
         """The token embedding and the output head (from the cache when it has them)."""
         c = self.config
         head_name = "token_embd.weight" if c.tied_output else "output.weight"
-        # The head's exact rows stay the file's Q8_0 blocks where the native refine reads them
-        # (RefinedHead's q8_dim): a quarter of a float32 table, the same values.
-        q8_table = self.kernel is not None and q8_0_rows(self.gf, head_name, c.dim)
-        self.embedding(model, q8_table)
+        # The head's exact rows stay the file's blocks (RefinedHead's q8_dim; the native refine
+        # reads Q8_0's): a quarter of a float32 table or less, the same values.
+        blocks = self.scheme == "cpu-int" and block_rows(self.gf, head_name, c.dim)
+        self.embedding(model, blocks)
         if c.tied_output and self.scheme != "cpu-int":
             model.output = Linear(model.tok_embeddings)  # the same tensor: no second copy
             return
-        model.output = self.cached.slot("output", lambda: self.head(model, head_name, q8_table))
+        model.output = self.cached.slot("output", lambda: self.head(model, head_name, blocks))
 
-    def embedding(self, model: Transformer, q8_table: bool) -> None:
+    def embedding(self, model: Transformer, head_blocks: bool) -> None:
         c, scheme = self.config, self.scheme
         if (
             scheme == "cpu-int"
-            and (not c.tied_output or q8_table)
+            and (not c.tied_output or head_blocks)
             and quantized_rows_fit(self.gf, c.dim)
         ):
             # only looked up (and, tied, read by the refinement): the file's blocks, rows
@@ -393,7 +393,7 @@ class _Load:
 
         model.tok_embeddings = self.cached.slot("token_embd.weight", table)
 
-    def head(self, model: Transformer, head_name: str, q8_table: bool) -> torch.nn.Module:
+    def head(self, model: Transformer, head_name: str, blocks: bool) -> torch.nn.Module:
         """The output head: dense, or (cpu-int) a coarse int pass + exact top candidates
         (tied: from the embedding table itself)."""
         c = self.config
@@ -402,34 +402,35 @@ class _Load:
             return make_linear(head, self.scheme, self.device, four_bit=False)
         native_ok = self.kernel is not None and c.dim % packing.INT4_GROUP == 0
         native_ok = native_ok and c.vocab_size % packing.Q4_TILE == 0
-        if q8_table and AUTO_INT4_HEAD and native_ok:
-            return self.head_from_q8(self.q8_rows(model, head_name))
+        qtype = quant.QType(self.gf.tensors[head_name].qtype)
+        if blocks and AUTO_INT4_HEAD and native_ok:
+            return self.head_from_blocks(self.table_rows(model, head_name), qtype)
         head = self.get(head_name, (c.vocab_size, c.dim))
         table = (
-            self.q8_rows(model, head_name)
-            if q8_table
+            self.table_rows(model, head_name)
+            if blocks
             else model.tok_embeddings
             if c.tied_output
             else head.to(self.device)
         )
         with self.phases.phase("pack"):
             coarse = self.coarse_pass(head, native_ok)
-        return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim if q8_table else 0)
+        return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim if blocks else 0, qtype=qtype)
 
-    def head_from_q8(self, table: torch.Tensor) -> torch.nn.Module:
-        """The coarse pass packed from the exact table's Q8_0 rows a slice at a time (its
-        shape checked when the file was opened: check_llama_shapes): the float32 head, 545 MB
-        for Qwen2.5 0.5B's, is never whole in memory."""
+    def head_from_blocks(self, table: torch.Tensor, qtype: quant.QType) -> torch.nn.Module:
+        """The coarse pass packed from the exact table's rows (the file's blocks) a slice at a
+        time (its shape checked when the file was opened: check_llama_shapes): the float32
+        head, 545 MB for Qwen2.5 0.5B's, is never whole in memory."""
         c = self.config
         with self.phases.phase("pack"):
             nibbles, scale = packing.pack_rows(
                 c.vocab_size,
                 lambda a, b: packing.pack_q4_symmetric(
-                    quant.dequantize(table[a:b], quant.QType.Q8_0, (b - a, c.dim))
+                    quant.dequantize(table[a:b], qtype, (b - a, c.dim))
                 ),
             )
         coarse = Q4Linear(self.kernel, nibbles, scale, None, out_dtype=torch.float32, coarse=True)
-        return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim)
+        return RefinedHead(coarse, table, HEAD_REFINE, q8_dim=c.dim, qtype=qtype)
 
     def coarse_pass(self, head: torch.Tensor, native_ok: bool) -> torch.nn.Module:
         """The head's coarse pass from its float32 rows: 4-bit where a kernel takes it."""
@@ -444,24 +445,24 @@ class _Load:
             return Q8Linear(self.kernel, *packing.pack_q8(head))
         return Int8Linear(*packing.pack_int8(head))
 
-    def q8_rows(self, model: Transformer, head_name: str) -> torch.Tensor:
-        """The exact table as the file's Q8_0 blocks (RefinedHead's q8_dim)."""
+    def table_rows(self, model: Transformer, head_name: str) -> torch.Tensor:
+        """The exact table as the file's blocks (RefinedHead's q8_dim)."""
         if self.config.tied_output:
             assert isinstance(model.embedding, QuantizedEmbedding)
             return model.embedding.rows  # the same blocks: no second copy
         return self.gf.raw(head_name).reshape(self.config.vocab_size, -1).clone()
 
 
-def q8_0_rows(gf: GGUFFile, name: str, dim: int) -> bool:
-    """Whether tensor `name` is stored whole as Q8_0 rows of `dim` (the native refine's
-    compact table)."""
+def block_rows(gf: GGUFFile, name: str, dim: int) -> bool:
+    """Whether tensor `name` is stored whole as rows of `dim` in a block format (not a float
+    one): the head's exact table kept as the file stores it (RefinedHead's q8_dim)."""
     info = gf.tensors.get(name)
     if info is None or len(info.shape) != 2 or info.shape[1] != dim:
         return False
-    return (
-        quant.QType(info.qtype) == quant.QType.Q8_0
-        and dim % quant.BLOCK_SIZES[quant.QType.Q8_0][0] == 0
-    )
+    kind = quant.QType(info.qtype)
+    if kind in (quant.QType.F32, quant.QType.F16, quant.QType.BF16):
+        return False
+    return dim % quant.BLOCK_SIZES[kind][0] == 0
 
 
 def quantized_rows_fit(gf: GGUFFile, dim: int) -> bool:

@@ -20,7 +20,7 @@ from neuron_trio.engine.model.kv_cache import KVCache
 from neuron_trio.engine.model.load import loader, packing
 from neuron_trio.engine.model.load.loader import (
     FOUR_BIT,
-    q8_0_rows,
+    block_rows,
     quantized_rows_fit,
     resolve_dtype,
     scheme_dtypes,
@@ -119,13 +119,13 @@ def estimate_weight_bytes(gf: GGUFFile, dtype: str, device: torch.device | str) 
         if scheme != "cpu-int" or len(info.shape) == 1:
             size = 4 if name.endswith("norm.weight") else torch.empty((), dtype=act).element_size()
             total += n * size
-        elif name == "output.weight":  # the coarse pass + its table (Q8_0 blocks or float32)
-            q8 = native and q8_0_rows(gf, name, c.dim)
-            total += _coarse_head_bytes(n, c.vocab_size) + (info.nbytes if q8 else 4 * n)
+        elif name == "output.weight":  # the coarse pass + its table (the file's blocks or float32)
+            blocks = block_rows(gf, name, c.dim)
+            total += _coarse_head_bytes(n, c.vocab_size) + (info.nbytes if blocks else 4 * n)
         elif (
             name == "token_embd.weight"
             and quantized_rows_fit(gf, c.dim)
-            and (not c.tied_output or (native and q8_0_rows(gf, name, c.dim)))
+            and (not c.tied_output or block_rows(gf, name, c.dim))
         ):  # tied: the file's blocks, the head's table too (QuantizedEmbedding); untied:
             # read from the file a step's rows at a time (FileEmbedding), nothing held
             if c.tied_output:

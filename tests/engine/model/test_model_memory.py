@@ -1,6 +1,7 @@
 """What a loaded model does not hold (issue 49's memory): an untied quantised embedding is
 read from the model file a step's rows at a time (embedding.FileEmbedding), the same values;
-a native model keeps its float32 RoPE tables only."""
+a native model keeps its float32 RoPE tables only; a tied head reads the embedding's blocks;
+no float32 or bfloat16 copy of a packed weight stays beside it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from neuron_trio.engine.gguf import quant
 from neuron_trio.engine.gguf.file import GGUFFile
-from neuron_trio.engine.model.embedding import FileEmbedding, FileRows
+from neuron_trio.engine.model.embedding import FileEmbedding, FileRows, QuantizedEmbedding
+from neuron_trio.engine.model.linear import RefinedHead
 from neuron_trio.engine.model.load import packing
 from neuron_trio.engine.model.load.loader import load_transformer
 from neuron_trio.errors import ModelFileError
@@ -99,3 +101,44 @@ def test_a_native_model_keeps_one_rope_table_and_builds_torchs_when_asked(untied
     assert model.rope_cos.shape[0] >= prompt.shape[1] and model.rope_cos.dtype == model.act_dtype
     assert (native.argmax(-1) == plain.argmax(-1)).all()
     assert torch.allclose(native, plain, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.skipif(packing.native_kernel() is None, reason="the native kernel is not built")
+def test_a_tied_head_reads_the_embeddings_blocks_kept_once(tmp_path: Path) -> None:
+    path = write_tiny_llama(tmp_path / "tied.gguf", qtype="Q4_1", tied=True)
+    model = load_transformer(path, dtype="auto", device="cpu")
+    assert isinstance(model.embedding, QuantizedEmbedding) and isinstance(model.output, RefinedHead)
+    rows = model.embedding.rows.untyped_storage()
+    assert model.output.table.untyped_storage().data_ptr() == rows.data_ptr()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_no_dense_copy_of_a_packed_weight_is_kept(tmp_path: Path, tied: bool) -> None:
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype="Q4_1", tied=tied, ffn_dim=96)
+    model = load_transformer(path, dtype="auto", device="cpu")
+    c = model.config
+    packed = {(c.vocab_size, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.dim, c.dim)}
+    dense = (torch.float32, torch.bfloat16, torch.float16)
+    kept = [
+        (name, tuple(buf.shape))
+        for name, buf in model.named_buffers()
+        if buf.dtype in dense and not buf.is_meta and tuple(buf.shape[-2:]) in packed
+    ]
+    assert kept == []
+
+
+def test_a_head_in_another_block_format_refines_from_its_blocks_exactly(tmp_path: Path) -> None:
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype="Q4_1", tied=False)
+    model = load_transformer(path, dtype="auto", device="cpu")
+    head = model.output
+    assert isinstance(head, RefinedHead) and head.table.dtype == torch.uint8
+    assert quant.QType(head.qtype) == quant.QType.Q4_1
+    with GGUFFile(path) as gf:
+        info = gf.tensors["output.weight"]
+        table = quant.dequantize(gf.raw("output.weight"), quant.QType.Q4_1, info.shape)
+    dense = RefinedHead(head.coarse, table, head.refine)  # the float32 table it used to keep
+    x = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0))
+    # the same values; torch's bmm (blocks) and the kernel's refine (float32) sum in their
+    # own orders
+    assert torch.allclose(head(x), dense(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(head(x).argmax(-1), dense(x).argmax(-1))
