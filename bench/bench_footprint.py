@@ -14,11 +14,19 @@ and file-backed parts (/proc/PID/status). `import torch` alone (a fresh interpre
 of 3) is timed in the same run and taken off neuron's ready time, as the issue counts it.
 Figures are the best of the starts (a shared machine only ever slows a start). Prints the
 Markdown table and each warm start's "start-up phases" line.
+
+Right after each warm start is ready, a first request, then a first JSON one (`json_object`),
+each of 8 greedy tokens, are timed (a chat, or a completion where the file has no chat
+template): what start-up left for the first requests to build (llguidance's tokenizer is
+built by the first constrained request, not before ready).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import math
 import os
 import platform
 import resource
@@ -34,7 +42,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import llamacpp_peer  # noqa: E402
-from bench.daemon_harness import cpu_seconds, running_daemon  # noqa: E402
+from bench.daemon_harness import MODEL, cpu_seconds, running_daemon  # noqa: E402
 from bench.table_models import MODELS, BenchModel  # noqa: E402
 
 SEQS = 8
@@ -77,6 +85,43 @@ def wait_for_cache(state: Path, timeout_s: float = 900) -> None:
         time.sleep(1)
 
 
+_PLAIN = {"max_tokens": 8, "temperature": 0}
+_JSON = {**_PLAIN, "response_format": {"type": "json_object"}}
+
+
+def post_s(port: int, path: str, body: dict[str, Any]) -> float:
+    """Seconds to a complete answer of one request (RuntimeError unless 200)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        started = time.perf_counter()
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        text = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: {response.status} {text[:300]!r}")
+        return time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+def first_requests(port: int, model: str) -> tuple[float, float]:
+    """The first plain request's and the first JSON request's seconds, right after ready: a
+    chat, or a completion where the model has no chat template (then no JSON request, NaN:
+    completions take no `response_format`)."""
+    chat: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name three colours."}],
+    }
+    completion: dict[str, Any] = {"model": model, "prompt": "Three colours are"}
+    try:
+        plain = post_s(port, "/v1/chat/completions", {**chat, **_PLAIN})
+    except RuntimeError as exc:
+        if "no chat template" not in str(exc):
+            raise
+        return post_s(port, "/v1/completions", {**completion, **_PLAIN}), float("nan")
+    return plain, post_s(port, "/v1/chat/completions", {**chat, **_JSON})
+
+
 def neuron_start(
     model: BenchModel, path: Path, state: Path, args: argparse.Namespace, cold: bool = False
 ) -> dict[str, Any]:
@@ -98,6 +143,8 @@ def neuron_start(
             for line in daemon.log_tail(80).splitlines()
             if "start-up phases" in line
         ]
+        if not cold:
+            got["first_s"], got["first_json_s"] = first_requests(daemon.port, MODEL)
         return got
 
 
@@ -127,7 +174,8 @@ def measure(model: BenchModel, args: argparse.Namespace, logs: Path) -> dict[str
         got = neuron[-1]
         print(
             f"  neuron warm {n + 1}: ready {got['ready_s']:.2f}s (CPU {got['cpu_s']:.2f}s), RSS {got['VmRSS']:.0f} MiB "
-            f"(anon {got['RssAnon']:.0f}, file {got['RssFile']:.0f})"
+            f"(anon {got['RssAnon']:.0f}, file {got['RssFile']:.0f}); first request "
+            f"{got['first_s']:.2f}s, first JSON request {_seconds(got['first_json_s'])}"
         )
         for line in got["phases"]:
             print("    ", line)
@@ -141,13 +189,17 @@ def measure(model: BenchModel, args: argparse.Namespace, logs: Path) -> dict[str
     return {"label": model.label, "cold": cold, "neuron": neuron, "llamacpp": peer}
 
 
+def _seconds(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f} s"
+
+
 def table(results: list[dict[str, Any]], torch_s: tuple[float, float]) -> str:
     """The Markdown table: RSS, then start to ready (wall and CPU, neuron's less `import
     torch`'s), best of the starts."""
     rows = [
         "| model | RSS neuron | RSS llama.cpp | ready neuron, less `import torch` (wall / CPU) "
-        "| ready llama.cpp (wall / CPU) |",
-        "|---|---:|---:|---:|---:|",
+        "| ready llama.cpp (wall / CPU) | neuron's first request, first JSON request |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         neuron, peer = r["neuron"], r["llamacpp"]
@@ -155,7 +207,8 @@ def table(results: list[dict[str, Any]], torch_s: tuple[float, float]) -> str:
             f"| {r['label']} | {best(neuron, 'VmRSS'):,.0f} MiB | {best(peer, 'VmRSS'):,.0f} MiB "
             f"| {best(neuron, 'ready_s') - torch_s[0]:.2f} / "
             f"{best(neuron, 'cpu_s') - torch_s[1]:.2f} s "
-            f"| {best(peer, 'ready_s'):.2f} / {best(peer, 'cpu_s'):.2f} s |"
+            f"| {best(peer, 'ready_s'):.2f} / {best(peer, 'cpu_s'):.2f} s "
+            f"| {best(neuron, 'first_s'):.2f} s, {_seconds(best(neuron, 'first_json_s'))} |"
         )
     return "\n".join(rows)
 
