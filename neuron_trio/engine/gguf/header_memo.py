@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from neuron_trio.engine.gguf.checks import MAX_HEADER_BYTES
 
 MEMO_S = 120.0
@@ -125,10 +127,12 @@ class HeaderStore:
         if path is None:
             return None
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size > STORE_MAX_BYTES:
                     return None
-                entry = json.load(f)
+                # msgspec's decoder: Gemma 3's 6.9 MB entry in ~0.06 s, json's ~0.13 (a
+                # header with a NaN, which json writes and msgspec refuses, is parsed again)
+                entry = msgspec.json.decode(f.read())
             data_start = entry["data_start"]
             if (
                 entry["format"] != STORE_FORMAT
@@ -141,7 +145,7 @@ class HeaderStore:
             metadata, tensors = entry["metadata"], entry["tensors"]
             if not isinstance(metadata, dict) or not isinstance(tensors, list):
                 return None
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, msgspec.DecodeError):
             return None
         with contextlib.suppress(OSError):  # a read-only cache still serves its entries
             os.utime(path)  # recently used: kept by `save`'s pruning

@@ -3,6 +3,7 @@ its bytes changed; the memo expires and is cleared."""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -209,3 +210,18 @@ def test_an_entry_past_the_size_bound_is_neither_written_nor_read(
     header_memo.MEMO.clear()
     GGUFFile(write_tiny_llama(tmp_path / "other.gguf")).close()  # too large to write
     assert len(parses) == 2 and stored_files(tmp_path / "headers") == [entry]
+
+
+def test_a_header_with_a_nan_is_parsed_again_never_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # json writes NaN (not JSON); the store's reader (msgspec) refuses it: a parse, as before
+    header_memo.MEMO.clear()
+    header_memo.STORE.use(tmp_path / "headers")
+    path = write_tiny_llama(tmp_path / "m.gguf", extra_metadata={"general.odd": float("nan")})
+    GGUFFile(path).close()
+    header_memo.MEMO.clear()
+    parses = count_parses(monkeypatch)
+    with GGUFFile(path) as again:
+        assert math.isnan(again.metadata["general.odd"])
+    assert len(parses) == 1
