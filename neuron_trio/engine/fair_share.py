@@ -25,9 +25,10 @@ actor may only lift a tenant that has no sequence running.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["OUTPUT_COST", "PROMPT_COST", "FairShare", "Tenant"]
+__all__ = ["OUTPUT_COST", "PROMPT_COST", "RECENT_S", "FairShare", "Tenant"]
 
 # The paper's w_p and w_q: an output token costs a step's row each (and holds its blocks for
 # the rest of the answer), a prompt token is one of many rows prefilled at once.
@@ -35,6 +36,9 @@ PROMPT_COST = 1.0
 OUTPUT_COST = 2.0
 
 Tenant = str | None
+
+# A tenant whose last request ended this recently may send its next any moment (`recent`).
+RECENT_S = 60.0
 
 
 class FairShare:
@@ -44,8 +48,15 @@ class FairShare:
     of a tenant of weight 1.0 while both are backlogged.
     """
 
-    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._weights = dict(weights or {})
+        self._clock = clock
+        self._left: dict[Tenant, float] = {}  # when each tenant's last request ended
         for name, weight in self._weights.items():
             if not weight > 0:
                 raise ValueError(f"tenant {name!r}: weight must be positive, got {weight}")
@@ -65,6 +76,14 @@ class FairShare:
         """The tenants served since the node was last idle (those with a counter). Read by
         the scheduler during a step: one copy of the keys, whatever the actor adds meanwhile."""
         return tuple(self._counters)
+
+    def recent(self) -> tuple[Tenant, ...]:
+        """The tenants served since the node was last idle, and those whose last request
+        ended within `RECENT_S` (the node may have gone idle since: their next request may
+        still come any moment). Read by the scheduler during a step, like `served`."""
+        now = self._clock()
+        gone = [t for t, at in list(self._left.items()) if now - at <= RECENT_S]
+        return tuple(dict.fromkeys([*self._counters, *gone]))
 
     def charge(self, tenant: Tenant, *, prompt: int = 0, output: int = 0) -> None:
         """`tenant` received `prompt` prompt tokens and `output` output tokens of service."""
@@ -87,6 +106,7 @@ class FairShare:
             self._active[tenant] = left
             return
         self._active.pop(tenant, None)
+        self._left[tenant] = self._clock()  # one entry a tenant (configured names)
         if not self._active:
             self._counters.clear()  # nobody active: nobody is owed anything
 

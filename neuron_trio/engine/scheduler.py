@@ -23,8 +23,9 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   fewest sequences (over its weight; oldest first within a tenant), and a busier tenant's
   chunk joins another's step no wider than it, so a flood of long prompts neither delays nor
   pads another tenant's first token; and while another tenant has been served since the
-  node was last idle, a tenant holding more sequences than another gets a quarter of the
-  prefill budget (`_chunk_cap`: its rows × width within `prefill_chunk // 4`): a step stays short, so the other's
+  node was last idle or within the last minute, a tenant holding more sequences than another
+  gets a sixteenth of the prefill budget (`_chunk_cap`: its rows × width within
+  `prefill_chunk // 16`): a step stays short, so the other's
   next request, arriving mid-step, waits for a short step, not a long prompt's; the pool's
   shortage is taken from the tenant with the largest virtual token counter: a row may
   preempt any younger sequence, or an older one of a tenant that has received more service
@@ -220,19 +221,24 @@ class Scheduler:
         return held / fair.weight(tenant)
 
     def _chunk_cap(self, seq: Sequence) -> int:
-        """The most of `seq`'s prompt one step may prefill: the whole budget, but a quarter
-        of it (a block at least) for a tenant holding more of a step than another tenant
-        served since the node was last idle (that one's next request may come any moment)."""
+        """The most of `seq`'s prompt one step may prefill: the whole budget, but a
+        sixteenth of it (a block at least) for a tenant holding more of a step than another
+        tenant served recently (`FairShare.recent`: that one's next request may come any
+        moment, and waits for the step then running, then its own step shares the flood's
+        decode rows). Why a sixteenth: in the tenancy drill (2 cores, 2 kernel threads) a
+        step of 8 decode rows took 0.02-0.04 s, and 0.10-0.16 s with a 64-token chunk
+        beside them (0.5 s with 256): the calm tenant's first token took 0.2-0.8 s in the
+        flood's first seconds against 0.05 s idle."""
         fair = self.fair
         if fair is None:
             return self.prefill_chunk
-        served = fair.served()
-        if len(served) < 2 or seq.tenant not in served:
+        recent = fair.recent()
+        if len(recent) < 2 or seq.tenant not in recent:
             return self.prefill_chunk
         mine = self._load(seq.tenant)
-        if all(mine <= self._load(t) for t in served if t != seq.tenant):
+        if all(mine <= self._load(t) for t in recent if t != seq.tenant):
             return self.prefill_chunk
-        return max(BLOCK_TOKENS, self.prefill_chunk // 4)
+        return max(BLOCK_TOKENS, self.prefill_chunk // 16)
 
     def _heavier(self, seq: Sequence, than: Sequence) -> bool:
         """`seq`'s tenant takes more of a step than `than`'s (another tenant's)."""

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from neuron_trio.engine.block_pool import RESERVED_BLOCKS, BlockPool
-from neuron_trio.engine.fair_share import OUTPUT_COST, PROMPT_COST, FairShare
+from neuron_trio.engine.fair_share import OUTPUT_COST, PROMPT_COST, RECENT_S, FairShare
 from neuron_trio.engine.scheduler import Scheduler
 from neuron_trio.engine.sequence import Sequence, SequenceStatus
 from neuron_trio.engine.types import SamplingParams, SequenceEvent
@@ -122,9 +122,9 @@ def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -
 
 def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served() -> None:
     # The other tenant's next request, arriving during a step, waits for that step: a
-    # quarter of the budget, not a whole 256-token chunk of the flood's long prompt.
+    # sixteenth of the budget, not a whole 256-token chunk of the flood's long prompt.
     sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
-    fair = FairShare()
+    fair = FairShare(clock=lambda: 0.0)
     fair.arrive("flood")
     fair.charge("flood", prompt=500)
     sched.fair = fair
@@ -135,14 +135,37 @@ def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served
     fair.arrive("calm")
     fair.charge("calm", prompt=10)
     fair.leave("calm")  # served, now between requests: it holds nothing
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(256, 256 + 64)]
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(256, 256 + 16)]
     second = _seq(3, 500, "flood")
-    sched.admit(second)  # the quarter bounds the step, not each row: no second row of 64
-    assert [(c.seq.seq_id, c.end) for c in sched.schedule().prefill] == [(1, 256 + 64)]
+    sched.admit(second)  # the cap bounds the step, not each row: no second row of 16
+    assert [(c.seq.seq_id, c.end) for c in sched.schedule().prefill] == [(1, 256 + 16)]
     sched.release(second)
     sched.admit(_seq(2, 300, "calm"))  # each holds one now: neither is capped
     plan = sched.schedule()
     assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(1, 256, 500)]
+
+
+def test_a_tenant_gone_idle_keeps_the_flood_steps_short_for_a_minute() -> None:
+    # The drill's calm tenant: its requests end, the node goes idle (counters cleared), a
+    # flood of long prompts starts; calm's next request, seconds later, must not wait behind
+    # a 256-token step. A minute after calm's last request, the flood has the whole budget.
+    now = [0.0]
+    sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
+    fair = FairShare(clock=lambda: now[0])
+    fair.arrive("calm")
+    fair.charge("calm", prompt=10)
+    fair.leave("calm")  # nobody active: the counters start over
+    assert fair.served() == ()
+    sched.fair = fair
+    now[0] = 5.0
+    fair.arrive("flood")
+    fair.charge("flood", prompt=500)
+    flood = _seq(1, 500, "flood")
+    sched.admit(flood)
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 16)]
+    flood.prefilled = 16
+    now[0] = RECENT_S + 1.0
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(16, 16 + 256)]
 
 
 def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
