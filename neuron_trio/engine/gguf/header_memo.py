@@ -8,7 +8,9 @@ the file's identity (path, device, inode, size, mtime) and a digest of its heade
 used only when both match again; it expires after `MEMO_S` seconds, and holds one file.
 
 `STORE` keeps parsed headers on disk between the daemon's starts, under the same rule: a
-restart reads its models' headers back instead of parsing and checking them again.
+restart reads its models' headers back instead of parsing and checking them again. Its files
+are 0600 in 0700 directories, as the packed weights beside them: a header names the model and
+holds its chat template, the operator's to show.
 """
 
 from __future__ import annotations
@@ -90,6 +92,25 @@ STORE_ENTRIES = 8  # headers kept (the most recently used); a few MB each
 # and separators). A larger file is not read, a larger entry not written: that start parses,
 # as any other.
 STORE_MAX_BYTES = 2 * MAX_HEADER_BYTES
+_FILE_MODE, _DIR_MODE = 0o600, 0o700  # the state directory's modes (weight_cache.py's too)
+
+
+def _private_dir(path: str) -> None:
+    """Create `path` and any missing parent as 0700; an existing `path` is made 0700 too
+    (one an earlier version made 0755)."""
+    missing = []
+    at = path
+    while at and not os.path.exists(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, _DIR_MODE)
+    with contextlib.suppress(OSError):  # not ours to change: left as it is
+        os.chmod(path, _DIR_MODE)
 
 
 class HeaderStore:
@@ -111,6 +132,9 @@ class HeaderStore:
     def use(self, directory: str | os.PathLike[str] | None) -> None:
         with self._lock:
             self._directory = None if directory is None else os.fspath(directory)
+        if directory is not None and os.path.isdir(directory):
+            with contextlib.suppress(OSError):  # one an earlier version made 0755
+                os.chmod(directory, _DIR_MODE)
 
     def _path(self, identity: tuple[Any, ...]) -> str | None:
         with self._lock:
@@ -128,8 +152,12 @@ class HeaderStore:
             return None
         try:
             with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size > STORE_MAX_BYTES:
+                stat = os.fstat(f.fileno())
+                if stat.st_size > STORE_MAX_BYTES:
                     return None
+                if stat.st_mode & 0o077:  # an entry an earlier version wrote 0644
+                    with contextlib.suppress(OSError):
+                        os.fchmod(f.fileno(), _FILE_MODE)
                 # msgspec's decoder: Gemma 3's 6.9 MB entry in ~0.06 s, json's ~0.13 (a
                 # header with a NaN, which json writes and msgspec refuses, is parsed again)
                 entry = msgspec.json.decode(f.read())
@@ -175,8 +203,9 @@ class HeaderStore:
             encoded = json.dumps(entry, ensure_ascii=False).encode("utf-8")
             if len(encoded) > STORE_MAX_BYTES:
                 return
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temporary, "wb") as f:
+            _private_dir(os.path.dirname(path))
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
                 f.write(encoded)
             os.replace(temporary, path)
             self._prune(os.path.dirname(path))

@@ -225,3 +225,32 @@ def test_a_header_with_a_nan_is_parsed_again_never_an_error(
     with GGUFFile(path) as again:
         assert math.isnan(again.metadata["general.odd"])
     assert len(parses) == 1
+
+
+def test_the_store_is_private_like_the_rest_of_the_state_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries 0600, their directory and the parents it made 0700 (issue 47: files in the
+    state directory are the operator's), whatever the umask; an entry and a directory an
+    earlier version left 0644 / 0755 are made private when next used."""
+    old_umask = os.umask(0o022)
+    try:
+        header_memo.MEMO.clear()
+        store = tmp_path / "cache" / "headers"
+        header_memo.STORE.use(store)
+        GGUFFile(write_tiny_llama(tmp_path / "m.gguf")).close()
+        (entry,) = stored_files(store)
+        assert entry.stat().st_mode & 0o777 == 0o600
+        assert store.stat().st_mode & 0o777 == 0o700
+        assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+        entry.chmod(0o644)
+        store.chmod(0o755)
+        header_memo.STORE.use(store)
+        assert store.stat().st_mode & 0o777 == 0o700
+        header_memo.MEMO.clear()
+        parses = count_parses(monkeypatch)
+        GGUFFile(tmp_path / "m.gguf").close()
+        assert parses == [] and entry.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old_umask)
+        header_memo.STORE.use(None)
