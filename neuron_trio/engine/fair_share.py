@@ -37,8 +37,10 @@ OUTPUT_COST = 2.0
 
 Tenant = str | None
 
-# A tenant whose last request ended this recently may send its next any moment (`recent`).
-RECENT_S = 60.0
+# A tenant whose last request ended this recently may send its next any moment (`recent`):
+# a client's gap between sequential requests. Longer gaps are not protected, so a tenant that
+# talks to the node now and then does not shorten a busier tenant's prefill steps for long.
+RECENT_S = 5.0
 
 
 class FairShare:
@@ -78,12 +80,15 @@ class FairShare:
         return tuple(self._counters)
 
     def recent(self) -> tuple[Tenant, ...]:
-        """The tenants served since the node was last idle, and those whose last request
-        ended within `RECENT_S` (the node may have gone idle since: their next request may
-        still come any moment). Read by the scheduler during a step, like `served`."""
+        """The tenants with a request queued or running, and those whose last request ended
+        within `RECENT_S` (their next request may come any moment). Not those merely served
+        since the node was last idle: under a lasting flood the node is never idle, and a
+        tenant gone for good would shorten the flood's steps forever. Read by the scheduler
+        during a step, like `served`."""
         now = self._clock()
+        active = [t for t, n in list(self._active.items()) if n]
         gone = [t for t, at in list(self._left.items()) if now - at <= RECENT_S]
-        return tuple(dict.fromkeys([*self._counters, *gone]))
+        return tuple(dict.fromkeys([*active, *gone]))
 
     def charge(self, tenant: Tenant, *, prompt: int = 0, output: int = 0) -> None:
         """`tenant` received `prompt` prompt tokens and `output` output tokens of service."""

@@ -22,8 +22,8 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
 - with tenants (`fair`, engine/fair_share.py), prefills go first for the tenant holding the
   fewest sequences (over its weight; oldest first within a tenant), and a busier tenant's
   chunk joins another's step no wider than it, so a flood of long prompts neither delays nor
-  pads another tenant's first token; and while another tenant has been served since the
-  node was last idle or within the last minute, a tenant holding more sequences than another
+  pads another tenant's first token; and while another tenant has a request on the node or
+  ended one within `RECENT_S` (seconds), a tenant holding more sequences than another
   gets a sixteenth of the prefill budget (`_chunk_cap`: its rows × width within
   `prefill_chunk // 16`): a step stays short, so the other's
   next request, arriving mid-step, waits for a short step, not a long prompt's; the pool's
@@ -223,9 +223,9 @@ class Scheduler:
     def _chunk_cap(self, seq: Sequence) -> int:
         """The most of `seq`'s prompt one step may prefill: the whole budget, but a
         sixteenth of it (a block at least) for a tenant holding more of a step than another
-        tenant served recently (`FairShare.recent`: that one's next request may come any
-        moment, and waits for the step then running, then its own step shares the flood's
-        decode rows). Why a sixteenth: in the tenancy drill (2 cores, 2 kernel threads) a
+        tenant on the node or gone a moment ago (`FairShare.recent`: that one's next request
+        may come any moment, and waits for the step then running, then its own step shares
+        the flood's decode rows). Why a sixteenth: in the tenancy drill (2 cores, 2 kernel threads) a
         step of 8 decode rows took 0.02-0.04 s, and 0.10-0.16 s with a 64-token chunk
         beside them (0.5 s with 256): the calm tenant's first token took 0.2-0.8 s in the
         flood's first seconds against 0.05 s idle."""
