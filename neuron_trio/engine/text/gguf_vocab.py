@@ -191,20 +191,8 @@ def build_sentencepiece(
     """llama.cpp's SPM vocabulary: BPE over "▁"-spelled text with byte fallback (<0xXX>).
     Merges the file does not list are derived from the scores, or read from `merges_store`."""
     scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-    vocab: dict[str, int] = {}
-    token_bytes: list[bytes] = []
-    unk_token: str | None = None
-    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-        vocab.setdefault(text, i)
-        if kind == TOKEN_BYTE and len(text) == 6 and text.startswith("<0x"):
-            token_bytes.append(bytes([int(text[3:5], 16)]))
-        elif kind == TOKEN_UNKNOWN:
-            unk_token = unk_token or text
-            token_bytes.append("\N{REPLACEMENT CHARACTER}".encode())
-        elif kind == TOKEN_CONTROL:
-            token_bytes.append(text.encode("utf-8"))
-        else:
-            token_bytes.append(text.replace("\u2581", " ").encode("utf-8"))
+    vocab = first_ids(tokens)
+    token_bytes, unk_token = _sentencepiece_bytes(tokens, types)
     merges_raw = metadata.get("tokenizer.ggml.merges")
     if merges_raw:
         merges = [tuple(m.split(" ", 1)) for m in merges_raw]
@@ -233,6 +221,33 @@ def build_sentencepiece(
     norm.append(normalizers.Replace(" ", "\u2581"))
     backend.normalizer = normalizers.Sequence(norm)  # type: ignore[assignment]
     return backend, token_bytes, add_space
+
+
+def first_ids(tokens: Sequence[str]) -> dict[str, int]:
+    """Each token text's first id (a file may spell a token twice). Built from the last id
+    down, so that the first id is the one left: Gemma 3's 262,144 tokens in ~0.06 s, ~0.1 s
+    with a `setdefault` a token."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
+
+
+def _sentencepiece_bytes(
+    tokens: Sequence[str], types: Sequence[int]
+) -> tuple[list[bytes], str | None]:
+    """Each token's bytes ("▁" is a space; a byte token <0xXX> its byte; an unknown token
+    U+FFFD; a control token its text as written) and the first unknown token's text. Normal
+    tokens (all but ~7,000 of Gemma 3's 262,144) in one comprehension, the others after."""
+    token_bytes = [text.replace("\u2581", " ").encode("utf-8") for text in tokens]
+    unk_token: str | None = None
+    for i in np.flatnonzero(np.asarray(types) != TOKEN_NORMAL).tolist():
+        text, kind = tokens[i], types[i]
+        if kind == TOKEN_BYTE and len(text) == 6 and text.startswith("<0x"):
+            token_bytes[i] = bytes([int(text[3:5], 16)])
+        elif kind == TOKEN_UNKNOWN:
+            unk_token = unk_token or text
+            token_bytes[i] = "\N{REPLACEMENT CHARACTER}".encode()
+        elif kind == TOKEN_CONTROL:
+            token_bytes[i] = text.encode("utf-8")
+    return token_bytes, unk_token
 
 
 def merges_key(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float]) -> str:

@@ -8,23 +8,24 @@ array of their hashes take ~6 MB, and give the same answers: `texts[i]` is token
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import overload
 
 import numpy as np
 
-
-def _hash(text: str) -> int:
-    return hash(text)  # a str's hash is the same all through one process
+# a str's hash is the same all through one process; the builtin itself, so that map() runs
+# it without a Python frame a token (a test swaps in one that makes every text collide)
+_hash: Callable[[str], int] = hash
 
 
 class TokenTexts(Sequence[str]):
     def __init__(self, texts: Sequence[str]) -> None:
-        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+        # map() over builtins: no Python frame a token (Gemma 3's 262,144: ~0.02 s, not ~0.05)
+        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         self._offsets = np.zeros(len(texts) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._offsets[1:])
         self._joined = "".join(texts)
-        hashes = np.fromiter((_hash(t) for t in texts), dtype=np.int64, count=len(texts))
+        hashes = np.fromiter(map(_hash, texts), dtype=np.int64, count=len(texts))
         # by hash, and among equal hashes by id (a stable sort): the first match is the first id
         self._order = np.argsort(hashes, kind="stable").astype(np.int32)
         self._hashes = hashes[self._order]

@@ -20,6 +20,7 @@ import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -153,7 +154,10 @@ class Tokenizer:
 
         special: list[int] = []
         added: list[AddedToken] = []
-        for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        # only the few control and user-defined tokens are visited (Gemma 3: 6,414 of 262,144)
+        kinds = np.asarray(types)
+        for i in np.flatnonzero((kinds == TOKEN_CONTROL) | (kinds == TOKEN_USER_DEFINED)).tolist():
+            text, kind = tokens[i], types[i]
             if kind == TOKEN_CONTROL:
                 special.append(i)
                 added.append(AddedToken(text, special=True, normalized=False))

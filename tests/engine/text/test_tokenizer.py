@@ -529,3 +529,40 @@ def test_a_token_spelled_twice_keeps_the_vocabulary_size() -> None:
     first = tokens.index("hello")
     assert tok.encode("hello", add_special_tokens=False) == [first]
     assert tok.decode([len(tokens) - 1]) == "hello"
+
+
+def test_sentencepiece_token_bytes_and_first_ids_for_every_kind() -> None:
+    """Each kind of token gets its own bytes (normal and user-defined: "▁" a space; a control
+    token as written, "▁" kept; a byte token its byte; unknown U+FFFD; an unused one as a
+    normal one), a token spelled twice encodes as its first id, control and user-defined
+    tokens are matched whole: built a kind at a time, not a token at a time."""
+    md: dict[str, Any] = spm_metadata()
+    extra = [
+        ("<ctl\u2581x>", TOKEN_CONTROL),
+        ("\u2581my\u2581word", TOKEN_USER_DEFINED),
+        ("<unused0>", gguf_vocab.TOKEN_UNUSED),
+        ("<0x4>", TOKEN_BYTE),  # not a byte token's spelling: its text
+        ("\u2581hello", TOKEN_NORMAL),  # spelled twice
+        ("\u00e9\u2581", TOKEN_NORMAL),
+    ]
+    md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"], *(t for t, _ in extra)]
+    md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], *(k for _, k in extra)]
+    md["tokenizer.ggml.scores"] = [*md["tokenizer.ggml.scores"], *[-9.0] * len(extra)]
+    tok = Tokenizer.from_metadata(md)
+    tokens = md["tokenizer.ggml.tokens"]
+    first = len(tokens) - len(extra)
+    assert tok.token_bytes[:3] == ["\N{REPLACEMENT CHARACTER}".encode(), b"<s>", b"</s>"]
+    assert tok.token_bytes[3:259] == [bytes([b]) for b in range(256)]
+    assert tok.token_bytes[first:] == [
+        "<ctl\u2581x>".encode(),
+        b" my word",
+        b"<unused0>",
+        b"<0x4>",
+        b" hello",
+        "\u00e9 ".encode(),
+    ]
+    assert tok.special_ids == {1, 2, first}
+    hello = tokens.index("\u2581hello")
+    assert hello < first + 4 and tok.encode("hello", add_special_tokens=False) == [hello]
+    assert tok.token_to_id("\u2581hello") == hello
+    assert tok.encode("a<ctl\u2581x>", add_special_tokens=False)[-1] == first
