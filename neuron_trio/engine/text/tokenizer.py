@@ -25,6 +25,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from neuron_trio.engine.text.chat_literals import in_spans
+from neuron_trio.engine.text.collections_paused import collections_paused
 from neuron_trio.engine.text.gguf_vocab import (
     SUPPORTED_MODELS,
     TOKEN_CONTROL,
@@ -129,7 +130,8 @@ class Tokenizer:
         # The tokenizers library's edge: a vocabulary it cannot take is the file's fault (a
         # 422), whether it says so with a bare Exception or panics (see native_errors).
         try:
-            with panics_as_model_file_errors("the tokenizer"):
+            # the build's hundreds of thousands of tuples are not walked as they are made
+            with panics_as_model_file_errors("the tokenizer"), collections_paused():
                 return cls._from_checked_metadata(metadata, model, tokens, types, merges_store)
         except ModelLoadError:
             raise

@@ -566,3 +566,36 @@ def test_sentencepiece_token_bytes_and_first_ids_for_every_kind() -> None:
     assert hello < first + 4 and tok.encode("hello", add_special_tokens=False) == [hello]
     assert tok.token_to_id("\u2581hello") == hello
     assert tok.encode("a<ctl\u2581x>", add_special_tokens=False)[-1] == first
+
+
+def test_no_automatic_collection_while_a_tokenizer_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The build's tuples (Gemma 3: 513,511 merges) are not walked by the collector as they are
+    made: it is paused during the build, and on again after it, even when the build fails;
+    a collector that was off stays off."""
+    import gc
+
+    seen: list[bool] = []
+    real = gguf_vocab.build_sentencepiece
+
+    def watching(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("neuron_trio.engine.text.tokenizer.build_sentencepiece", watching)
+    assert gc.isenabled()
+    Tokenizer.from_metadata(spm_metadata())
+    assert seen == [False] and gc.isenabled()
+    bad = spm_metadata()
+    bad["tokenizer.ggml.tokens"] = [*bad["tokenizer.ggml.tokens"][:-1], "<0xZZ>"]  # type: ignore[misc]
+    bad["tokenizer.ggml.token_type"] = [*bad["tokenizer.ggml.token_type"][:-1], TOKEN_BYTE]  # type: ignore[misc]
+    with pytest.raises(ModelLoadError):
+        Tokenizer.from_metadata(bad)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        Tokenizer.from_metadata(spm_metadata())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
