@@ -365,6 +365,7 @@ class ModelActor:
             self._finished.set()
             if self.executor is not None and isinstance(exc, Exception):
                 await self._calls.close(self.executor)
+            self._calls.close_thread()  # the forward thread, if no executor closed it
             # A ConfigError (tp that does not divide the heads) stays one: exit 78, or a 400.
             if isinstance(exc, ModelLoadError | ConfigError) or not isinstance(exc, Exception):
                 raise
@@ -380,6 +381,7 @@ class ModelActor:
             await self._calls.close(executor)
             log.info("model %s: unloaded", self.name)
         finally:
+            self._calls.close_thread()  # cancelled before the close: still end it
             if self._compiles is not None:
                 self._compiles.close()
             self._requests.fail_all(

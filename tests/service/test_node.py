@@ -171,9 +171,10 @@ def test_a_model_being_loaded_answers_503_and_is_not_listed(tmp_path: Path) -> N
         entered = trio.Event()
         proceed = threading.Event()
         factory = w.factory
+        token = trio.lowlevel.current_trio_token()  # the load's thread is not trio's own
 
         def slow_factory(spec: ModelConfig, *args: Any, **kw: Any) -> FakeExecutor:
-            trio.from_thread.run_sync(entered.set)
+            trio.from_thread.run_sync(entered.set, trio_token=token)
             proceed.wait()
             return factory(spec, *args, **kw)
 

@@ -4,7 +4,9 @@
 `node.load_timeout_s`), the warm-up, every step and idle probe, and the close. With a
 watchdog, steps and probes run under its deadlines (`run_step`, `run_idle_probe`) and the
 warm-up under its warm-up bound (a hang there is exit 70); without one (tests, tools) they run
-on a plain worker thread, unbounded, one at a time.
+unbounded, one at a time. The load, warm-up, steps and probes all run on the model's one
+forward thread (service/wedge/forward_thread.py: a second thread that ran torch's parallel
+regions made every step several times slower); `close` ends it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import trio
 
 from neuron_trio.errors import ModelLoadError
 from neuron_trio.executor.api import ModelExecutor, SequenceEvent, panics_as_model_file_errors
+from neuron_trio.service.wedge.forward_thread import ForwardThread
+from neuron_trio.service.wedge.threads import ignore_return
 from neuron_trio.service.wedge.watchdog import InflightFn, Watchdog
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,9 @@ class ExecutorCalls:
         self.name = name
         self.watchdog = watchdog
         self._limiter = trio.CapacityLimiter(1)  # a hung step keeps only this slot
+        self._forward = ForwardThread(name)
+        if watchdog is not None:
+            watchdog.forward_on(self._forward.run)
 
     async def load(self, loader: Callable[[], ModelExecutor], timeout_s: float) -> ModelExecutor:
         """Build the executor on a worker thread; ModelLoadError past `timeout_s`.
@@ -65,8 +72,11 @@ class ExecutorCalls:
 
         try:
             with panics_as_model_file_errors(f"model {self.name!r}"):
-                return await trio.to_thread.run_sync(
-                    build, abandon_on_cancel=True, thread_name=f"neuron-load-{self.name}"
+                return await self._forward.run(
+                    build,
+                    thread_name=f"neuron-load-{self.name}",
+                    limiter=trio.CapacityLimiter(1),
+                    on_return=ignore_return,
                 )
         except trio.Cancelled:
             with lock:
@@ -86,9 +96,11 @@ class ExecutorCalls:
         started = time.monotonic()
         if self.watchdog is not None:
             timeout_s = self.watchdog.warm_up_s
-            await self.watchdog.run_or_die(executor.probe, what="warm-up", timeout_s=timeout_s)
+            await self.watchdog.run_or_die(
+                executor.probe, what="warm-up", timeout_s=timeout_s, forward=True
+            )
             report = await self.watchdog.run_or_die(
-                executor.warm_up, what="warm-up", timeout_s=timeout_s
+                executor.warm_up, what="warm-up", timeout_s=timeout_s, forward=True
             )
         else:
             await self._plain_thread(executor.probe, "warm-up")
@@ -115,14 +127,23 @@ class ExecutorCalls:
             await self._plain_thread(executor.probe, "probe")
 
     async def close(self, executor: ModelExecutor) -> None:
-        await trio.to_thread.run_sync(
-            executor.close, abandon_on_cancel=True, thread_name=f"neuron-close-{self.name}"
-        )
+        """Close the executor, then end the forward thread (a reload gets a fresh one)."""
+        try:
+            await trio.to_thread.run_sync(
+                executor.close, abandon_on_cancel=True, thread_name=f"neuron-close-{self.name}"
+            )
+        finally:
+            self.close_thread()
+
+    def close_thread(self) -> None:
+        """End the forward thread once the calls already on it return (idempotent): when the
+        actor stops, whether or not it had an executor to close."""
+        self._forward.close()
 
     async def _plain_thread(self, fn: Callable[[], T], what: str) -> T:
-        return await trio.to_thread.run_sync(
+        return await self._forward.run(
             fn,
-            abandon_on_cancel=True,
-            limiter=self._limiter,
             thread_name=f"neuron-{what}-{self.name}",
+            limiter=self._limiter,
+            on_return=ignore_return,
         )

@@ -6,6 +6,7 @@ Here every blocking call runs on a worker thread the event loop does not wait fo
 (`abandon_on_cancel=True`), and every wait on such a thread has a deadline of its own:
 
     run_step(fn)         fn on thread "neuron-step-<model>" under watchdog.step_timeout_s
+                         (the model's one forward thread, renamed while it runs a step)
       └─ past it         -> StepTimeoutError; the model is "recovering"
     recover(executor)    abort every rank's communicator on thread "nccl-abort-<model>"
       ├─ wait_for_return  returned / error / deadline (watchdog.abort_deadline_s from it)
@@ -89,7 +90,7 @@ class Watchdog:
         metrics: WatchdogMetrics | None = None,
         clock: Callable[[], float] = trio.current_time,
         wall_clock: Callable[[], float] = time.time,
-        run_thread: ThreadRunner = run_in_thread,
+        run_thread: ThreadRunner | None = None,  # None: run_in_thread (tests: a fake)
         logger: logging.Logger | None = None,
     ) -> None:
         self.model_name = model_name
@@ -100,7 +101,9 @@ class Watchdog:
         self._metrics = metrics
         self._clock = clock
         self._wall = wall_clock
-        self._run_thread = run_thread
+        self._run_thread: ThreadRunner = run_in_thread if run_thread is None else run_thread
+        self._own_runner = run_thread is not None
+        self._run_forward = self._run_thread  # the model's forwards: see forward_on
         self._log = logger or log
         self._step_limiter = trio.CapacityLimiter(1)
         self._busy = trio.Lock()
@@ -120,6 +123,13 @@ class Watchdog:
         """The model's health (its actor's `ModelHealth`): told "wedged" when this watchdog
         fires the deadman, the one move of the model's that only the watchdog knows."""
         self._health = health
+
+    def forward_on(self, runner: ThreadRunner) -> None:
+        """Run the model's forwards (steps, probes, the warm-up) with `runner`: its
+        ExecutorCalls' one forward thread (service/wedge/forward_thread.py: why one thread).
+        A watchdog given a runner of its own (tests: a trio-native fake) keeps it for all."""
+        if not self._own_runner:
+            self._run_forward = runner
 
     def deadman_firing(self) -> bool:
         """Whether the shared deadman fires (for any model): the process is ending."""
@@ -190,7 +200,7 @@ class Watchdog:
         finished = False
         try:
             with trio.move_on_at(now + self.step_timeout_s):
-                result = await self._run_thread(
+                result = await self._run_forward(
                     fn,
                     thread_name=f"neuron-step-{self.model_name}",
                     limiter=self._step_limiter,
@@ -331,7 +341,7 @@ class Watchdog:
         """One recovery step on a worker thread, bounded by step_timeout_s; failing -> exit 70."""
         on_step_thread = what == "probe"
         outcome, result = await bounded_call(
-            self._run_thread,
+            self._run_forward if on_step_thread else self._run_thread,
             fn,
             thread_name=f"neuron-step-{self.model_name}"
             if on_step_thread
@@ -379,7 +389,12 @@ class Watchdog:
     # --- bounded one-off calls (load, communicator init/destroy, first steps) ---------------
 
     async def run_or_die(
-        self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        timeout_s: float | None = None,
+        forward: bool = False,
     ) -> T:
         """Run a blocking call that must not hang (communicator init or destroy, a model's
         first steps) on a thread of its own, under `timeout_s`.
@@ -388,13 +403,15 @@ class Watchdog:
         gets before the deadman fires (a first step may be slower than the rest: lazy
         initialisation). Past it the deadman fires (forensics, exit 70): a model that wedges
         on load must end the process, not leave a start that never ends. Exceptions of `fn`
-        propagate. Cancellation handling: the thread is abandoned.
+        propagate. With `forward` (the warm-up's forwards) it runs on the model's forward
+        thread (`forward_on`). Cancellation handling: the thread is abandoned.
         """
         bound = timeout_s if timeout_s is not None else self.step_timeout_s + self.abort_deadline_s
         now = self._clock()
         watch = WatchedCall(what=what, started=now, started_wall=self._wall())
         with trio.move_on_at(now + bound):
-            return await self._run_thread(
+            run_thread = self._run_forward if forward else self._run_thread
+            return await run_thread(
                 fn,
                 thread_name=f"neuron-{what.replace(' ', '-')}-{self.model_name}",
                 limiter=trio.CapacityLimiter(1),
