@@ -6,8 +6,8 @@ between their threads, in hundreds of short parallel regions a step, each ending
 slowest thread does. With as many threads as cores, any other runnable thread (another
 process, the node's own event loop under a flood of connections, a grammar compile) takes a
 core from one of them, and region after region waits a scheduler time slice for it while
-the others spin. Measured on 2 cores (built-in model, 8 decode rows; the closing note's
-/tmp/flood/repro.py): steps of 13-15 ms on 2 threads took a median 48-194 ms (p90 up to
+the others spin. Measured on 2 cores (built-in model, 8 decode rows, each step timed;
+issue 47's closing note): steps of 13-15 ms on 2 threads took a median 48-194 ms (p90 up to
 1.5 s) beside one busy process, and 356-720 ms beside a busy Python thread of the process;
 on 1 thread the same took 40-51 ms and 62 ms (21 ms alone).
 

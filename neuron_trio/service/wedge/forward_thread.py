@@ -4,8 +4,8 @@ Why: each thread that runs a multi-threaded torch or native-kernel region owns a
 (libgomp) thread pool for as long as it lives. With a second live pool in the process,
 libgomp manages more threads than there are CPUs and throttles its spin-wait to a few
 hundred spins, so every one of a step's hundreds of parallel regions waits for a futex
-wake-up. Measured through the daemon (built-in model, 2 vCPUs; /tmp/notes3/verify.md
-"FOUND"): 1 stream ~30-40 tok/s with the load's and the steps' trio worker threads both
+wake-up. Measured through the daemon (built-in model, 2 vCPUs; bench/bench_http.py,
+the fourth round's third closing note): 1 stream ~30-40 tok/s with the load's and the steps' trio worker threads both
 alive (trio caches its threads and reuses them for any job), 111-142 tok/s with the load,
 warm-up, probes and steps all on one thread. So a model's load, warm-up, probes and steps
 run here, one at a time, in the order submitted.

@@ -32,7 +32,7 @@ Why at the lowest scheduling priority (nice 19, `COMPILE_NICE`; issue 47): the e
 runs its kernels on as many threads as the machine has cores, in many short parallel regions
 that each end when their slowest thread does. A compile thread at the step's priority that
 takes a core makes one of those threads wait a scheduler time slice in region after region:
-measured on 2 cores (built-in model, 8 decode rows, /tmp/flood/repro.py in the closing note),
+measured on 2 cores (built-in model, 8 decode rows; issue 47's closing note),
 steps of 12-13 ms took a median 113-121 ms and a p90 of 0.29-0.34 s while 1,999-key `const`
 schemas compiled, against 13-14 ms and 15-17 ms with the compile thread at nice 19 (a
 compile then took ~0.5 s instead of ~0.3 s: it runs on what the step leaves). On a bigger
