@@ -9,7 +9,7 @@ minutes on a small machine; routing does not depend on what the model says.
 What is asserted, per scenario: no client error among the requests started after the fault
 (HAProxy retries what neuron refused with 503 and what a dead node never answered), the node
 out of rotation within the configured check window, the streams in flight on a killed node
-ended (an error, not a hang), and the node back in rotation, except the one that wedges on
+ended (complete or an error, never a hang), and the node back in rotation, except the one that wedges on
 every start, which must end `failed` and stay out. The check-window bounds are the one place
 where this test reads a clock: they are what the drill exists to prove, with seconds of slack.
 """
@@ -79,10 +79,14 @@ def test_haproxy_routes_around_every_fault(tmp_path: Path) -> None:
     assert any(e.endswith("exited 70") for e in wedge.unit_events), report
     assert any("exited 0" in e for e in drain.unit_events), report
     assert any("exited -9" in e for e in kill.unit_events), report
-    # A drained node's streams finish; a killed node's streams end with an error, never hang.
+    # A drained node's streams finish; a killed node's streams end, never hang. One may still
+    # read its [DONE]: the fault's time is taken just before the signal, so a stream the node
+    # finished in that instant (or whose last bytes sat in HAProxy's buffer) ends complete; a
+    # dead process writes nothing more, so any other ending (an error event, a reset, a stream
+    # closed without [DONE]) is one the client can tell from a whole answer.
     assert all(s == "stream: [DONE]" for s in drain.inflight_on_node), report
     for s in kill.inflight_on_node:
-        assert s != "stream: [DONE]" and "Timeout" not in s, report
+        assert "Timeout" not in s, report
     # Wedged on every start: four starts (StartLimitBurst), then `failed`, out for good.
     assert bad.final_unit_state == "failed", report
     assert bad.final_proxy_status == "DOWN", report
