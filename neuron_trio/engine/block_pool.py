@@ -19,7 +19,23 @@ module decides which block ids go where:
   salt, and salted chains are never published as KV-cache events (`kv_events.py`: their root
   is never stored, so none of their blocks is). `lookup` finds the longest chain of cached
   blocks for a prompt; a cached block whose last reference goes stays cached ("evictable")
-  until `allocate` runs out of free blocks and evicts the least recently used one.
+  until `allocate` reuses it (below).
+- Which block `allocate` hands out (`_take`): the pool's pages are committed as blocks are
+  first written (kv_cache.py), so a never-written block costs resident memory for good, while
+  reusing a cached one costs only that prefix. Each tenant (the allocating sequence's;
+  None without tenants) owns the cached blocks it wrote, in two LRU lists, segmented LRU:
+  "probation" (never found by a later `lookup`: a one-off prompt, an answer) and "proven"
+  (found at least once: a system prompt, a conversation's earlier turns). Its share of the
+  cache is the pool times its weight over the configured tenants' (`share_between`; the
+  whole pool without tenants), and its probation at most `PROBATION_PART`-th of that. So:
+  1. a tenant past its probation bound, or past its share, reuses its own least recently used
+     cached block (probation first): its churn of one-off prompts recycles its own stale
+     blocks instead of writing fresh pages, and never evicts another tenant's cache;
+  2. else the lowest-numbered free block (fresh pages only while the cache is within bounds);
+  3. none free: a block of the tenant furthest past its share, else the allocating tenant's
+     own, else one of the tenant holding the most of its share (probation first, LRU within).
+  With one tenant and a shared system prompt, the prompt stays proven (a hit every request)
+  while answers and one-off questions cycle through the probation list.
 - Events: with a `KVEventLog` in `events`, evictions and cache resets are recorded there (the
   scheduler records the blocks that become cached), for a KV-aware router (kv_events.py).
 """
@@ -30,7 +46,8 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from neuron_trio.engine.kv_events import KVEventLog
 
@@ -38,6 +55,11 @@ BLOCK_TOKENS = 16  # KV positions per block
 NULL_BLOCK = 0  # always zero: what padding positions read
 PROBE_BLOCK = 1  # the probe's one-token scratch row, never given to a sequence
 RESERVED_BLOCKS = 2
+# A tenant's never-hit cached blocks are at most this part of its share of the pool: what a
+# burst of one-off prompts may keep (and commit) before it reuses its own.
+PROBATION_PART = 8
+
+Owner = str | None  # the tenant that wrote a block (fair_share.Tenant); None: no tenants
 
 
 def blocks_for(tokens: int) -> int:
@@ -80,6 +102,25 @@ class BlockPoolStatistics:
     hit_tokens: int  # ... of which were found (their prefill skipped)
 
 
+@dataclass
+class _Cached:
+    """One tenant's unreferenced cached blocks, each list least recently used first."""
+
+    probation: OrderedDict[int, None] = field(default_factory=OrderedDict)  # never hit
+    proven: OrderedDict[int, None] = field(default_factory=OrderedDict)  # hit at least once
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.proven)
+
+    def oldest(self) -> int:
+        """The block to reuse first: the least recently used never-hit one, else proven."""
+        return next(iter(self.probation or self.proven))
+
+    def discard(self, block: int) -> None:
+        self.probation.pop(block, None)
+        self.proven.pop(block, None)
+
+
 class BlockPool:
     """Block ids `RESERVED_BLOCKS .. n_blocks - 1`: refcounts, free list, prefix cache."""
 
@@ -91,14 +132,20 @@ class BlockPool:
         self.n_blocks = n_blocks
         self.prefix_cache = prefix_cache
         # Invariant: every block id in RESERVED_BLOCKS .. n_blocks - 1 is in exactly one of
-        # `_free` (no references, no key), `_refs` (referenced; keyed or not) and
-        # `_evictable` (unreferenced, keyed); `_key_of` and `_block_of` are inverse maps over
+        # `_free` (no references, no key), `_refs` (referenced; keyed or not) and one
+        # `_cached` list (unreferenced, keyed); `_key_of` and `_block_of` are inverse maps over
         # the keyed blocks, and a keyed block is full (never written again).
         self._free = list(range(RESERVED_BLOCKS, n_blocks))  # a heap: lowest first
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
         self._block_of: dict[bytes, int] = {}  # key -> cached block
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached, LRU first
+        # The evictable blocks by owner; `_owner` of every block in use or evictable; `_hit`:
+        # keyed blocks a lookup has found (their owner's proven list once unreferenced).
+        self._cached: dict[Owner, _Cached] = {}
+        self._evictable = 0
+        self._owner: dict[int, Owner] = {}
+        self._hit: set[int] = set()
+        self._weights: dict[str, float] = {}  # the configured tenants' (`share_between`)
         self._query_tokens = 0
         self._hit_tokens = 0
         # Set from another thread when a router subscribes (attribute writes are atomic).
@@ -111,30 +158,65 @@ class BlockPool:
     @property
     def available(self) -> int:
         """Blocks `allocate` can hand out now: free ones, then evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self._evictable
 
     def statistics(self) -> BlockPoolStatistics:
         return BlockPoolStatistics(
             total=self.total,
             used=len(self._refs),
-            cached=len(self._evictable),
+            cached=self._evictable,
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
         )
 
-    def allocate(self) -> int:
-        """A block for one sequence to write (refcount 1); NoFreeBlockError if none is left."""
-        if self._free:
-            block = heapq.heappop(self._free)
-        elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)  # least recently used
-            key = self._key_of.pop(block)
-            del self._block_of[key]
-            if self.events is not None:
-                self.events.removed(key)
-        else:
-            raise NoFreeBlockError(f"all {self.total} KV blocks are in use")
+    def share_between(self, weights: Mapping[str, float]) -> None:
+        """The configured tenants' weights (fair_share.py): each tenant's share of the cache
+        is the pool times its weight over their sum."""
+        self._weights = dict(weights)
+
+    def allocate(self, tenant: Owner = None) -> int:
+        """A block for one of `tenant`'s sequences to write (refcount 1); NoFreeBlockError
+        if none is left."""
+        block = self._take(tenant)
         self._refs[block] = 1
+        self._owner[block] = tenant
+        return block
+
+    def _share(self, tenant: Owner) -> float:
+        """The blocks `tenant`'s cache may hold before it reuses its own (see the top)."""
+        weight = self._weights.get(tenant, 1.0) if tenant is not None else 1.0
+        total = sum(self._weights.values()) + (0.0 if tenant in self._weights else weight)
+        return self.total * weight / total
+
+    def _take(self, tenant: Owner) -> int:
+        own = self._cached.get(tenant)
+        if own is not None and (
+            len(own.probation) >= max(1, self._share(tenant) // PROBATION_PART)
+            or len(own) >= self._share(tenant)
+        ):
+            return self._evict(tenant)
+        if self._free:
+            return heapq.heappop(self._free)
+        if not self._evictable:
+            raise NoFreeBlockError(f"all {self.total} KV blocks are in use")
+        held = {t: len(c) / self._share(t) for t, c in self._cached.items() if c}
+        over = max(held, key=held.__getitem__)
+        if held[over] <= 1.0 and own:
+            return self._evict(tenant)
+        return self._evict(over)
+
+    def _evict(self, owner: Owner) -> int:
+        """`owner`'s cached block to reuse first, its prefix forgotten."""
+        cached = self._cached[owner]
+        block = cached.oldest()
+        cached.discard(block)
+        self._evictable -= 1
+        self._hit.discard(block)
+        del self._owner[block]
+        key = self._key_of.pop(block)
+        del self._block_of[key]
+        if self.events is not None:
+            self.events.removed(key)
         return block
 
     def share(self, blocks: list[int]) -> None:
@@ -152,8 +234,12 @@ class BlockPool:
                 continue
             del self._refs[block]
             if block in self._key_of:
-                self._evictable[block] = None  # most recently used: evicted last
+                cached = self._cached.setdefault(self._owner[block], _Cached())
+                lru = cached.proven if block in self._hit else cached.probation
+                lru[block] = None  # most recently used: reused last
+                self._evictable += 1
             else:
+                del self._owner[block]
                 heapq.heappush(self._free, block)
 
     def register(self, block: int, key: bytes) -> bool:
@@ -185,11 +271,13 @@ class BlockPool:
             block = self._block_of.get(key)
             if block is None:
                 break
-            if block in self._evictable:
-                del self._evictable[block]
-                self._refs[block] = 1
-            else:
+            if block in self._refs:
                 self._refs[block] += 1
+            else:  # unreferenced: out of its owner's lists
+                self._cached[self._owner[block]].discard(block)
+                self._evictable -= 1
+                self._refs[block] = 1
+            self._hit.add(block)
             blocks.append(block)
             keys.append(key)
             parent = key
@@ -199,9 +287,13 @@ class BlockPool:
 
     def clear_cache(self) -> None:
         """Forget every cached prefix (evictable blocks become free; blocks in use stay)."""
-        for block in self._evictable:
-            heapq.heappush(self._free, block)
-        self._evictable.clear()
+        for cached in self._cached.values():
+            for block in [*cached.probation, *cached.proven]:
+                heapq.heappush(self._free, block)
+                del self._owner[block]
+        self._cached.clear()
+        self._evictable = 0
+        self._hit.clear()
         self._key_of.clear()
         self._block_of.clear()
         if self.events is not None:

@@ -414,8 +414,10 @@ class Engine:
 
     def share_fairly(self, fair: FairShare | None) -> None:
         """Order prefills and choose preemptions by the tenants' counters in `fair` (kept by
-        the model actor, read during steps); None: oldest first, the youngest preempted."""
+        the model actor, read during steps); None: oldest first, the youngest preempted.
+        The prefix cache is shared by their weights too (block_pool.py)."""
         self.scheduler.fair = fair
+        self.pool.share_between(fair.weights if fair is not None else {})
 
     def record_kv_events(self, log: KVEventLog | None) -> None:
         """Record the prefix cache's changes into `log` from now on (None: no longer).

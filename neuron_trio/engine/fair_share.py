@@ -65,6 +65,11 @@ class FairShare:
         self._counters: dict[Tenant, float] = {}
         self._active: dict[Tenant, int] = {}  # requests queued or running, per tenant
 
+    @property
+    def weights(self) -> dict[str, float]:
+        """The configured tenants' weights (a copy)."""
+        return dict(self._weights)
+
     def weight(self, tenant: Tenant) -> float:
         return self._weights.get(tenant, 1.0) if tenant is not None else 1.0
 

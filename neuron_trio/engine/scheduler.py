@@ -293,7 +293,7 @@ class Scheduler:
         child.status = SequenceStatus.DECODING
         if parent.prefilled % BLOCK_TOKENS == 0:
             return None
-        copy = self.pool.allocate()
+        copy = self.pool.allocate(child.tenant)
         child.blocks.append(copy)
         return parent.blocks[full], copy
 
@@ -318,7 +318,7 @@ class Scheduler:
         need = blocks_for(tokens)
         while len(seq.blocks) < need:
             if self.pool.available:
-                seq.blocks.append(self.pool.allocate())
+                seq.blocks.append(self.pool.allocate(seq.tenant))
                 continue
             victim = self._victim(seq) if may_preempt else None
             if victim is None:

@@ -6,11 +6,13 @@ import pytest
 
 from neuron_trio.engine.block_pool import (
     BLOCK_TOKENS,
+    PROBATION_PART,
     RESERVED_BLOCKS,
     BlockPool,
     NoFreeBlockError,
     block_key,
     blocks_for,
+    salt_root,
 )
 
 
@@ -118,13 +120,89 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_used() -> None:
     assert pool.statistics().cached == 0
 
 
-def test_free_blocks_are_used_before_cached_ones_are_evicted() -> None:
+def test_free_blocks_are_used_before_a_proven_cached_one_is_evicted() -> None:
     pool = BlockPool(RESERVED_BLOCKS + 2)
+    prompt = _tokens(BLOCK_TOKENS + 1)
     cached = pool.allocate()
-    pool.register(cached, _keys(_tokens(BLOCK_TOKENS))[0])
+    pool.register(cached, _keys(prompt)[0])
     pool.free([cached])
+    pool.free(pool.lookup(prompt, len(prompt) - 1)[0])  # found again: proven
     assert pool.allocate() != cached  # the free block first: the cache is kept while it can be
     assert pool.allocate() == cached
+
+
+def _run(pool: BlockPool, tokens: list[int], tenant: str | None, root: bytes | None = None) -> None:
+    """One sequence of `tokens`: its cached prefix looked up, the rest allocated, every full
+    block registered, then all released (as the scheduler does)."""
+    blocks, keys = pool.lookup(tokens, len(tokens) - 1, root)
+    while len(blocks) < blocks_for(len(tokens)):
+        blocks.append(pool.allocate(tenant))
+    for i in range(len(keys), len(tokens) // BLOCK_TOKENS):
+        chunk = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
+        keys.append(block_key(keys[-1] if keys else root, chunk))
+        pool.register(blocks[i], keys[-1])
+    pool.free(blocks)
+
+
+def _written(pool: BlockPool) -> int:
+    """Blocks ever handed out: the lowest-first free heap's untouched ones are the rest."""
+    untouched = [b for b in pool._free if b >= RESERVED_BLOCKS]  # white box: the free heap
+    return pool.n_blocks - RESERVED_BLOCKS - len(untouched)
+
+
+def test_one_off_prompts_reuse_their_own_stale_blocks_before_fresh_ones() -> None:
+    # 256 blocks, no tenants: probation is 256 / PROBATION_PART = 32 never-hit blocks
+    pool = BlockPool(RESERVED_BLOCKS + 256)
+    system = _tokens(4 * BLOCK_TOKENS, seed=1)
+    for i in range(200):  # a shared system prompt, then a one-off question and answer
+        _run(pool, system + _tokens(6 * BLOCK_TOKENS, seed=100 + i), None)
+    # the system prompt's 4 blocks, one sequence's 6 and the probation's 32: 42 blocks of
+    # the pool written (every one of the 256 without the bound), the prompt still a hit
+    assert _written(pool) <= 4 + 6 + 256 // PROBATION_PART
+    stats = pool.statistics()
+    assert stats.hit_tokens == 199 * 4 * BLOCK_TOKENS
+
+
+def test_a_tenants_churn_never_evicts_another_tenants_cached_prefix() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 64)
+    pool.share_between({"calm": 1.0, "flood": 1.0})  # 32 blocks each, probation 4
+    calm_root, flood_root = salt_root(b"calm"), salt_root(b"flood")
+    system = _tokens(3 * BLOCK_TOKENS, seed=2)
+    _run(pool, [*system, 7], "calm", calm_root)
+    _run(pool, [*system, 8], "calm", calm_root)  # its system prompt: proven
+    for i in range(100):  # a flood of one-off prompts, two at once
+        other = [pool.allocate("flood") for _ in range(5)]  # a sequence not yet cached
+        _run(pool, _tokens(5 * BLOCK_TOKENS, seed=500 + i), "flood", flood_root)
+        pool.free(other)
+    got, _ = pool.lookup([*system, 9], len(system), calm_root)
+    assert len(got) == 3  # calm's prefix is still cached
+    # the flood wrote its two sequences' 10 blocks and its probation's 4, nothing more
+    assert _written(pool) <= 3 + 10 + 64 // 2 // PROBATION_PART
+
+
+def test_with_no_block_free_the_tenant_past_its_share_gives_one_up() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 8)
+    pool.share_between({"a": 1.0, "b": 3.0})  # shares: 2 and 6 blocks
+    a_prompt, b_prompt = _tokens(3 * BLOCK_TOKENS + 1, seed=1), _tokens(2 * BLOCK_TOKENS + 1)
+    for _ in range(2):  # each prompt run twice: its full blocks proven
+        _run(pool, a_prompt, "a")
+        _run(pool, b_prompt, "b")
+    a_blocks = pool.lookup(a_prompt, len(a_prompt) - 1)[0]
+    b_blocks = pool.lookup(b_prompt, len(b_prompt) - 1)[0]
+    pool.free(a_blocks)  # a's are the least recently used
+    pool.free(b_blocks)
+    held = [pool.allocate("c") for _ in range(3)]  # the 3 blocks never cached
+    assert set(held).isdisjoint(a_blocks + b_blocks)
+    # none free: a holds 3 blocks, past its share of 2, so even b's allocation takes a's
+    assert pool.allocate("b") == a_blocks[0]
+    # a now at its share (1.0 of it), b within (2 of 6): b's own goes before a's
+    assert pool.allocate("b") == b_blocks[0]
+    # c (unconfigured, weight 1) has none: the tenant holding the most of its share gives one
+    assert pool.allocate("c") == a_blocks[1]
+    assert pool.allocate("a") == a_blocks[2]
+    assert pool.allocate("a") == b_blocks[1]
+    with pytest.raises(NoFreeBlockError):
+        pool.allocate("b")
 
 
 def test_a_prefix_registered_twice_keeps_the_first_block() -> None:
