@@ -10,6 +10,14 @@ alive (trio caches its threads and reuses them for any job), 111-142 tok/s with 
 warm-up, probes and steps all on one thread. So a model's load, warm-up, probes and steps
 run here, one at a time, in the order submitted.
 
+The thread needs the GIL back between kernels (a step of the built-in model releases and
+retakes it hundreds of times). While the event loop runs Python (a burst of HTTP/2 frames,
+a large request body), each retake waited CPython's switch interval, 5 ms: a step of 8 decode
+rows took 52-206 ms beside a busy Python thread. The first forward thread sets it to
+`GIL_SWITCH_S` for the process: 36-40 ms (10 ms alone; bench: the fourth round's fourth
+closing note); two busy Python threads then trade the GIL ten times as often, a cost
+of microseconds a switch.
+
 `ForwardThread.run` is a `ThreadRunner` (service/wedge/threads.py) with the same
 cancellation handling as `run_in_thread`: the caller gets Cancelled at once, the call runs
 on, keeps its `limiter` slot until it returns, and reports through `on_return`. A hung call
@@ -21,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,6 +38,9 @@ import outcome
 import trio
 
 T = TypeVar("T")
+
+# The interpreter's switch interval once a model runs forwards (CPython's default: 5 ms).
+GIL_SWITCH_S = 0.0005
 
 _Job = Callable[[], None]
 
@@ -68,6 +80,7 @@ class ForwardThread:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
             if self._thread is None:
+                sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
                 self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
                 self._thread.start()
             self._jobs.put(job)

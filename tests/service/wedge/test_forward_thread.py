@@ -5,6 +5,7 @@ model ends the thread. Real threads and the real clock: no MockClock (they do no
 
 from __future__ import annotations
 
+import sys
 import threading
 from functools import partial
 from typing import Any, cast
@@ -18,7 +19,7 @@ from neuron_trio.executor.api import ModelExecutor
 from neuron_trio.service.model_actor import ModelActor
 from neuron_trio.service.requests.executor_calls import ExecutorCalls
 from neuron_trio.service.wedge.deadman import Deadman
-from neuron_trio.service.wedge.forward_thread import ForwardThread
+from neuron_trio.service.wedge.forward_thread import GIL_SWITCH_S, ForwardThread
 from neuron_trio.service.wedge.watchdog import Watchdog
 
 from ..actor_harness import spec
@@ -219,3 +220,39 @@ def test_unloading_the_model_ends_its_forward_thread() -> None:
 
     trio.run(main)
     assert executor.closed and thread_gone(executor.calls[0][1])
+
+
+def test_the_first_forward_thread_shortens_the_interpreters_switch_interval() -> None:
+    # Between kernels the step retakes the GIL; with CPython's 5 ms each retake beside a busy
+    # event loop waited 5 ms. Shortened, never lengthened (an embedding process may want less).
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        forward = ForwardThread("m")
+        assert sys.getswitchinterval() == 0.005  # nothing until a forward thread starts
+
+        async def main() -> float:
+            return await forward.run(
+                sys.getswitchinterval,
+                thread_name="neuron-step-m",
+                limiter=trio.CapacityLimiter(1),
+                on_return=lambda _: None,
+            )
+
+        assert trio.run(main) == pytest.approx(GIL_SWITCH_S, abs=2e-6)
+        forward.close()
+        sys.setswitchinterval(GIL_SWITCH_S / 10)
+        other = ForwardThread("n")
+        trio.run(
+            partial(
+                other.run,
+                sys.getswitchinterval,
+                thread_name="neuron-step-n",
+                limiter=trio.CapacityLimiter(1),
+                on_return=lambda _: None,
+            )
+        )
+        other.close()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S / 10, abs=2e-6)
+    finally:
+        sys.setswitchinterval(before)
