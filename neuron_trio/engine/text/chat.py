@@ -116,7 +116,6 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._extra = dict(extra_context or {})
         self._template: jinja2.Template | None = None
-        self._literals = LiteralTokens(literal_tokens)
         self.error: str | None = None
         if template_str is None:
             self.error = "this model has no chat template: send a prompt to /v1/completions"
@@ -125,6 +124,9 @@ class ChatTemplate:
                 self._template = _environment().compile_template(template_str)
             except (jinja2.TemplateError, TemplateLimitError) as e:
                 self.error = f"this model's chat template does not compile: {e}"
+        # only a template that renders guards them: Gemma 3's 6,414 control tokens' pattern
+        # took ~0.045 s of a start whose file has no template
+        self._literals = LiteralTokens(literal_tokens if self._template is not None else ())
 
     @property
     def available(self) -> bool:
