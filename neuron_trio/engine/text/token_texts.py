@@ -18,6 +18,21 @@ import numpy as np
 _hash: Callable[[str], int] = hash
 
 
+def _by_hash_then_id(hashes: np.ndarray) -> np.ndarray:
+    """The ids ordered by hash, and among equal hashes by id (int32). A quicksort, then only
+    the runs of equal hashes sorted again by id: Gemma 3's 262,144 hashes in ~0.008 s, where
+    a stable sort took ~0.035 s (its texts are all distinct; a file may spell a few twice)."""
+    order = np.argsort(hashes)
+    ranked = hashes[order]
+    ties = np.flatnonzero(ranked[1:] == ranked[:-1])
+    if ties.size:
+        # the positions of every run (contiguous, hashes ascending): by (hash, id) in place
+        at = np.union1d(ties, ties + 1)
+        run = order[at]
+        order[at] = run[np.lexsort((run, hashes[run]))]
+    return order.astype(np.int32)
+
+
 class TokenTexts(Sequence[str]):
     def __init__(self, texts: Sequence[str]) -> None:
         # map() over builtins: no Python frame a token (Gemma 3's 262,144: ~0.02 s, not ~0.05)
@@ -26,8 +41,8 @@ class TokenTexts(Sequence[str]):
         np.cumsum(lengths, out=self._offsets[1:])
         self._joined = "".join(texts)
         hashes = np.fromiter(map(_hash, texts), dtype=np.int64, count=len(texts))
-        # by hash, and among equal hashes by id (a stable sort): the first match is the first id
-        self._order = np.argsort(hashes, kind="stable").astype(np.int32)
+        # by hash, and among equal hashes by id: the first match is the first id
+        self._order = _by_hash_then_id(hashes)
         self._hashes = hashes[self._order]
 
     def __len__(self) -> int:

@@ -41,3 +41,13 @@ def test_equal_hashes_are_told_apart_by_the_text(monkeypatch: pytest.MonkeyPatch
 def test_a_pickled_copy_hashes_afresh() -> None:
     copy = pickle.loads(pickle.dumps(TokenTexts(TEXTS)))
     assert list(copy) == TEXTS and copy.id_of("<0xC3>") == 6
+
+
+def test_the_first_id_among_many_equal_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # enough entries for an unstable sort to shuffle equal keys: ids are put back in order
+    texts = [f"t{i % 50}" for i in range(5000)]
+    plain = TokenTexts(texts)
+    assert [plain.id_of(f"t{i}") for i in range(50)] == list(range(50))
+    monkeypatch.setattr(token_texts, "_hash", lambda text: len(text))  # runs of 10 and 40
+    colliding = TokenTexts(texts)
+    assert [colliding.id_of(f"t{i}") for i in range(50)] == list(range(50))
