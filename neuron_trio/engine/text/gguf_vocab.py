@@ -20,7 +20,7 @@ import inspect
 import itertools
 import re
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -187,9 +187,11 @@ def build_sentencepiece(
     tokens: Sequence[str],
     types: Sequence[int],
     merges_store: MergesStore | None = None,
+    store_key: Callable[[], str] | None = None,
 ) -> tuple[HFTokenizer, list[bytes], bool]:
     """llama.cpp's SPM vocabulary: BPE over "▁"-spelled text with byte fallback (<0xXX>).
-    Merges the file does not list are derived from the scores, or read from `merges_store`."""
+    Merges the file does not list are derived from the scores, or read from `merges_store`
+    (under the key `store_key` gives, else `merges_key` of the vocabulary)."""
     scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     vocab = first_ids(tokens)
     token_bytes, unk_token = _sentencepiece_bytes(tokens, types)
@@ -197,7 +199,7 @@ def build_sentencepiece(
     if merges_raw:
         merges = [tuple(m.split(" ", 1)) for m in merges_raw]
     else:
-        merges = _stored_merges(tokens, types, scores, vocab, merges_store)
+        merges = _stored_merges(tokens, types, scores, vocab, merges_store, store_key)
     model = models.BPE(
         vocab=vocab,
         merges=merges,  # type: ignore[arg-type]
@@ -262,18 +264,32 @@ def merges_key(tokens: Sequence[str], types: Sequence[int], scores: Sequence[flo
     return digest.hexdigest()
 
 
+def header_merges_key(header: bytes) -> str:
+    """What derived merges depend on, for a vocabulary read from a GGUF file: its header's
+    bytes (which hold the tokens, their types and scores) and the derivation's code. Hashing
+    the header (~0.01 s for Gemma 3's 7 MB) spares `merges_key`'s ~0.04 s of joining and
+    packing 262,144 tokens. 32 hex digits."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(_DERIVATION)
+    digest.update(b"\0gguf header\0")
+    digest.update(header)
+    return digest.hexdigest()
+
+
 def _stored_merges(
     tokens: Sequence[str],
     types: Sequence[int],
     scores: Sequence[float],
     vocab: Mapping[str, int],
     store: MergesStore | None,
+    keyed: Callable[[], str] | None = None,
 ) -> list[tuple[str, str]]:
-    """`_merges_from_scores`, through `store` when there is one: its pairs if it holds this
-    vocabulary's (ids in range, else derived again), else derived and handed to it."""
+    """`_merges_from_scores`, through `store` when there is one: its pairs under the key that
+    `keyed` gives (else `merges_key`) if it holds this vocabulary's (ids in range, else
+    derived again), else derived and handed to it."""
     if store is None:
         return _merges_from_scores(tokens, types, scores, vocab)
-    key = merges_key(tokens, types, scores)
+    key = keyed() if keyed is not None else merges_key(tokens, types, scores)
     pairs = store.get(key)
     if pairs is not None and _pairs_fit(pairs, len(tokens)):
         # whole columns at once (a list of 513,511 pairs took ~0.5 s through tolist())

@@ -17,7 +17,7 @@ byte-level decoder does, and lets the incremental decoder hold back half a chara
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from neuron_trio.engine.text.gguf_vocab import (
     MergesStore,
     build_byte_level,
     build_sentencepiece,
+    header_merges_key,
 )
 from neuron_trio.engine.text.native_errors import panics_as_model_file_errors
 from neuron_trio.engine.text.token_texts import TokenTexts
@@ -90,19 +91,28 @@ class Tokenizer:
 
         `pre` overrides the file's pre-tokenizer name (`tokenizer.ggml.pre`), e.g. "gpt2" to
         split as transformers' GGUF loader does for names it does not know (see from_metadata).
-        `merges_store` keeps merges derived from scores between starts (gguf_vocab.MergesStore).
+        `merges_store` keeps merges derived from scores between starts (gguf_vocab.MergesStore),
+        under a key from the file's header bytes (`header_merges_key`).
         """
         metadata = dict(gguf.metadata)
         if pre is not None:
             metadata["tokenizer.ggml.pre"] = pre
+
+        def key() -> str:  # asked only where merges are derived (not for a byte-level BPE)
+            return header_merges_key(gguf.header_bytes())
+
         try:
-            return cls.from_metadata(metadata, merges_store=merges_store)
+            return cls.from_metadata(metadata, merges_store=merges_store, merges_key=key)
         except ModelLoadError as e:
             raise type(e)(f"{gguf.path}: {e}") from None
 
     @classmethod
     def from_metadata(
-        cls, metadata: Mapping[str, Any], *, merges_store: MergesStore | None = None
+        cls,
+        metadata: Mapping[str, Any],
+        *,
+        merges_store: MergesStore | None = None,
+        merges_key: Callable[[], str] | None = None,
     ) -> Tokenizer:
         """Build from GGUF metadata as plain values (keys as in the file: `tokenizer.ggml.tokens`...).
 
@@ -112,6 +122,8 @@ class Tokenizer:
         model's original `tokenizer.json`) is pre="smollm-digits". The two differ only around
         digits: "a  12" is ["a", "Ġ", "Ġ", "1", "2"] by default, ["a", "ĠĠ", "1", "2"] with
         smollm-digits (on 1000 random texts: 923 identical, every difference at a digit).
+        `merges_key` gives the key of this vocabulary's merges in `merges_store` (default: a
+        digest of its tokens, types and scores, `gguf_vocab.merges_key`).
         """
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
@@ -132,7 +144,9 @@ class Tokenizer:
         try:
             # the build's hundreds of thousands of tuples are not walked as they are made
             with panics_as_model_file_errors("the tokenizer"), collections_paused():
-                return cls._from_checked_metadata(metadata, model, tokens, types, merges_store)
+                return cls._from_checked_metadata(
+                    metadata, model, tokens, types, (merges_store, merges_key)
+                )
         except ModelLoadError:
             raise
         except Exception as exc:
@@ -145,13 +159,13 @@ class Tokenizer:
         model: str,
         tokens: list[str],
         types: list[int],
-        merges_store: MergesStore | None,
+        store: tuple[MergesStore | None, Callable[[], str] | None],
     ) -> Tokenizer:
         if model == "gpt2":
             backend, token_bytes, strip = build_byte_level(metadata, tokens, types)
             add_bos_default = False
         else:
-            backend, token_bytes, strip = build_sentencepiece(metadata, tokens, types, merges_store)
+            backend, token_bytes, strip = build_sentencepiece(metadata, tokens, types, *store)
             add_bos_default = True
 
         special: list[int] = []
