@@ -22,20 +22,21 @@ module decides which block ids go where:
   until `allocate` reuses it (below).
 - Which block `allocate` hands out (`_take`): the pool's pages are committed as blocks are
   first written (kv_cache.py), so a never-written block costs resident memory for good, while
-  reusing a cached one costs only that prefix. Each tenant (the allocating sequence's;
-  None without tenants) owns the cached blocks it wrote, in two LRU lists, segmented LRU:
-  "probation" (never found by a later `lookup`: a one-off prompt, an answer) and "proven"
-  (found at least once: a system prompt, a conversation's earlier turns). Its share of the
-  cache is the pool times its weight over the configured tenants' (`share_between`; the
-  whole pool without tenants), and its probation at most `PROBATION_PART`-th of that. So:
-  1. a tenant past its probation bound, or past its share, reuses its own least recently used
-     cached block (probation first): its churn of one-off prompts recycles its own stale
-     blocks instead of writing fresh pages, and never evicts another tenant's cache;
-  2. else the lowest-numbered free block (fresh pages only while the cache is within bounds);
-  3. none free: a block of the tenant furthest past its share, else the allocating tenant's
-     own, else one of the tenant holding the most of its share (probation first, LRU within).
-  With one tenant and a shared system prompt, the prompt stays proven (a hit every request)
-  while answers and one-off questions cycle through the probation list.
+  reusing a cached one costs only the prefix it held. Each tenant (the allocating sequence's;
+  None without tenants) owns the cached blocks it wrote, least recently used first. Its
+  share is the pool times its weight over the configured tenants' (`share_between`; the
+  whole pool without tenants), and the blocks it keeps cached before reusing its own
+  ("bound") start at `1/BOUND_PART` of that share and grow by one for each block a `lookup`
+  misses that the bound made it give up ("ghosts", as in ARC: a workload that comes back to
+  its prefixes, a conversation's next turn, earns the pages that would have kept them; one-off
+  prompts and answers never come back and earn none), up to the share. So:
+  1. a tenant at its bound reuses its own least recently used cached block: its churn of
+     one-off prompts recycles its own stale blocks instead of writing fresh pages, and never
+     evicts another tenant's cache;
+  2. else the lowest-numbered free block;
+  3. none free: the oldest block of the tenant furthest past its share, else the allocating
+     tenant's own, else that of the tenant holding the most of its share.
+  A system prompt that each request shares is used again before it grows old, so it stays.
 - Events: with a `KVEventLog` in `events`, evictions and cache resets are recorded there (the
   scheduler records the blocks that become cached), for a KV-aware router (kv_events.py).
 """
@@ -55,9 +56,9 @@ BLOCK_TOKENS = 16  # KV positions per block
 NULL_BLOCK = 0  # always zero: what padding positions read
 PROBE_BLOCK = 1  # the probe's one-token scratch row, never given to a sequence
 RESERVED_BLOCKS = 2
-# A tenant's never-hit cached blocks are at most this part of its share of the pool: what a
-# burst of one-off prompts may keep (and commit) before it reuses its own.
-PROBATION_PART = 8
+# A tenant's cached blocks start bounded by this part of its share of the pool: what a burst
+# of one-off prompts may keep (and so commit) before the tenant reuses its own.
+BOUND_PART = 8
 
 Owner = str | None  # the tenant that wrote a block (fair_share.Tenant); None: no tenants
 
@@ -104,21 +105,13 @@ class BlockPoolStatistics:
 
 @dataclass
 class _Cached:
-    """One tenant's unreferenced cached blocks, each list least recently used first."""
+    """One tenant's unreferenced cached blocks, and what its bound has learnt."""
 
-    probation: OrderedDict[int, None] = field(default_factory=OrderedDict)  # never hit
-    proven: OrderedDict[int, None] = field(default_factory=OrderedDict)  # hit at least once
-
-    def __len__(self) -> int:
-        return len(self.probation) + len(self.proven)
-
-    def oldest(self) -> int:
-        """The block to reuse first: the least recently used never-hit one, else proven."""
-        return next(iter(self.probation or self.proven))
-
-    def discard(self, block: int) -> None:
-        self.probation.pop(block, None)
-        self.proven.pop(block, None)
+    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
+    # keys of the blocks the bound gave up (oldest first, at most the tenant's share), and how
+    # many of them a lookup has missed since: what its bound has grown by
+    ghosts: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    grown: int = 0
 
 
 class BlockPool:
@@ -139,12 +132,11 @@ class BlockPool:
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
         self._block_of: dict[bytes, int] = {}  # key -> cached block
-        # The evictable blocks by owner; `_owner` of every block in use or evictable; `_hit`:
-        # keyed blocks a lookup has found (their owner's proven list once unreferenced).
+        # The evictable blocks by owner (configured tenant names: bounded); `_owner` of every
+        # block in use or evictable.
         self._cached: dict[Owner, _Cached] = {}
         self._evictable = 0
         self._owner: dict[int, Owner] = {}
-        self._hit: set[int] = set()
         self._weights: dict[str, float] = {}  # the configured tenants' (`share_between`)
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -188,32 +180,37 @@ class BlockPool:
         total = sum(self._weights.values()) + (0.0 if tenant in self._weights else weight)
         return self.total * weight / total
 
+    def _bound(self, tenant: Owner, cached: _Cached) -> float:
+        """How many cached blocks `tenant` keeps before reusing its own (see the top)."""
+        share = self._share(tenant)
+        return min(share, max(1, share // BOUND_PART) + cached.grown)
+
     def _take(self, tenant: Owner) -> int:
         own = self._cached.get(tenant)
-        if own is not None and (
-            len(own.probation) >= max(1, self._share(tenant) // PROBATION_PART)
-            or len(own) >= self._share(tenant)
-        ):
-            return self._evict(tenant)
+        if own and len(own.lru) >= self._bound(tenant, own):
+            return self._evict(tenant, ghost=True)
         if self._free:
             return heapq.heappop(self._free)
         if not self._evictable:
             raise NoFreeBlockError(f"all {self.total} KV blocks are in use")
-        held = {t: len(c) / self._share(t) for t, c in self._cached.items() if c}
+        held = {t: len(c.lru) / self._share(t) for t, c in self._cached.items() if c.lru}
         over = max(held, key=held.__getitem__)
-        if held[over] <= 1.0 and own:
+        if held[over] <= 1.0 and own and own.lru:
             return self._evict(tenant)
         return self._evict(over)
 
-    def _evict(self, owner: Owner) -> int:
-        """`owner`'s cached block to reuse first, its prefix forgotten."""
+    def _evict(self, owner: Owner, *, ghost: bool = False) -> int:
+        """`owner`'s least recently used cached block, its prefix forgotten; with `ghost`,
+        its key kept (a later miss on it grows the owner's bound)."""
         cached = self._cached[owner]
-        block = cached.oldest()
-        cached.discard(block)
-        self._evictable -= 1
-        self._hit.discard(block)
-        del self._owner[block]
+        block, _ = cached.lru.popitem(last=False)
         key = self._key_of.pop(block)
+        if ghost:
+            cached.ghosts[key] = None
+            if len(cached.ghosts) > self._share(owner):
+                cached.ghosts.popitem(last=False)
+        self._evictable -= 1
+        del self._owner[block]
         del self._block_of[key]
         if self.events is not None:
             self.events.removed(key)
@@ -235,8 +232,7 @@ class BlockPool:
             del self._refs[block]
             if block in self._key_of:
                 cached = self._cached.setdefault(self._owner[block], _Cached())
-                lru = cached.proven if block in self._hit else cached.probation
-                lru[block] = None  # most recently used: reused last
+                cached.lru[block] = None  # most recently used: reused last
                 self._evictable += 1
             else:
                 del self._owner[block]
@@ -270,14 +266,14 @@ class BlockPool:
             key = block_key(parent, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
             block = self._block_of.get(key)
             if block is None:
+                self._missed(key, tokens[(i + 1) * BLOCK_TOKENS : limit])
                 break
             if block in self._refs:
                 self._refs[block] += 1
-            else:  # unreferenced: out of its owner's lists
-                self._cached[self._owner[block]].discard(block)
+            else:  # unreferenced: out of its owner's list
+                del self._cached[self._owner[block]].lru[block]
                 self._evictable -= 1
                 self._refs[block] = 1
-            self._hit.add(block)
             blocks.append(block)
             keys.append(key)
             parent = key
@@ -285,15 +281,24 @@ class BlockPool:
         self._hit_tokens += len(blocks) * BLOCK_TOKENS
         return blocks, keys
 
+    def _missed(self, key: bytes, rest: list[int]) -> None:
+        """A lookup's chain ends at `key` (then `rest`'s full blocks): each of its blocks a
+        tenant's bound gave up would have been a hit with that bound one block larger."""
+        owner = next((c for c in self._cached.values() if key in c.ghosts), None)
+        for i in range(len(rest) // BLOCK_TOKENS + 1):
+            if owner is None or owner.ghosts.pop(key, 0) is not None:
+                return
+            owner.grown += 1
+            key = block_key(key, rest[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
+
     def clear_cache(self) -> None:
         """Forget every cached prefix (evictable blocks become free; blocks in use stay)."""
         for cached in self._cached.values():
-            for block in [*cached.probation, *cached.proven]:
+            for block in cached.lru:
                 heapq.heappush(self._free, block)
                 del self._owner[block]
-        self._cached.clear()
+        self._cached.clear()  # ghosts and growth too: a reset cache starts over
         self._evictable = 0
-        self._hit.clear()
         self._key_of.clear()
         self._block_of.clear()
         if self.events is not None:

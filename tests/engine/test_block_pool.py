@@ -6,7 +6,7 @@ import pytest
 
 from neuron_trio.engine.block_pool import (
     BLOCK_TOKENS,
-    PROBATION_PART,
+    BOUND_PART,
     RESERVED_BLOCKS,
     BlockPool,
     NoFreeBlockError,
@@ -120,15 +120,28 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_used() -> None:
     assert pool.statistics().cached == 0
 
 
-def test_free_blocks_are_used_before_a_proven_cached_one_is_evicted() -> None:
-    pool = BlockPool(RESERVED_BLOCKS + 2)
-    prompt = _tokens(BLOCK_TOKENS + 1)
+def test_free_blocks_are_used_before_cached_ones_within_the_bound() -> None:
+    pool = BlockPool(RESERVED_BLOCKS + 2 * BOUND_PART)  # a bound of 2 cached blocks
     cached = pool.allocate()
-    pool.register(cached, _keys(prompt)[0])
+    pool.register(cached, _keys(_tokens(BLOCK_TOKENS))[0])
     pool.free([cached])
-    pool.free(pool.lookup(prompt, len(prompt) - 1)[0])  # found again: proven
-    assert pool.allocate() != cached  # the free block first: the cache is kept while it can be
-    assert pool.allocate() == cached
+    assert pool.allocate() != cached  # a free block first: the cache is kept while it can be
+
+
+def test_a_miss_on_a_block_the_bound_gave_up_grows_the_bound() -> None:
+    pool = _Recorded(RESERVED_BLOCKS + 2 * BOUND_PART)  # a bound of 2 cached blocks
+    prompts = [_tokens(BLOCK_TOKENS + 1, seed=s) for s in range(6)]
+    for p in prompts[:3]:
+        _run(pool, p, None)  # the third prompt's block is the first's, given up
+    assert len(pool.written) == 3  # two cached blocks and the partial blocks' one
+    hits = pool.statistics().hit_tokens
+    _run(pool, prompts[0], None)  # a miss on the given-up block: the bound grows to 3
+    assert pool.statistics().hit_tokens == hits
+    for p in prompts[3:]:
+        _run(pool, p, None)
+    for p in prompts[3:]:  # three cached now, all found
+        _run(pool, p, None)
+    assert pool.statistics().hit_tokens == hits + 3 * BLOCK_TOKENS
 
 
 def _run(pool: BlockPool, tokens: list[int], tenant: str | None, root: bytes | None = None) -> None:
@@ -144,63 +157,67 @@ def _run(pool: BlockPool, tokens: list[int], tenant: str | None, root: bytes | N
     pool.free(blocks)
 
 
-def _written(pool: BlockPool) -> int:
-    """Blocks ever handed out: the lowest-first free heap's untouched ones are the rest."""
-    untouched = [b for b in pool._free if b >= RESERVED_BLOCKS]  # white box: the free heap
-    return pool.n_blocks - RESERVED_BLOCKS - len(untouched)
+class _Recorded(BlockPool):
+    """A pool that records every block it hands out: the pages written."""
+
+    def __init__(self, n_blocks: int) -> None:
+        super().__init__(n_blocks)
+        self.written: set[int] = set()
+
+    def allocate(self, tenant: str | None = None) -> int:
+        block = super().allocate(tenant)
+        self.written.add(block)
+        return block
 
 
 def test_one_off_prompts_reuse_their_own_stale_blocks_before_fresh_ones() -> None:
-    # 256 blocks, no tenants: probation is 256 / PROBATION_PART = 32 never-hit blocks
-    pool = BlockPool(RESERVED_BLOCKS + 256)
+    # 256 blocks, no tenants: 256 / BOUND_PART = 32 cached blocks before its own are reused
+    pool = _Recorded(RESERVED_BLOCKS + 256)
     system = _tokens(4 * BLOCK_TOKENS, seed=1)
     for i in range(200):  # a shared system prompt, then a one-off question and answer
         _run(pool, system + _tokens(6 * BLOCK_TOKENS, seed=100 + i), None)
-    # the system prompt's 4 blocks, one sequence's 6 and the probation's 32: 42 blocks of
+    # the system prompt's 4 blocks, one sequence's 6 and the bound's 32: 42 blocks of
     # the pool written (every one of the 256 without the bound), the prompt still a hit
-    assert _written(pool) <= 4 + 6 + 256 // PROBATION_PART
+    assert len(pool.written) <= 4 + 6 + 256 // BOUND_PART
     stats = pool.statistics()
     assert stats.hit_tokens == 199 * 4 * BLOCK_TOKENS
 
 
 def test_a_tenants_churn_never_evicts_another_tenants_cached_prefix() -> None:
-    pool = BlockPool(RESERVED_BLOCKS + 64)
-    pool.share_between({"calm": 1.0, "flood": 1.0})  # 32 blocks each, probation 4
+    pool = _Recorded(RESERVED_BLOCKS + 64)
+    pool.share_between({"calm": 1.0, "flood": 1.0})  # 32 blocks each, bounds of 4
     calm_root, flood_root = salt_root(b"calm"), salt_root(b"flood")
     system = _tokens(3 * BLOCK_TOKENS, seed=2)
     _run(pool, [*system, 7], "calm", calm_root)
-    _run(pool, [*system, 8], "calm", calm_root)  # its system prompt: proven
+    _run(pool, [*system, 8], "calm", calm_root)  # its system prompt cached, used again
     for i in range(100):  # a flood of one-off prompts, two at once
         other = [pool.allocate("flood") for _ in range(5)]  # a sequence not yet cached
         _run(pool, _tokens(5 * BLOCK_TOKENS, seed=500 + i), "flood", flood_root)
         pool.free(other)
     got, _ = pool.lookup([*system, 9], len(system), calm_root)
     assert len(got) == 3  # calm's prefix is still cached
-    # the flood wrote its two sequences' 10 blocks and its probation's 4, nothing more
-    assert _written(pool) <= 3 + 10 + 64 // 2 // PROBATION_PART
+    # the flood wrote its two sequences' 10 blocks and its bound's 4, nothing more
+    assert len(pool.written) <= 3 + 10 + 64 // 2 // BOUND_PART
 
 
 def test_with_no_block_free_the_tenant_past_its_share_gives_one_up() -> None:
     pool = BlockPool(RESERVED_BLOCKS + 8)
-    pool.share_between({"a": 1.0, "b": 3.0})  # shares: 2 and 6 blocks
-    a_prompt, b_prompt = _tokens(3 * BLOCK_TOKENS + 1, seed=1), _tokens(2 * BLOCK_TOKENS + 1)
-    for _ in range(2):  # each prompt run twice: its full blocks proven
-        _run(pool, a_prompt, "a")
-        _run(pool, b_prompt, "b")
+    pool.share_between({"a": 1.0, "b": 3.0})  # shares: 2 and 6 blocks; bounds 1 and 1
+    b_prompt, a_prompt = _tokens(BLOCK_TOKENS + 1, seed=1), _tokens(3 * BLOCK_TOKENS + 1)
+    _run(pool, b_prompt, "b")  # b's block: the least recently used of all
+    _run(pool, a_prompt, "a")  # three blocks cached at once: past a's share of 2
+    b_block = pool.lookup(b_prompt, len(b_prompt) - 1)[0]
     a_blocks = pool.lookup(a_prompt, len(a_prompt) - 1)[0]
-    b_blocks = pool.lookup(b_prompt, len(b_prompt) - 1)[0]
-    pool.free(a_blocks)  # a's are the least recently used
-    pool.free(b_blocks)
-    held = [pool.allocate("c") for _ in range(3)]  # the 3 blocks never cached
-    assert set(held).isdisjoint(a_blocks + b_blocks)
-    # none free: a holds 3 blocks, past its share of 2, so even b's allocation takes a's
-    assert pool.allocate("b") == a_blocks[0]
-    # a now at its share (1.0 of it), b within (2 of 6): b's own goes before a's
-    assert pool.allocate("b") == b_blocks[0]
-    # c (unconfigured, weight 1) has none: the tenant holding the most of its share gives one
-    assert pool.allocate("c") == a_blocks[1]
-    assert pool.allocate("a") == a_blocks[2]
-    assert pool.allocate("a") == b_blocks[1]
+    pool.free(b_block)
+    pool.free(a_blocks)
+    held = [pool.allocate("c") for _ in range(4)]  # the blocks never cached
+    assert set(held).isdisjoint(a_blocks + b_block)
+    # none free, c has no cached block: a is past its share, so a's oldest goes, not b's
+    assert pool.allocate("c") == a_blocks[0]
+    assert pool.allocate("b") == b_block[0]  # b at its bound: its own
+    assert pool.allocate("a") == a_blocks[1]  # a too
+    # c has none, a holds 1 of its 2, b none: a's last one
+    assert pool.allocate("c") == a_blocks[2]
     with pytest.raises(NoFreeBlockError):
         pool.allocate("b")
 

@@ -35,7 +35,7 @@ def test_lookup_under_another_salt_finds_nothing() -> None:
 
 
 def test_requests_share_prefixes_only_under_the_same_salt() -> None:
-    # a pool large enough that the never-hit blocks it keeps (block_pool.PROBATION_PART)
+    # a pool large enough that the cached blocks it keeps (block_pool.BOUND_PART)
     # hold all four requests' prompts: eviction is not what this test is about
     engine, runner = fake_engine(prefill_chunk=64, blocks=64)
     system = prompt_ids(40, 7)  # two full blocks and 8 tokens
