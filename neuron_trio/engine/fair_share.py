@@ -38,9 +38,12 @@ OUTPUT_COST = 2.0
 Tenant = str | None
 
 # A tenant whose last request ended this recently may send its next any moment (`recent`):
-# a client's gap between sequential requests. Longer gaps are not protected, so a tenant that
-# talks to the node now and then does not shorten a busier tenant's prefill steps for long.
-RECENT_S = 5.0
+# an agent's tool call, or a person reading an answer and typing the next turn. 5 s covered
+# only programs: in the tenancy drill a tenant back after 5-6 s found the flood's 256-token
+# prefill steps (0.2-0.4 s each on 2 cores) and its first token took 4-6x its idle time.
+# Longer gaps are not protected, so a tenant that talks to the node now and then does not
+# shorten a busier tenant's prefill steps for long.
+RECENT_S = 30.0
 
 
 class FairShare:

@@ -113,13 +113,54 @@ def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -
     sched.schedule()
     decoding.prefilled, decoding.status = 16, SequenceStatus.DECODING
     decoding.output_ids.append(0)
-    long, short = _seq(1, 500, "heavy"), _seq(2, 24, "light")
+    long, short = _seq(1, 500, "heavy"), _seq(2, 23, "light")
+    short.output_ids.append(7)  # preempted after its first token: this prefill samples none
     for seq in (long, short):
         sched.admit(seq)
     spans = [(c.seq.seq_id, c.start, c.end) for c in sched.schedule().prefill]
     # first come, first served: (1, 0, 64) alone, the light prompt a step later; joined
-    # without the rule: (2, 0, 24), (1, 0, 32): the light row padded to 32
-    assert spans == [(2, 0, 24), (1, 0, 24)]
+    # without the rule: (2, 0, 23), (1, 0, 32): the light row padded to 32
+    assert spans == [(2, 0, 23), (1, 0, 23)]
+
+
+def test_a_lighter_tenants_first_token_gets_a_step_of_its_own() -> None:
+    # The calm tenant's prompt completes this step: the flood's decode rows and its prefill
+    # chunk wait one step (keeping their blocks), so calm's first token costs what it costs
+    # on an idle node. A step that samples nobody's first token is shared as before.
+    sched = Scheduler(max_batch=6, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
+    fair = FairShare(clock=lambda: 0.0)
+    for t in ("flood", "calm"):
+        fair.arrive(t)
+    sched.fair = fair
+    rows = [_seq(i, 16, "flood") for i in (1, 2, 3)]
+    for seq in rows:
+        sched.admit(seq)
+    sched.schedule()
+    for seq in rows:
+        seq.prefilled, seq.status = 16, SequenceStatus.DECODING
+        seq.output_ids.append(0)
+    long = _seq(4, 300, "flood")
+    sched.admit(long)
+    plan = sched.schedule()
+    assert [s.seq_id for s in plan.decode] == [1, 2, 3] and plan.prefill[0].seq is long
+    long.prefilled = plan.prefill[0].end
+    calm = _seq(5, 20, "calm")
+    sched.admit(calm)
+    plan = sched.schedule()
+    assert plan.decode == [] and [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [
+        (5, 0, 20)
+    ]
+    calm.prefilled, calm.status = 20, SequenceStatus.DECODING
+    calm.output_ids.append(0)
+    plan = sched.schedule()  # the next step: everyone, calm's decode row among them
+    assert [s.seq_id for s in plan.decode] == [1, 2, 3, 5] and plan.prefill[0].seq is long
+    blocks = [list(s.blocks) for s in rows]
+    sched.fair = None  # one tenant: nobody waits
+    calm2 = _seq(6, 20, "calm")
+    sched.admit(calm2)
+    plan = sched.schedule()
+    assert [s.seq_id for s in plan.decode] == [1, 2, 3, 5]
+    assert [list(s.blocks) for s in rows] == blocks  # the rows that waited kept their blocks
 
 
 def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served() -> None:
@@ -168,6 +209,30 @@ def test_a_tenant_gone_idle_keeps_the_flood_steps_short_for_a_few_seconds() -> N
     flood.prefilled = 16
     now[0] = RECENT_S + 1.0
     assert [(c.start, c.end) for c in sched.schedule().prefill] == [(16, 16 + 256)]
+
+
+def test_a_lone_short_prompt_is_not_split_while_another_tenant_was_here_a_moment_ago() -> None:
+    # The drill's calm tenant asks one short question right after the flood's last request:
+    # its 20 tokens take one step, not 16 and then 4 (two passes over the weights). A longer
+    # prompt, or a tenant holding several sequences, keeps the short steps.
+    sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
+    fair = FairShare(clock=lambda: 0.0)
+    fair.arrive("flood")
+    fair.leave("flood")
+    fair.arrive("calm")
+    sched.fair = fair
+    short = _seq(1, 20, "calm")
+    sched.admit(short)
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 20)]
+    sched.release(short)
+    long = _seq(2, 40, "calm")
+    sched.admit(long)
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 16)]
+    sched.release(long)
+    pair = [_seq(3, 20, "calm"), _seq(4, 20, "calm")]
+    for seq in pair:
+        sched.admit(seq)
+    assert [(c.seq.seq_id, c.start, c.end) for c in sched.schedule().prefill] == [(3, 0, 16)]
 
 
 def test_a_tenant_gone_for_good_does_not_shorten_a_lasting_floods_steps() -> None:
