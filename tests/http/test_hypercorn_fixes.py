@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import h2.config
 import h2.connection
 import h2.errors
 import h2.events
@@ -264,6 +265,52 @@ async def test_fix_3_an_error_from_a_peers_frames_ends_only_its_connection() -> 
     await _patched(3, "_handle_events", original)(proto, [h2.events.WindowUpdated(stream_id=0)])
     assert ("close", h2.errors.ErrorCodes.INTERNAL_ERROR) in proto.connection.did
     assert isinstance(proto.sent[-1], Closed)
+
+
+def _rapid_resets(count: int) -> bytes:
+    """A client's preface, then `count` streams opened and reset, as one read would hold them."""
+    client = h2.connection.H2Connection()
+    client.initiate_connection()
+    headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+               (":authority", "n")]  # fmt: skip
+    for i in range(count):
+        client.send_headers(1 + 2 * i, headers)
+        client.reset_stream(1 + 2 * i, h2.errors.ErrorCodes.CANCEL)
+    return client.data_to_send()
+
+
+@trio_test
+async def test_fix_3_a_read_is_parsed_in_slices_and_none_after_the_connection_closes() -> None:
+    # hypercorn's handle over a real h2 server connection; the flood guard's part played by
+    # closing it once 50 resets were seen. Whole, one read of 1,000 resets was parsed to the
+    # end before any event was looked at.
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    resets: list[int] = []
+    slices: list[int] = []
+
+    async def original(self: Any, event: Any) -> None:
+        slices.append(len(event.data))
+        for e in self.connection.receive_data(event.data):
+            if isinstance(e, h2.events.StreamReset):
+                resets.append(e.stream_id)
+                if len(resets) == 50:
+                    self.connection.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+
+    data = _rapid_resets(1000)
+    assert len(data) > 10 * floods.PARSE_SLICE_BYTES
+    proto = _h2_self(connection=server)
+    await _patched(3, "handle", original)(proto, RawData(data=data))
+    assert max(slices) <= floods.PARSE_SLICE_BYTES
+    # a rapid-reset stream is ~26 bytes: at most a slice's worth past the close
+    assert 50 <= len(resets) <= 50 + floods.PARSE_SLICE_BYTES // 20 < 1000
+    # an honest read is passed on whole, and other events untouched
+    slices.clear()
+    small = _h2_self(
+        connection=h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    )
+    await _patched(3, "handle", original)(small, RawData(data=_rapid_resets(3)))
+    assert len(slices) == 1
 
 
 class FakeStream:
