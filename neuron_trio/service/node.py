@@ -44,7 +44,7 @@ from neuron_trio.errors import (
     TooManyModelsError,
     UnavailableError,
 )
-from neuron_trio.service import heap
+from neuron_trio.service import heap, heap_trim
 from neuron_trio.service.api import (
     GenerationJob,
     HealthSnapshot,
@@ -307,6 +307,8 @@ class Node:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._token_rates.run, lambda: list(self._actors))
+            if self._settle_heap:  # the daemon's: freed C heap back to the system
+                nursery.start_soon(heap_trim.keep_trimmed)
             try:
                 if self.kv_events is not None:
                     await nursery.start(self.kv_events.run)

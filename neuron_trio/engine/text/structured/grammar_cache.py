@@ -17,7 +17,7 @@ allocations in that window are charged too (the cache evicts sooner, never later
 freed meanwhile can only lower the measure to the estimate. Later masks add lexer states,
 bounded by the compiler's `max_lexer_states`.
 
-What an evicted entry frees goes back to the system (`_release_freed_heap`, glibc's
+What an evicted entry frees goes back to the system (`release_freed_heap`, glibc's
 `malloc_trim`): llguidance's lexers are freed by the compile threads, whose glibc arenas keep
 freed pages mapped, so a churn of large schemas left the node's RSS ~50 MB above what the cache
 held (built-in model, five 1,999-key const schemas in one process: RSS 406 -> 569 MB for
@@ -49,6 +49,7 @@ __all__ = [
     "GrammarCacheStatistics",
     "HeapMeter",
     "heap_bytes",
+    "release_freed_heap",
 ]
 
 # Distinct constraints kept compiled; least recently used go first.
@@ -106,7 +107,7 @@ def _load_malloc_trim() -> Any:
 _MALLOC_TRIM = _load_malloc_trim()
 
 
-def _release_freed_heap() -> None:
+def release_freed_heap() -> None:
     """Free pages of every glibc arena back to the system (nothing without glibc)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
@@ -199,7 +200,7 @@ class GrammarCache:
                 evicted += dropped
                 self._evictions += 1
         if evicted >= TRIM_AFTER_BYTES:
-            _release_freed_heap()  # outside the lock: other compiles need not wait for it
+            release_freed_heap()  # outside the lock: other compiles need not wait for it
 
     def statistics(self) -> GrammarCacheStatistics:
         with self._lock:

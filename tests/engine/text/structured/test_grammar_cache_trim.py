@@ -29,7 +29,7 @@ class _Trims:
 @pytest.fixture
 def trims(monkeypatch: pytest.MonkeyPatch) -> _Trims:
     recorder = _Trims()
-    monkeypatch.setattr(grammar_cache, "_release_freed_heap", recorder)
+    monkeypatch.setattr(grammar_cache, "release_freed_heap", recorder)
     return recorder
 
 
