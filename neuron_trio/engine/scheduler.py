@@ -24,10 +24,10 @@ Plain bookkeeping, no torch. Sequences join and leave only at step boundaries:
   chunk joins another's step no wider than it, so a flood of long prompts neither delays nor
   pads another tenant's first token; and while another tenant has a request on the node or
   ended one within `RECENT_S` (seconds), a tenant holding more sequences than another
-  gets a sixteenth of the prefill budget (`_chunk_cap`: its rows × width within
-  `prefill_chunk // 16`): a step stays short, so the other's
+  gets a thirty-second of the prefill budget (`_chunk_cap`: its rows × width within
+  `prefill_chunk // 32`): a step stays short, so the other's
   next request, arriving mid-step, waits for a short step, not a long prompt's (a lone
-  sequence's short prompt, up to twice that, is not split); the step that gives a lighter
+  sequence's short prompt, up to an eighth of the budget, is not split); the step that gives a lighter
   tenant its first token leaves the heavier tenants' rows out (`_first_tokens_alone`); the
   pool's shortage is taken from the tenant with the largest virtual token counter: a row may
   preempt any younger sequence, or an older one of a tenant that has received more service
@@ -243,13 +243,15 @@ class Scheduler:
 
     def _chunk_cap(self, seq: Sequence) -> int:
         """The most of `seq`'s prompt one step may prefill: the whole budget, but a
-        sixteenth of it (a block at least) for a tenant holding more of a step than another
-        tenant on the node or gone a moment ago (`FairShare.recent`: that one's next request
-        may come any moment, and waits for the step then running, then its own step shares
-        the flood's decode rows). Why a sixteenth: in the tenancy drill (2 cores, 2 kernel threads) a
-        step of 8 decode rows took 0.02-0.04 s, and 0.10-0.16 s with a 64-token chunk
-        beside them (0.5 s with 256): the calm tenant's first token took 0.2-0.8 s in the
-        flood's first seconds against 0.05 s idle."""
+        thirty-second of it (half a block at least) for a tenant holding more of a step than
+        another tenant on the node or gone a moment ago (`FairShare.recent`: that one's next
+        request may come any moment, and waits for the step then running). Why so little:
+        in the tenancy drill (2 cores) a step of the flood's decode rows took 0.005-0.01 s,
+        0.025 s with a 16-token chunk beside them (0.5 s with 256), and calm's own 23-token
+        first step 0.02 s; its first token took twice its idle time with 16-token chunks
+        (one such step to wait, then its own), 1.3-1.4 times with 8 (the flood's tokens/s
+        5% lower). A tenant's lone short prompt (up to an eighth of the budget: a chat turn)
+        is taken whole: one step of it costs less than two, each a pass over the weights."""
         fair = self.fair
         if fair is None:
             return self.prefill_chunk
@@ -259,13 +261,10 @@ class Scheduler:
         mine = self._load(seq.tenant)
         if all(mine <= self._load(t) for t in recent if t != seq.tenant):
             return self.prefill_chunk
-        cap = max(BLOCK_TOKENS, self.prefill_chunk // 16)
+        cap = max(BLOCK_TOKENS // 2, self.prefill_chunk // 32)
         rest = seq.prefill_len - seq.prefilled
-        if rest <= 2 * cap and all(
-            s is seq for s in self._active.values() if s.tenant == seq.tenant
-        ):
-            # A tenant's lone short prompt (a chat turn) is not split into two short steps:
-            # one step of it costs less than two, each paying a pass over the weights.
+        short = max(2 * cap, self.prefill_chunk // 8)
+        if rest <= short and all(s is seq for s in self._active.values() if s.tenant == seq.tenant):
             return rest
         return cap
 

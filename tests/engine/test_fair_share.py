@@ -101,9 +101,9 @@ def test_prefills_go_first_for_the_tenant_holding_fewest_sequences() -> None:
 
 
 def test_a_heavier_tenants_long_prompt_does_not_widen_a_lighter_ones_prefill() -> None:
-    # a budget of 1,024: the busier tenant's cap (a sixteenth, 64) leaves it room beside
+    # a budget of 2,048: the busier tenant's cap (a thirty-second, 64) leaves it room beside
     # the light row, so what is tested is the width it joins with
-    sched = Scheduler(max_batch=4, prefill_chunk=1024, pool=BlockPool(96 + RESERVED_BLOCKS))
+    sched = Scheduler(max_batch=4, prefill_chunk=2048, pool=BlockPool(96 + RESERVED_BLOCKS))
     fair = FairShare()
     for t in ("heavy", "light"):
         fair.arrive(t)
@@ -165,7 +165,7 @@ def test_a_lighter_tenants_first_token_gets_a_step_of_its_own() -> None:
 
 def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served() -> None:
     # The other tenant's next request, arriving during a step, waits for that step: a
-    # sixteenth of the budget, not a whole 256-token chunk of the flood's long prompt.
+    # thirty-second of the budget, not a whole 256-token chunk of the flood's long prompt.
     sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
     fair = FairShare(clock=lambda: 0.0)
     fair.arrive("flood")
@@ -178,10 +178,10 @@ def test_a_busier_tenants_prefill_steps_stay_short_while_another_has_been_served
     fair.arrive("calm")
     fair.charge("calm", prompt=10)
     fair.leave("calm")  # served, now between requests: it holds nothing
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(256, 256 + 16)]
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(256, 256 + 8)]
     second = _seq(3, 500, "flood")
-    sched.admit(second)  # the cap bounds the step, not each row: no second row of 16
-    assert [(c.seq.seq_id, c.end) for c in sched.schedule().prefill] == [(1, 256 + 16)]
+    sched.admit(second)  # the cap bounds the step, not each row: no second row of 8
+    assert [(c.seq.seq_id, c.end) for c in sched.schedule().prefill] == [(1, 256 + 8)]
     sched.release(second)
     sched.admit(_seq(2, 300, "calm"))  # each holds one now: neither is capped
     plan = sched.schedule()
@@ -205,15 +205,15 @@ def test_a_tenant_gone_idle_keeps_the_flood_steps_short_for_a_few_seconds() -> N
     fair.charge("flood", prompt=500)
     flood = _seq(1, 500, "flood")
     sched.admit(flood)
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 16)]
-    flood.prefilled = 16
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 8)]
+    flood.prefilled = 8
     now[0] = RECENT_S + 1.0
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(16, 16 + 256)]
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(8, 8 + 256)]
 
 
 def test_a_lone_short_prompt_is_not_split_while_another_tenant_was_here_a_moment_ago() -> None:
     # The drill's calm tenant asks one short question right after the flood's last request:
-    # its 20 tokens take one step, not 16 and then 4 (two passes over the weights). A longer
+    # its 20 tokens take one step, not 8, 8 and 4 (passes over the weights). A longer
     # prompt, or a tenant holding several sequences, keeps the short steps.
     sched = Scheduler(max_batch=4, prefill_chunk=256, pool=BlockPool(128 + RESERVED_BLOCKS))
     fair = FairShare(clock=lambda: 0.0)
@@ -225,14 +225,14 @@ def test_a_lone_short_prompt_is_not_split_while_another_tenant_was_here_a_moment
     sched.admit(short)
     assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 20)]
     sched.release(short)
-    long = _seq(2, 40, "calm")
+    long = _seq(2, 40, "calm")  # past an eighth of the budget (32)
     sched.admit(long)
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 16)]
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 8)]
     sched.release(long)
     pair = [_seq(3, 20, "calm"), _seq(4, 20, "calm")]
     for seq in pair:
         sched.admit(seq)
-    assert [(c.seq.seq_id, c.start, c.end) for c in sched.schedule().prefill] == [(3, 0, 16)]
+    assert [(c.seq.seq_id, c.start, c.end) for c in sched.schedule().prefill] == [(3, 0, 8)]
 
 
 def test_a_tenant_gone_for_good_does_not_shorten_a_lasting_floods_steps() -> None:
@@ -250,10 +250,10 @@ def test_a_tenant_gone_for_good_does_not_shorten_a_lasting_floods_steps() -> Non
     assert set(fair.served()) == {"flood", "calm"}
     flood = _seq(1, 500, "flood")
     sched.admit(flood)
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 16)]  # calm just left
-    flood.prefilled = 16
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(0, 8)]  # calm just left
+    flood.prefilled = 8
     now[0] = RECENT_S + 1.0
-    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(16, 16 + 256)]
+    assert [(c.start, c.end) for c in sched.schedule().prefill] == [(8, 8 + 256)]
 
 
 def test_the_heaviest_tenant_is_preempted_even_when_older() -> None:
