@@ -260,10 +260,14 @@ def _chat_body(content: str, max_tokens: int) -> dict[str, Any]:
     }
 
 
-def ttft_series(target: Target, count: int) -> list[float]:
+def ttft_series(target: Target, count: int, first_number: int) -> list[float]:
+    """First-token times of `count` sequential chats. Each names its own number (the prompt's
+    second block, so no request finds another's in the prefix cache); `first_number` keeps
+    the phases apart with as many digits, so the flood phase does not find the idle phase's
+    prompts cached (it did: 4 tokens to prefill under the flood against 20 idle)."""
     out = []
     with _client(target) as c:
-        for i in range(count):
+        for i in range(first_number, first_number + count):
             first = stream_chat(c, _chat_body(f"Name a colour ({i}).", 8), None)
             if first is not None:
                 out.append(first)
@@ -525,7 +529,8 @@ def say(what: str) -> None:
 def phase(calm: Target, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     log = TokenLog()
     say(f"{tag}: first tokens")
-    out: dict[str, Any] = {"first token": _summary(ttft_series(calm, args.ttft_requests))}
+    numbers = 1000 if tag == "idle" else 5000  # four digits each, up to 4,000 requests
+    out: dict[str, Any] = {"first token": _summary(ttft_series(calm, args.ttft_requests, numbers))}
     say(f"{tag}: small schemas")
     out["small json_schema"] = _summary(small_schemas(calm, args.schemas, tag))
     say(f"{tag}: calm backlogged")
