@@ -103,6 +103,7 @@ class Scheduler:
         self.preemptions = 0
         # The tenants' counters (the model actor's, read during a step): None, one tenant.
         self.fair: FairShare | None = None
+        self._held_back = False  # the last plan left a busier tenant's rows out
 
     @property
     def free_slots(self) -> int:
@@ -215,9 +216,10 @@ class Scheduler:
         of every tenant heavier than it (they wait one step, their blocks kept), so that first
         token costs a step of its own prompt, as on an idle node, not one carrying the flood's
         decode rows and prefill chunk beside it (tenancy drill, 2 cores: 0.01-0.02 s against
-        0.035-0.05 s). A tenant is lighter only while it holds fewer sequences over its weight,
-        so no tenant can take more than every other step from a busier one this way."""
-        if self.fair is None:
+        0.035-0.05 s). Never two steps running: many light tenants arriving one after another
+        cannot hold a busier one back for more than every other step."""
+        held_back, self._held_back = self._held_back, False
+        if self.fair is None or held_back:
             return plan
         firsts = [c.seq for c in plan.prefill if c.samples]
         if not firsts:
@@ -227,6 +229,7 @@ class Scheduler:
         prefill = [c for c in plan.prefill if not self._heavier(c.seq, lightest)]
         if len(decode) == len(plan.decode) and len(prefill) == len(plan.prefill):
             return plan
+        self._held_back = True
         return StepPlan(decode, prefill, plan.preempted)
 
     def _load(self, tenant: str | None) -> float:

@@ -152,9 +152,16 @@ def test_a_lighter_tenants_first_token_gets_a_step_of_its_own() -> None:
     ]
     calm.prefilled, calm.status = 20, SequenceStatus.DECODING
     calm.output_ids.append(0)
-    plan = sched.schedule()  # the next step: everyone, calm's decode row among them
-    assert [s.seq_id for s in plan.decode] == [1, 2, 3, 5] and plan.prefill[0].seq is long
     blocks = [list(s.blocks) for s in rows]
+    # another light tenant's first token right after: the flood waited the step before, so
+    # this one is shared (never two steps running: arrivals cannot starve it)
+    fair.arrive("third")
+    third = _seq(7, 20, "third")
+    sched.admit(third)
+    plan = sched.schedule()
+    assert [s.seq_id for s in plan.decode] == [1, 2, 3, 5]
+    assert [c.seq.seq_id for c in plan.prefill] == [7]  # (the flood's chunk: too wide to join)
+    sched.release(third)
     sched.fair = None  # one tenant: nobody waits
     calm2 = _seq(6, 20, "calm")
     sched.admit(calm2)
