@@ -223,6 +223,7 @@ def main() -> None:
     )
     parser.add_argument("--llamacpp-venv", type=Path, default=llamacpp_peer.default_venv())
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]  # others' work on a shared machine slows every start
     torch_s = import_torch_s()
     print(f"import torch: {torch_s[0]:.2f} s, CPU {torch_s[1]:.2f} s (best of 3)")
     with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp:
@@ -231,7 +232,8 @@ def main() -> None:
         f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, {args.threads} threads, {SEQS} x {CONTEXT} KV cells; best of "
         f"{args.starts} starts a side (neuron: restarts on its packed-weight cache); "
-        f"import torch {torch_s[0]:.2f} s wall, {torch_s[1]:.2f} s CPU; neuron's env {args.env}\n"
+        f"import torch {torch_s[0]:.2f} s wall, {torch_s[1]:.2f} s CPU; neuron's env {args.env}; "
+        f"load average {load_at_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n"
     )
     print(table(results, torch_s))
 
