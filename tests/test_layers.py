@@ -11,7 +11,7 @@ NEURON = {"config", "errors", "failpoints", "gpu", "engine", "executor", "servic
 TOP = NEURON | {"daemon", "cli", "status"}
 
 # The engine's shared vocabulary, which its sub-packages may use: plain data, no torch.
-ENGINE_CORE = {"engine.types", "engine.block_pool", "engine.kv_events"}
+ENGINE_CORE = {"engine.types", "engine.block_pool", "engine.kv_events", "engine.c_heap"}
 # The engine's own modules beside its sub-packages, and speculation (a part of the step):
 # they join gguf, model and text together.
 ENGINE_TOP = {
@@ -30,6 +30,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "gpu": {"engine", "executor", "service", "http", "daemon", "cli", "status", "torch"},
     "engine": {"executor", "service", "http", "daemon", "cli", "trio", "starlette", "hypercorn"},
     "engine.types": {"engine", "torch"} - {"engine.types"},
+    "engine.c_heap": {"engine", "torch"} - {"engine.c_heap"},
     "engine.block_pool": {"torch", "engine.gguf", "engine.model", "engine.text"} | ENGINE_TOP,
     "engine.gguf": {"engine.model", "engine.text"} | ENGINE_TOP,
     "engine.model": {"engine.text"} | ENGINE_TOP,

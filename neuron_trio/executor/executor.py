@@ -15,7 +15,6 @@ it. With `tp = 1` there is no communicator: `abort_comm()` and `recreate_comm()`
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ import torch
 
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
+from neuron_trio.engine.c_heap import release_freed_heap
 from neuron_trio.engine.engine import PREFILL_CHUNK, Engine
 from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.file import GGUFFile
@@ -55,16 +55,6 @@ CommFactory = Callable[[], Communicator]
 # The most `close` waits for a packed-weight cache entry being written (1.85 GB took ~7 s on a
 # busy 2-core machine): well inside a drain's and systemd's stop timeouts.
 WEIGHT_CACHE_WRITE_WAIT_S = 60.0
-
-
-def release_freed_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`). A load frees
-    much of what it allocates (the tokenizer's temporary tables, dequantised weights, the
-    warm-up's buffers) and glibc keeps freed pages mapped: Gemma 3 270M ready with ~24 MB
-    less resident, Qwen2.5 0.5B ~18 MB. Nothing where the C library has no `malloc_trim`."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class Executor:
@@ -129,6 +119,9 @@ class Executor:
         with phases.phase("warm-up"):
             report = warm_up(self.engine)
         log.info("model %s: start-up phases: %s", self.name, phases.summary())
+        # A load frees much of what it allocated (the tokenizer's temporary tables, dequantised
+        # weights, the warm-up's buffers) and glibc keeps freed pages mapped: Gemma 3 270M is
+        # ready with ~24 MB less resident, Qwen2.5 0.5B ~18 MB.
         release_freed_heap()
         return report
 

@@ -13,67 +13,22 @@ and, from `TRIM_FREE_BYTES` up, calls `malloc_trim(0)` on a worker thread: each 
 pages go back (0.4 ms on the built-in model's node with nothing left to hand back; an arena
 is locked while it is trimmed). Free bytes count trimmed pages too, so a node that keeps that
 much free trims every period: cheap, as pages already given back cost nothing to give again.
-Nothing without glibc. Only the daemon's node runs it (`Node(settle_heap=True)`).
+Nothing without glibc (engine/c_heap.py reads and trims). Only the daemon's node runs it (`Node(settle_heap=True)`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
+from neuron_trio.executor.api import heap_free_bytes, release_freed_heap
+
 __all__ = ["TRIM_EVERY_S", "TRIM_FREE_BYTES", "keep_trimmed"]
 
 TRIM_EVERY_S = 10.0
 TRIM_FREE_BYTES = 32 << 20
-
-
-class _MallInfo2(ctypes.Structure):
-    # glibc's struct mallinfo2 (glibc >= 2.33): ten size_t fields, free bytes the eighth
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _glibc() -> tuple[Any, Any]:
-    """glibc's `mallinfo2` and `malloc_trim`, or (None, None)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        info, trim = libc.mallinfo2, libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
-        return None, None
-    info.restype, info.argtypes = _MallInfo2, []
-    trim.restype, trim.argtypes = ctypes.c_int, [ctypes.c_size_t]
-    return info, trim
-
-
-_MALLINFO2, _MALLOC_TRIM = _glibc()
-
-
-def heap_free_bytes() -> int | None:
-    """Bytes glibc's arenas hold free (resident or already trimmed); None without glibc."""
-    return None if _MALLINFO2 is None else int(_MALLINFO2().fordblks)
-
-
-def release_freed_heap() -> None:
-    """Every arena's free pages back to the system (`malloc_trim(0)`)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 async def keep_trimmed(

@@ -17,7 +17,7 @@ allocations in that window are charged too (the cache evicts sooner, never later
 freed meanwhile can only lower the measure to the estimate. Later masks add lexer states,
 bounded by the compiler's `max_lexer_states`.
 
-What an evicted entry frees goes back to the system (`release_freed_heap`, glibc's
+What an evicted entry frees goes back to the system (`c_heap.release_freed_heap`, glibc's
 `malloc_trim`): llguidance's lexers are freed by the compile threads, whose glibc arenas keep
 freed pages mapped, so a churn of large schemas left the node's RSS ~50 MB above what the cache
 held (built-in model, five 1,999-key const schemas in one process: RSS 406 -> 569 MB for
@@ -32,14 +32,13 @@ the bounds above hold for all scopes together.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from neuron_trio.engine.c_heap import heap_bytes, release_freed_heap
 from neuron_trio.errors import RequestError
 
 __all__ = [
@@ -61,65 +60,6 @@ CACHE_ENTRIES = 64
 CACHE_BYTES = 128 << 20
 # Evicted bytes (by their charge) worth handing back to the system at once: a large grammar's.
 TRIM_AFTER_BYTES = 8 << 20
-
-
-class _MallInfo2(ctypes.Structure):
-    # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33): ten size_t fields in this order
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in [
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        ]
-    ]
-
-
-def _load_mallinfo2() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = libc.mallinfo2
-    except (OSError, AttributeError):  # not glibc, or older than 2.33: estimates only
-        return None
-    function.restype = _MallInfo2
-    function.argtypes = []
-    return function
-
-
-_MALLINFO2 = _load_mallinfo2()
-
-
-def _load_malloc_trim() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_freed_heap() -> None:
-    """Free pages of every glibc arena back to the system (nothing without glibc)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def heap_bytes() -> int | None:
-    """Bytes the C heap holds now (allocated chunks and mmapped blocks); None without glibc's
-    `mallinfo2`. Rust's allocations (llguidance) go through this heap."""
-    if _MALLINFO2 is None:
-        return None
-    info = _MALLINFO2()
-    return int(info.uordblks + info.hblkhd)
 
 
 class HeapMeter:
