@@ -612,7 +612,7 @@ class Engine:
         """The grammar for the rest of an `auto` tool call whose marker `seq` just emitted
         (compiled grammars are shared only within its prefix-cache salt: `Constraint.scope`)."""
         params = seq.params
-        compiler = self.grammar.scoped(seq.cache_root)
+        compiler = self.grammar.scoped(seq.cache_root, seq.tenant)
         return begin_call_grammar(
             compiler, self.tool_format, params.tools, params.parallel_tool_calls, start
         )

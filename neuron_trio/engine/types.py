@@ -44,6 +44,9 @@ class Constraint:
     # and the client's cache_salt): the grammar cache shares a compile only within one scope,
     # so a fast hit never tells a tenant that another sent the same schema (issue 47).
     scope: bytes | None = None
+    # Whose compile it is (the tenant's name): charged to its share of the grammar cache
+    # (grammar_cache.GrammarCache). Not part of the key: tenants of one group share a compile.
+    owner: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

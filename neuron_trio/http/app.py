@@ -227,10 +227,10 @@ class _Routes:
         tenant = self.tenants.cache_identity(name) if self.isolate_tenants else None
         salt = job_cache_salt(tenant, job.cache_salt)
         constraint = job.params.constraint
-        if constraint is not None and constraint.scope != salt:  # grammars shared per salt
-            job = replace(
-                job, params=replace(job.params, constraint=replace(constraint, scope=salt))
-            )
+        # grammars shared per salt, charged to the tenant's share of the grammar cache
+        if constraint is not None and (constraint.scope, constraint.owner) != (salt, name):
+            constraint = replace(constraint, scope=salt, owner=name)
+            job = replace(job, params=replace(job.params, constraint=constraint))
         if salt == job.cache_salt and name == job.tenant:
             return job
         return replace(job, cache_salt=salt, tenant=name)

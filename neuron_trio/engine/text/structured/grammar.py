@@ -277,13 +277,16 @@ class GrammarCompiler:
         template = self.cache.get(constraint)
         if template is None:
             template, weight = self._build(constraint)
-            self.cache.put(constraint, template, weight)
+            self.cache.put(constraint, template, weight, owner=constraint.owner)
         return GrammarState(template.deep_copy())
 
-    def compile_lark(self, lark: str, *, scope: bytes | None = None) -> GrammarState:
+    def compile_lark(
+        self, lark: str, *, scope: bytes | None = None, owner: str | None = None
+    ) -> GrammarState:
         """A fresh state for a Lark grammar neuron wrote itself (an auto tool call's rest,
         `tool_call_start`); ValueError if llguidance refuses it. Cached like `compile`, and
-        shared only within `scope` (the sequence's prefix-cache root, as `Constraint.scope`)."""
+        shared only within `scope` (the sequence's prefix-cache root, as `Constraint.scope`),
+        charged to `owner` (its tenant, as `Constraint.owner`)."""
         key = ("lark", scope, lark)
         template = self.cache.get(key)
         if template is None:
@@ -307,12 +310,13 @@ class GrammarCompiler:
             if matcher.is_error():
                 raise ValueError(one_line(matcher.get_error()))
             template = matcher
-            self.cache.put(key, template, weight)
+            self.cache.put(key, template, weight, owner=owner)
         return GrammarState(template.deep_copy())
 
-    def scoped(self, scope: bytes | None) -> ScopedCompiler:
-        """`compile_lark` for one scope, as `tool_call_start.begin_call_grammar` calls it."""
-        return ScopedCompiler(self, scope)
+    def scoped(self, scope: bytes | None, owner: str | None = None) -> ScopedCompiler:
+        """`compile_lark` for one scope and tenant, as `tool_call_start.begin_call_grammar`
+        calls it."""
+        return ScopedCompiler(self, scope, owner)
 
     def _build(self, constraint: Constraint) -> tuple[Any, int]:
         param = _param_of(constraint)
@@ -345,14 +349,16 @@ class GrammarCompiler:
 
 
 class ScopedCompiler:
-    """A `GrammarCompiler`'s Lark grammars of one scope (a sequence's prefix-cache root)."""
+    """A `GrammarCompiler`'s Lark grammars of one scope (a sequence's prefix-cache root),
+    charged to one tenant."""
 
-    def __init__(self, compiler: GrammarCompiler, scope: bytes | None) -> None:
+    def __init__(self, compiler: GrammarCompiler, scope: bytes | None, owner: str | None) -> None:
         self._compiler = compiler
         self._scope = scope
+        self._owner = owner
 
     def compile_lark(self, lark: str) -> GrammarState:
-        return self._compiler.compile_lark(lark, scope=self._scope)
+        return self._compiler.compile_lark(lark, scope=self._scope, owner=self._owner)
 
 
 @contextmanager

@@ -26,8 +26,9 @@ there with nothing to hand back), once per eviction of at least `TRIM_AFTER_BYTE
 compile thread that put the entry, outside the cache's lock.
 
 Keys carry their scope (`Constraint.scope`, the request's prefix-cache salt; a Lark grammar's
-key its sequence's cache root): one tenant's compile is never another's hit (issue 47), while
-the bounds above hold for all scopes together.
+key its sequence's cache root): one tenant's compile is never another's hit (issue 47). The
+bounds above hold for all scopes together, shared fairly between the tenants that put entries
+(`GrammarCache`): a tenant's churn of large schemas recycles its own part of the cache.
 """
 
 from __future__ import annotations
@@ -89,15 +90,26 @@ class GrammarCacheStatistics:
 
 class GrammarCache:
     """A thread-safe LRU of compiled grammars by constraint, bounded by `max_entries` and by
-    `max_bytes` of memory (each entry's measure, or its estimate where larger).
+    `max_bytes` of memory (each entry's measure, or its estimate where larger), shared fairly
+    between the tenants that put entries (`owner`: a configured tenant's name, or None).
 
-    Invariant: `sum(weights) == self._bytes <= max_bytes` and `len <= max_entries`.
+    Each owner holding entries may keep an equal part of both bounds (its share) before its
+    own least recently used entries make room for its new ones; when the cache as a whole is
+    full, the owner holding the most bytes gives up its least recently used entry. So one
+    tenant's stream of distinct large schemas recycles its own part, never evicts the
+    grammars of a tenant within its share, and keeps no more memory than its share (issue
+    47: a flood of 35 MB schemas kept ~110 MB of 128). With one owner (no tenants) it is a
+    plain LRU of the whole cache.
+
+    Invariant: `sum(weights) == self._bytes <= max_bytes`, `len <= max_entries`, and
+    `self._held[o]` is the bytes and entries of owner `o`'s entries (owners with none absent).
     """
 
     def __init__(self, *, max_entries: int = CACHE_ENTRIES, max_bytes: int = CACHE_BYTES):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Any, int, str | None]] = OrderedDict()
+        self._held: dict[str | None, tuple[int, int]] = {}  # owner -> (bytes, entries)
         self._bytes = 0
         self._evictions = 0
         self._lock = threading.Lock()
@@ -126,21 +138,42 @@ class GrammarCache:
                 code="schema_too_complex",
             )
 
-    def put(self, key: Hashable, value: Any, weight: int) -> None:
+    def put(self, key: Hashable, value: Any, weight: int, *, owner: str | None = None) -> None:
         evicted = 0
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            self._entries[key] = (value, weight)
+            if key in self._entries:
+                self._drop(key)
+            self._entries[key] = (value, weight, owner)
             self._bytes += weight
+            held, count = self._held.get(owner, (0, 0))
+            self._held[owner] = (held + weight, count + 1)
+            parts = len(self._held)
+            while self._over_share(owner, parts) and self._held[owner][1] > 1:
+                evicted += self._evict(owner)
             while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                dropped = self._entries.popitem(last=False)[1][1]  # its value freed here
-                self._bytes -= dropped
-                evicted += dropped
-                self._evictions += 1
+                evicted += self._evict(max(self._held, key=lambda o: self._held[o][0]))
         if evicted >= TRIM_AFTER_BYTES:
             release_freed_heap()  # outside the lock: other compiles need not wait for it
+
+    def _over_share(self, owner: str | None, parts: int) -> bool:
+        held, count = self._held[owner]
+        return held * parts > self.max_bytes or count * parts > self.max_entries
+
+    def _evict(self, owner: str | None) -> int:
+        """Drop `owner`'s least recently used entry; its bytes."""
+        self._evictions += 1
+        return self._drop(next(k for k, (_, _, o) in self._entries.items() if o == owner))
+
+    def _drop(self, key: Hashable) -> int:
+        """Forget `key`'s entry (its value freed here unless a caller holds it); its bytes."""
+        _, weight, owner = self._entries.pop(key)
+        self._bytes -= weight
+        held, count = self._held[owner]
+        if count == 1:
+            del self._held[owner]
+        else:
+            self._held[owner] = (held - weight, count - 1)
+        return weight
 
     def statistics(self) -> GrammarCacheStatistics:
         with self._lock:

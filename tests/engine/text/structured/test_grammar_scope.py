@@ -23,10 +23,12 @@ class _CountingCache(GrammarCache):
     def __init__(self) -> None:
         super().__init__()
         self.puts = 0
+        self.owners: list[str | None] = []
 
-    def put(self, key: object, value: object, weight: int) -> None:
+    def put(self, key: object, value: object, weight: int, *, owner: str | None = None) -> None:
         self.puts += 1
-        super().put(key, value, weight)
+        self.owners.append(owner)
+        super().put(key, value, weight, owner=owner)
 
 
 def test_an_identical_schema_of_another_scope_compiles_again() -> None:
@@ -49,8 +51,9 @@ def test_lark_grammars_are_scoped_too() -> None:
     compiler.scoped(b"root-a").compile_lark(lark)
     compiler.scoped(b"root-a").compile_lark(lark)
     assert cache.puts == 1
-    compiler.scoped(b"root-b").compile_lark(lark)
+    compiler.scoped(b"root-b", "beta").compile_lark(lark)
     assert cache.puts == 2
+    assert cache.owners == [None, "beta"]  # charged to the sequence's tenant
 
 
 def _schema_body() -> dict[str, object]:
@@ -77,9 +80,11 @@ def test_a_jobs_constraint_is_scoped_by_its_tenant_or_group(tmp_path: Path) -> N
     for job in node.jobs:
         assert job.params.constraint is not None
         assert job.params.constraint.scope == job.cache_salt  # one identity: the salt
+        assert job.params.constraint.owner == job.tenant  # charged to the tenant's share
         scopes.append(job.params.constraint.scope)
     a1, a2, beta, gamma = scopes
     assert a1 == a2 and beta == gamma
+    assert [job.tenant for job in node.jobs] == ["alpha", "alpha", "beta", "gamma"]
     assert a1 != beta and None not in {a1, beta}
 
 
