@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 
-from neuron_trio.engine.c_heap import heap_bytes, heap_free_bytes, release_freed_heap
+from neuron_trio.engine.c_heap import heap_bytes, heap_free_bytes, limit_arenas, release_freed_heap
 
 LIBC = ctypes.CDLL(None)
 HAS_TRIM = getattr(LIBC, "malloc_trim", None) is not None
@@ -52,3 +55,44 @@ def test_heap_bytes_follow_what_is_allocated() -> None:
     for block in blocks:
         free(block)
     assert grown is not None and grown - start >= 15 << 20, (start, grown)
+
+
+_ARENAS_SCRIPT = """
+import ctypes, sys, threading
+from neuron_trio.engine.c_heap import limit_arenas
+print(limit_arenas(2) if sys.argv[1] == "limit" else False)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+together = threading.Barrier(7)
+def allocate():
+    libc.malloc(100_000)  # below the mmap threshold: from the thread's arena
+    together.wait()
+    together.wait()
+threads = [threading.Thread(target=allocate) for _ in range(6)]
+for thread in threads:
+    thread.start()
+together.wait()
+libc.malloc_stats()  # one "Arena N:" section each, on standard error
+together.wait()
+"""
+
+
+@pytest.mark.skipif(not HAS_TRIM, reason="the C library has no mallopt arenas (not glibc)")
+def test_the_daemons_threads_share_a_few_arenas() -> None:
+    def arenas(mode: str) -> tuple[str, int]:
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        done = subprocess.run(
+            [sys.executable, "-c", _ARENAS_SCRIPT, mode],
+            capture_output=True, text=True, env=env, timeout=60, check=True,
+        )  # fmt: skip
+        return done.stdout.strip(), done.stderr.count("Arena ")
+
+    assert arenas("limit") == ("True", 2)
+    assert arenas("default")[1] >= 4  # six threads allocating at once, glibc's default
+
+
+def test_an_arena_count_in_the_environment_is_the_operators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_arenas() is False
