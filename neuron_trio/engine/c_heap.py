@@ -23,9 +23,10 @@ __all__ = ["HEAP_ARENAS", "heap_bytes", "heap_free_bytes", "limit_arenas", "rele
 # allocates gets one of its own until then: the node's threads (the forward thread, compile
 # threads, tokenizers', trio's workers) each kept tens of MB of freed fragments in theirs.
 # Issue 47's drill (built-in model, two tenants, a flood of long streams and slow schemas):
-# RSS outside the KV pool +213 MB with the default, +158 MB with 2, the tokens per second
-# of both tenants the same or better.
-HEAP_ARENAS = 2
+# RSS outside the KV pool +213 MB with the default, +116..+156 MB with 2 arenas, +152 with 4,
+# the tokens per second of both tenants the same; 4 rather than 2 because one stream's decode
+# through HTTP read 225-240 tok/s with 4 against 185-200 with 2 (noisy: 170-223 by default).
+HEAP_ARENAS = 4
 _M_ARENA_MAX = -8  # malloc.h
 
 

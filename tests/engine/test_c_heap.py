@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from neuron_trio.engine.c_heap import heap_bytes, heap_free_bytes, limit_arenas, release_freed_heap
+from neuron_trio.engine.c_heap import (
+    HEAP_ARENAS,
+    heap_bytes,
+    heap_free_bytes,
+    limit_arenas,
+    release_freed_heap,
+)
 
 LIBC = ctypes.CDLL(None)
 HAS_TRIM = getattr(LIBC, "malloc_trim", None) is not None
@@ -60,15 +66,15 @@ def test_heap_bytes_follow_what_is_allocated() -> None:
 _ARENAS_SCRIPT = """
 import ctypes, sys, threading
 from neuron_trio.engine.c_heap import limit_arenas
-print(limit_arenas(2) if sys.argv[1] == "limit" else False)
+print(limit_arenas() if sys.argv[1] == "limit" else False)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-together = threading.Barrier(7)
+together = threading.Barrier(9)
 def allocate():
     libc.malloc(100_000)  # below the mmap threshold: from the thread's arena
     together.wait()
     together.wait()
-threads = [threading.Thread(target=allocate) for _ in range(6)]
+threads = [threading.Thread(target=allocate) for _ in range(8)]
 for thread in threads:
     thread.start()
 together.wait()
@@ -87,8 +93,8 @@ def test_the_daemons_threads_share_a_few_arenas() -> None:
         )  # fmt: skip
         return done.stdout.strip(), done.stderr.count("Arena ")
 
-    assert arenas("limit") == ("True", 2)
-    assert arenas("default")[1] >= 4  # six threads allocating at once, glibc's default
+    assert arenas("limit") == ("True", HEAP_ARENAS)
+    assert arenas("default")[1] > HEAP_ARENAS + 2  # eight threads allocating at once
 
 
 def test_an_arena_count_in_the_environment_is_the_operators(
