@@ -313,6 +313,37 @@ async def test_fix_3_a_read_is_parsed_in_slices_and_none_after_the_connection_cl
     assert len(slices) == 1
 
 
+@trio_test
+async def test_fix_3_a_stream_reset_in_the_same_read_never_reaches_the_app() -> None:
+    # A real server connection's events for one read: three streams opened and reset (one
+    # with a body), then an honest request. Before, each reset stream was made (an app task,
+    # a request started and cancelled, an access line) and closed again.
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    client = h2.connection.H2Connection()
+    client.initiate_connection()
+    headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+               (":authority", "n")]  # fmt: skip
+    for stream_id in (1, 3, 5):
+        client.send_headers(stream_id, headers)
+        if stream_id == 3:
+            client.send_data(stream_id, b"x" * 100)
+        client.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+    client.send_headers(7, headers, end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    acked: list[tuple[int, int]] = []
+    acknowledge = server.acknowledge_received_data
+    server.acknowledge_received_data = lambda n, sid: (acked.append((n, sid)), acknowledge(n, sid))  # type: ignore[method-assign]
+    proto = _h2_self(connection=server, _neuron_control_frame=lambda event: None)
+    original = Calls()
+    await _patched(3, "_handle_events", original)(proto, events)
+    handed = [e for (batch,) in original.calls for e in batch]
+    assert [e.stream_id for e in handed if isinstance(e, h2.events.RequestReceived)] == [7]
+    assert [e.stream_id for e in handed if isinstance(e, h2.events.StreamReset)] == [1, 3, 5]
+    assert not [e for e in handed if isinstance(e, h2.events.DataReceived)]
+    assert acked == [(100, 3)]  # the skipped body's bytes still earn the connection's window
+
+
 class FakeStream:
     def __init__(self) -> None:
         self.closed = False
