@@ -86,12 +86,10 @@ ServeHttp = Callable[..., Awaitable[None]]
 def _default_node_factory(
     config: NeuronConfig, *, identity: Identity, gpus: GpuActor, notifier: Notifier
 ) -> DaemonNode:
-    from neuron_trio.engine.c_heap import limit_arenas
     from neuron_trio.service import heap
     from neuron_trio.service.model_start import use_header_store
     from neuron_trio.service.node import Node
 
-    limit_arenas()  # before the node's threads allocate: engine/c_heap.py
     heap.freeze_imports()  # the last heavy import (torch) is done: service/heap.py
     use_header_store(config)  # before the node reads its first header
     node: DaemonNode = Node(

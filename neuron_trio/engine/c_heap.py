@@ -4,9 +4,9 @@ glibc gives threads that allocate at once arenas of their own and hands an arena
 memory back only from its top, so pages freed in its middle stay resident until
 `malloc_trim`. Three places act on that: a model's load (executor), an evicted grammar
 (engine/text/structured/grammar_cache.py) and the serving node's periodic trim
-(service/heap_trim.py, through executor/api.py); and the daemon keeps its threads to a few
-arenas (`limit_arenas`, daemon.py), so that fewer of them hold freed fragments. Rust's allocations (tokenizers,
-llguidance) go through this heap too. Plain ctypes, no torch: every layer may import it.
+(service/heap_trim.py, through executor/api.py); and once ready the daemon caps its arenas
+(`limit_arenas`, heap_trim.py), so that later threads hold no freed fragments of their own.
+Rust's allocations (tokenizers, llguidance) go through this heap too. Plain ctypes, no torch: every layer may import it.
 Without glibc (or before 2.33, for `mallinfo2`) the reads answer None and a trim does nothing.
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 __all__ = ["HEAP_ARENAS", "heap_bytes", "heap_free_bytes", "limit_arenas", "release_freed_heap"]
 
-# The daemon's malloc arenas (`limit_arenas`). glibc's default is 8 a core, and each thread that
-# allocates gets one of its own until then: the node's threads (the forward thread, compile
-# threads, tokenizers', trio's workers) each kept tens of MB of freed fragments in theirs.
-# Issue 47's drill (built-in model, two tenants, a flood of long streams and slow schemas):
-# RSS outside the KV pool +213 MB with the default, +116..+156 MB with 2 arenas, +152 with 4,
-# the tokens per second of both tenants the same; 4 rather than 2 because one stream's decode
-# through HTTP read 225-240 tok/s with 4 against 185-200 with 2 (noisy: 170-223 by default).
+# The daemon's malloc arenas once ready (`limit_arenas`). glibc's default is 8 a core, and each
+# thread that allocates gets one of its own until then: the node's threads (compile threads,
+# trio's workers) each kept tens of MB of freed fragments in theirs. Issue 47's drill (built-in
+# model, two tenants, a flood of long streams and slow schemas): RSS outside the KV pool
+# +213 MB with the default, +116..+156 MB with 2 arenas from the start, +152 with 4; 4 rather
+# than 2 because one stream's decode through HTTP read 225-240 tok/s with 4 against 185-200
+# with 2 (noisy: 170-223 by default).
 HEAP_ARENAS = 4
 _M_ARENA_MAX = -8  # malloc.h
 
@@ -84,8 +84,10 @@ def heap_free_bytes() -> int | None:
 
 def limit_arenas(count: int = HEAP_ARENAS) -> bool:
     """At most `count` malloc arenas for the process (`mallopt(M_ARENA_MAX)`), unless the
-    environment names its own (`MALLOC_ARENA_MAX`, which glibc read at start). Call it before
-    threads allocate: an arena once made stays. True if set."""
+    environment names its own (`MALLOC_ARENA_MAX`, which glibc read at start). Arenas already
+    made stay, and a thread without one shares one of them once `count` exist. glibc fixes
+    its own limit the first time more than 8 arenas exist, so a call after that changes
+    nothing. True if set."""
     if "MALLOC_ARENA_MAX" in os.environ or _MALLOPT is None:
         return False
     return bool(_MALLOPT(_M_ARENA_MAX, count))

@@ -23,7 +23,7 @@ import msgspec
 from neuron_trio import failpoints as fp
 from neuron_trio.config import ModelConfig
 from neuron_trio.engine.block_pool import BLOCK_TOKENS
-from neuron_trio.engine.c_heap import heap_free_bytes, release_freed_heap
+from neuron_trio.engine.c_heap import heap_free_bytes, limit_arenas, release_freed_heap
 from neuron_trio.engine.fair_share import FairShare
 from neuron_trio.engine.gguf import header_memo
 from neuron_trio.engine.gguf.builtin import builtin_model_path
@@ -84,6 +84,7 @@ __all__ = [
     "builtin_model_path",
     "estimate_gguf_bytes",
     "heap_free_bytes",
+    "limit_arenas",
     "panics_as_model_file_errors",
     "probe_gguf_chat_template",
     "release_freed_heap",

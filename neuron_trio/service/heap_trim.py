@@ -13,7 +13,13 @@ and, from `TRIM_FREE_BYTES` up, calls `malloc_trim(0)` on a worker thread: each 
 pages go back (0.4 ms on the built-in model's node with nothing left to hand back; an arena
 is locked while it is trimmed). Free bytes count trimmed pages too, so a node that keeps that
 much free trims every period: cheap, as pages already given back cost nothing to give again.
-Nothing without glibc (engine/c_heap.py reads and trims). Only the daemon's node runs it (`Node(settle_heap=True)`).
+Nothing without glibc (engine/c_heap.py reads and trims).
+
+Once the node's default models are ready it also caps glibc's malloc arenas
+(`limit_arenas`, engine/c_heap.py): the threads that come later (compiles, trio's workers)
+share the arenas start-up made instead of each freeing into one of its own. Not before:
+capped during start-up, the tokenizer's build shared an arena with the weights' load and
+Gemma 3 was ready ~0.4 s later. Only the daemon's node runs it (`Node(settle_heap=True)`).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from typing import Any
 
 import trio
 
-from neuron_trio.executor.api import heap_free_bytes, release_freed_heap
+from neuron_trio.executor.api import heap_free_bytes, limit_arenas, release_freed_heap
 
-__all__ = ["TRIM_EVERY_S", "TRIM_FREE_BYTES", "keep_trimmed"]
+__all__ = ["TRIM_EVERY_S", "TRIM_FREE_BYTES", "keep_trimmed", "limit_arenas"]
 
 TRIM_EVERY_S = 10.0
 TRIM_FREE_BYTES = 32 << 20

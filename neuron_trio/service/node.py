@@ -317,6 +317,8 @@ class Node:
                 failure = exc
                 nursery.cancel_scope.cancel()
             else:
+                if self._settle_heap:  # start-up's threads have their arenas: heap_trim.py
+                    heap_trim.limit_arenas()
                 task_status.started(self)
                 await self._closed.wait()
                 nursery.cancel_scope.cancel()

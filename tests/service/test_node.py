@@ -31,7 +31,7 @@ from neuron_trio.errors import (
     UnavailableError,
 )
 from neuron_trio.failpoints import Failpoints
-from neuron_trio.service import heap
+from neuron_trio.service import heap, heap_trim
 from neuron_trio.service import node as node_module
 from neuron_trio.service.api import ChatMessage, GenerationJob
 from neuron_trio.service.node import Node
@@ -89,22 +89,25 @@ def test_the_daemons_node_settles_the_heap_after_loads_and_thaws_it_to_unload(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settle_heap: bool
 ) -> None:
     """heap.py: the daemon's node (settle_heap) freezes the loaded objects once the defaults
-    are in and after each load, and thaws them to free an unloaded model; any other node
+    are in (and caps malloc's arenas, heap_trim.py) and after each load, and thaws them to free an unloaded model; any other node
     (tests, tools) leaves the collector alone but for a collection after an unload."""
     calls: list[str] = []
     monkeypatch.setattr(heap, "settle", lambda: calls.append("settle"))
     monkeypatch.setattr(heap, "release", lambda: calls.append("release"))
+    monkeypatch.setattr(heap_trim, "limit_arenas", lambda: calls.append("cap arenas") or True)
     monkeypatch.setattr(node_module.gc, "collect", lambda: calls.append("collect") or 0)
     config = make_config(tmp_path, [{"name": "a", "source": "a.gguf", "devices": "cpu"}])
 
     async def test(w: World) -> None:
         node = w.node(config, settle_heap=settle_heap)
         await w.nursery.start(node.run)
-        assert calls == (["settle"] if settle_heap else [])
+        # ready: the malloc arenas capped once start-up's threads have theirs (c_heap.py)
+        settled = ["settle", "cap arenas"] if settle_heap else []
+        assert calls == settled
         await node.load_model(ModelConfig(name="b", source="b.gguf", devices="cpu"))
-        assert calls == (["settle", "settle"] if settle_heap else [])
+        assert calls == ([*settled, "settle"] if settle_heap else [])
         await node.unload_model("b")
-        assert calls == (["settle", "settle", "release"] if settle_heap else ["collect"])
+        assert calls == ([*settled, "settle", "release"] if settle_heap else ["collect"])
 
     run_world(tmp_path, test)
 
