@@ -6,8 +6,9 @@ memory back only from its top, so pages freed in its middle stay resident until
 (engine/text/structured/grammar_cache.py) and the serving node's periodic trim
 (service/heap_trim.py, through executor/api.py); and once ready the daemon caps its arenas
 (`limit_arenas`, heap_trim.py), so that later threads hold no freed fragments of their own.
-Rust's allocations (tokenizers, llguidance) go through this heap too. Plain ctypes, no torch: every layer may import it.
-Without glibc (or before 2.33, for `mallinfo2`) the reads answer None and a trim does nothing.
+Rust's allocations (tokenizers, llguidance) go through this heap too. Plain ctypes, no torch:
+every layer may import it. Without glibc (or before 2.33, for `mallinfo2`) the reads answer
+None, and a trim or a limit does nothing.
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ _MALLINFO2 = _glibc_function("mallinfo2")
 if _MALLINFO2 is not None:
     _MALLINFO2.restype, _MALLINFO2.argtypes = _MallInfo2, []
 _MALLOC_TRIM = _glibc_function("malloc_trim")
+if _MALLOC_TRIM is not None:
+    _MALLOC_TRIM.restype, _MALLOC_TRIM.argtypes = ctypes.c_int, [ctypes.c_size_t]
 _MALLOPT = _glibc_function("mallopt")
 if _MALLOPT is not None:
     _MALLOPT.restype, _MALLOPT.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
-if _MALLOC_TRIM is not None:
-    _MALLOC_TRIM.restype, _MALLOC_TRIM.argtypes = ctypes.c_int, [ctypes.c_size_t]
 
 
 def heap_bytes() -> int | None:

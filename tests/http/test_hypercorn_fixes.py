@@ -344,6 +344,17 @@ async def test_fix_3_a_stream_reset_in_the_same_read_never_reaches_the_app() -> 
     assert acked == [(100, 3)]  # the skipped body's bytes still earn the connection's window
 
 
+@trio_test
+async def test_fix_3_a_reset_streams_empty_data_frames_still_count_against_the_budget() -> None:
+    # skipped with their stream, but an empty DATA frame is a control frame all the same
+    proto = _h2_self(config=_flood_config(), _neuron_control_frame=None)
+    proto._neuron_control_frame = lambda event: floods._control_frame(proto, event)
+    empty = [h2.events.DataReceived(stream_id=1, data=b"", flow_controlled_length=0)] * 50
+    reset = h2.events.StreamReset(stream_id=1, error_code=h2.errors.ErrorCodes.CANCEL)
+    await _patched(3, "_handle_events", Calls())(proto, [*empty, reset])
+    assert ("close", h2.errors.ErrorCodes.ENHANCE_YOUR_CALM) in proto.connection.did
+
+
 class FakeStream:
     def __init__(self) -> None:
         self.closed = False

@@ -149,9 +149,6 @@ def fix_3_guarded(original: Any) -> Any:
         # access line (~290 a round of the tenancy drill's resets, on the event loop).
         doomed = {e.stream_id for e in events if isinstance(e, h2.events.StreamReset)}
         for event in events:
-            if doomed and isinstance(event, _STREAM_OPENING) and event.stream_id in doomed:
-                await _skip_reset_stream(self, event)
-                continue
             if isinstance(event, h2.events.StreamReset) and pending:
                 # events before the reset first: hypercorn handles the reset on its own below
                 await original(self, pending)
@@ -164,6 +161,9 @@ def fix_3_guarded(original: Any) -> Any:
                         await original(self, pending)
                     await _close_flooded(self, kind, verdict, guard)
                     return
+            if doomed and isinstance(event, _STREAM_OPENING) and event.stream_id in doomed:
+                await _skip_reset_stream(self, event)  # counted above all the same
+                continue
             if isinstance(event, h2.events.StreamReset):
                 await original(self, [event])
                 _forget_reset_stream(self, event.stream_id)

@@ -98,8 +98,9 @@ class GrammarCache:
     full, the owner holding the most bytes gives up its least recently used entry. So one
     tenant's stream of distinct large schemas recycles its own part, never evicts the
     grammars of a tenant within its share, and keeps no more memory than its share (issue
-    47: a flood of 35 MB schemas kept ~110 MB of 128). With one owner (no tenants) it is a
-    plain LRU of the whole cache.
+    47: a flood of distinct 1,999-key schemas, ~35 MB each, kept three, most of the 128 MB,
+    and evicted the other tenant's). With one owner (no tenants) it is a plain LRU of the
+    whole cache.
 
     Invariant: `sum(weights) == self._bytes <= max_bytes`, `len <= max_entries`, and
     `self._held[o]` is the bytes and entries of owner `o`'s entries (owners with none absent).
